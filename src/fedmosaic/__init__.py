@@ -1,0 +1,3 @@
+"""fedmosaic: federated learning when clients differ."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,1 @@
+"""Built-in dataset loaders; importing this package registers them all."""
