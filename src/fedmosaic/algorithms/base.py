@@ -1,0 +1,96 @@
+"""The algorithm boundary. An algorithm declares state, payload, local objective, upload and aggregation;
+the engine owns rounds, cohorts, batches, optimisers and where local training runs.
+
+Client-side hooks (``init_client``, ``local_init``, ``local_step``'s objective, ``finish``) are written for ONE client
+and must be pure tensor functions: the engine maps them over the cohort with ``torch.func.vmap`` (fast path) or a
+Python loop (sequential path), with identical results. Server-side hooks see the whole cohort's uploads stacked.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from ..engine.tree import weighted_mean
+from .terms import LocalContext, TaskLoss
+
+
+class AlgoConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Algorithm:
+    name: ClassVar[str]
+    Config: ClassVar[type[AlgoConfig]] = AlgoConfig
+    #: True when the server keeps one model that every client trains (so all clients need one architecture).
+    global_model: ClassVar[bool] = True
+
+    def __init__(self, cfg: AlgoConfig | None = None):
+        self.cfg = cfg if cfg is not None else self.Config()
+        self.num_classes = 0
+        self.feature_dim = 0
+
+    def bind(self, num_classes: int, feature_dim: int) -> None:
+        """Told by the engine before ``init_server``: the task's class count and the models' feature size."""
+        self.num_classes, self.feature_dim = num_classes, feature_dim
+
+    # ---- server side -------------------------------------------------------------------------------
+    def init_server(self, init_params: list[dict]) -> dict:
+        """Server state from the initial parameters of each architecture group."""
+        return {"model": init_params[0]}
+
+    def broadcast(self, server: dict, round_idx: int) -> dict:
+        """The payload every cohort client receives this round."""
+        return {"global": server["model"]}
+
+    def aggregate(self, server: dict, uploads: dict, weights: torch.Tensor, round_idx: int) -> dict:
+        """New server state from the cohort's stacked uploads; ``weights`` are the clients' train sizes."""
+        return {**server, "model": weighted_mean(uploads["model"], weights)}
+
+    # ---- client side (one client; vmapped) ----------------------------------------------------------
+    def init_client(self, server: dict, init_params: dict) -> dict:
+        """Persistent per-client state, created once for every client (stacked in the client store)."""
+        return {}
+
+    def local_init(self, payload: dict, state: dict) -> dict:
+        """The trainable trees, by slot, that local training starts from."""
+        return {"model": payload["global"]}
+
+    def terms(self) -> list:
+        """The local objective as a list of terms (summed)."""
+        return [TaskLoss()]
+
+    def loss(self, ctx: LocalContext) -> torch.Tensor:
+        return sum(term(ctx) for term in self.terms())
+
+    def accumulate(self, ctx: LocalContext) -> dict:
+        """Per-step statistics summed over the client's local steps (e.g. prototype sums); detached."""
+        return {}
+
+    def finish(self, params: dict, state: dict, payload: dict, stats: dict) -> tuple[dict, dict]:
+        """After local training: (upload, new persistent state). ``stats``: n, steps, lr, and accumulated sums."""
+        return {"model": params["model"]}, state
+
+    # ---- evaluation -------------------------------------------------------------------------------
+    def global_params(self, server: dict) -> dict | None:
+        return server.get("model")
+
+    def personal_params(self, state: dict) -> dict | None:
+        """A client's personalized model (one client; vmapped), or None if the algorithm has none."""
+        return None
+
+    def eval_logits(self, z: torch.Tensor, logits: torch.Tensor, server: dict) -> torch.Tensor:
+        """Scores used for prediction at evaluation time (FedProto may use prototype distances instead)."""
+        return logits
+
+
+ALGORITHMS: dict[str, type[Algorithm]] = {}
+
+
+def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+    if cls.name in ALGORITHMS:
+        raise ValueError(f"algorithm {cls.name!r} registered twice")
+    ALGORITHMS[cls.name] = cls
+    return cls

@@ -1,0 +1,8 @@
+"""FedAvg (McMahan et al.): local SGD on the task loss, weighted average of the client models."""
+
+from .base import Algorithm, register_algorithm
+
+
+@register_algorithm
+class FedAvg(Algorithm):
+    name = "fedavg"

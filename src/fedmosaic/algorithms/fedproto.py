@@ -1,0 +1,70 @@
+"""FedProto (Tan et al.): clients share class prototypes (mean features), never weights, so architectures may differ.
+
+Local loss: task loss + lam * MSE(feature, global prototype of its class). Local prototypes are the per-class means of
+the features seen during the round's local training (as the reference implementation collects them); the global
+prototype of a class is the unweighted mean over the clients that hold it.
+"""
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from pydantic import Field
+
+from ..engine.tree import clone
+from .base import AlgoConfig, Algorithm, register_algorithm
+from .terms import PrototypeMSE, TaskLoss
+
+
+class FedProtoConfig(AlgoConfig):
+    lam: float = Field(1.0, ge=0, description="weight of the prototype MSE term")
+    predict: Literal["logits", "prototype"] = Field(
+        "logits", description="evaluate with the model's head, or by nearest global prototype (Euclidean)"
+    )
+
+
+@register_algorithm
+class FedProto(Algorithm):
+    name = "fedproto"
+    Config = FedProtoConfig
+    global_model = False
+
+    def init_server(self, init_params):
+        return {"protos": torch.zeros(self.num_classes, self.feature_dim), "has": torch.zeros(self.num_classes)}
+
+    def broadcast(self, server, round_idx):
+        return {"protos": server["protos"], "has": server["has"]}
+
+    def aggregate(self, server, uploads, weights, round_idx):
+        has = uploads["has"]  # [n, C]
+        count = has.sum(0)
+        protos = torch.einsum("nc,ncd->cd", has, uploads["protos"]) / count.clamp(min=1)[:, None]
+        return {"protos": protos, "has": (count > 0).to(protos.dtype)}
+
+    def init_client(self, server, init_params):
+        return {"model": clone(init_params)}
+
+    def local_init(self, payload, state):
+        return {"model": state["model"]}
+
+    def terms(self):
+        return [TaskLoss(), PrototypeMSE(self.cfg.lam)]
+
+    def accumulate(self, ctx):
+        z, _ = ctx.forward()
+        onehot = F.one_hot(ctx.y, self.num_classes).to(z.dtype) * ctx.mask[:, None]
+        return {"sum": onehot.T @ z.detach(), "count": onehot.sum(0)}
+
+    def finish(self, params, state, payload, stats):
+        count = stats["acc"]["count"]
+        protos = stats["acc"]["sum"] / count.clamp(min=1)[:, None]
+        return {"protos": protos, "has": (count > 0).to(protos.dtype)}, {"model": params["model"]}
+
+    def personal_params(self, state):
+        return state["model"]
+
+    def eval_logits(self, z, logits, server):
+        if self.cfg.predict == "logits":
+            return logits
+        dist = torch.cdist(z, server["protos"])
+        return torch.where(server["has"] > 0, -dist, torch.full_like(dist, float("-inf")))

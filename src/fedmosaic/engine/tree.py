@@ -1,0 +1,61 @@
+"""Helpers for parameter trees: nested dicts of tensors, optionally with a leading client axis."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch.utils import _pytree as pytree
+
+Tree = dict
+
+
+def tmap(fn: Callable, *trees):
+    return pytree.tree_map(fn, *trees)
+
+
+def leaves(tree) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
+
+
+def clone(tree):
+    return tmap(lambda t: t.clone(), tree)
+
+
+def stack(trees: list):
+    return tmap(lambda *ts: torch.stack(ts), *trees)
+
+
+def take(tree, idx: torch.Tensor):
+    """Rows ``idx`` of every leaf (a copy)."""
+    return tmap(lambda t: t.index_select(0, idx), tree)
+
+
+def put(tree, idx: torch.Tensor, values) -> None:
+    """Write rows ``idx`` of every leaf in place."""
+    pytree.tree_map(lambda t, v: t.index_copy_(0, idx, v), tree, values)
+
+
+def row(tree, i: int):
+    return tmap(lambda t: t[i], tree)
+
+
+def nbytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in leaves(tree))
+
+
+def sq_norm(a, b=None) -> torch.Tensor:
+    """Sum of squares of ``a`` (or of ``a - b``) over all leaves."""
+    if b is None:
+        return sum((x * x).sum() for x in leaves(a))
+    return sum(((x - y) ** 2).sum() for x, y in zip(leaves(a), leaves(b), strict=True))
+
+
+def weighted_mean(stacked, weights: torch.Tensor):
+    """Σ_i w_i x_i / Σ_i w_i along the client axis."""
+    w = weights / weights.sum()
+    return tmap(lambda t: torch.tensordot(w.to(t.dtype), t, dims=1), stacked)
+
+
+def all_finite(tree) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in leaves(tree) if t.is_floating_point())
