@@ -1,0 +1,72 @@
+"""Class-incremental task streams for federated continual learning (ProtoFCL)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...errors import ConfigError
+from .base import Parts, as_labels
+
+Stream = list[tuple[int, np.ndarray, np.ndarray]]
+
+
+def task_streams(
+    labels: np.ndarray,
+    parts: Parts,
+    n_tasks: int,
+    tasks_per_client: int | None,
+    rng: np.random.Generator,
+    classes_per_task: int | None = None,
+    shuffle_classes: bool = True,
+) -> list[Stream]:
+    """Per client, the ordered list of ``(task_id, task_classes, indices)`` it trains on.
+
+    The label set (the distinct values in ``labels``) is cut into ``n_tasks`` disjoint groups of
+    ``classes_per_task`` classes (default C / n_tasks, which must then divide C; otherwise the classes beyond
+    ``n_tasks * classes_per_task`` are unused). Task t holds classes ``order[t*cpt:(t+1)*cpt]`` where
+    ``order`` is a seeded permutation of the classes, or ascending order with ``shuffle_classes=False``.
+
+    Each client then draws its own sequence: a random order of ``tasks_per_client`` (None = all) distinct
+    tasks, chosen among the tasks it holds at least one sample of, so a client whose partition lacks some
+    classes gets fewer tasks. ``indices`` are the client's samples (from ``parts``) of that task's classes,
+    sorted; different clients may receive the same task (and hence classes), but since ``parts`` are disjoint
+    no sample is shared. A client's samples of tasks it was not dealt are unused.
+    """
+    labels = as_labels(labels)
+    classes = np.unique(labels)
+    cpt = _classes_per_task(len(classes), n_tasks, classes_per_task)
+    if tasks_per_client is not None and not 1 <= tasks_per_client <= n_tasks:
+        raise ConfigError(
+            f"tasks_per_client: must be between 1 and n_tasks={n_tasks} (got {tasks_per_client})"
+        )
+
+    order = rng.permutation(classes) if shuffle_classes else classes
+    used = order[: n_tasks * cpt]
+    task_classes = [np.sort(used[t * cpt : (t + 1) * cpt]) for t in range(n_tasks)]
+    task_of = np.full(int(classes.max()) + 1, -1, dtype=np.int64)
+    task_of[used] = np.repeat(np.arange(n_tasks), cpt)
+
+    streams = []
+    for part in parts:
+        part = np.asarray(part, dtype=np.int64)
+        t_of = task_of[labels[part]]
+        held = rng.permutation(np.unique(t_of[t_of >= 0]))[:tasks_per_client]
+        streams.append([(int(t), task_classes[t], np.sort(part[t_of == t])) for t in held])
+    return streams
+
+
+def _classes_per_task(n_classes: int, n_tasks: int, classes_per_task: int | None) -> int:
+    if not 1 <= n_tasks <= n_classes:
+        raise ConfigError(f"n_tasks: must be between 1 and the number of classes {n_classes} (got {n_tasks})")
+    if classes_per_task is None:
+        if n_classes % n_tasks:
+            raise ConfigError(
+                f"n_tasks: {n_classes} classes do not split evenly into {n_tasks} tasks; set classes_per_task"
+            )
+        return n_classes // n_tasks
+    if classes_per_task < 1 or n_tasks * classes_per_task > n_classes:
+        raise ConfigError(
+            f"classes_per_task: n_tasks * classes_per_task must be between 1 and the number of classes "
+            f"{n_classes} (got {n_tasks} * {classes_per_task})"
+        )
+    return classes_per_task
