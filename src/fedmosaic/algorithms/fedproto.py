@@ -8,7 +8,6 @@ prototype of a class is the unweighted mean over the clients that hold it.
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from pydantic import Field
 
 from ..engine.tree import clone
@@ -52,7 +51,8 @@ class FedProto(Algorithm):
 
     def accumulate(self, ctx):
         z, _ = ctx.forward()
-        onehot = F.one_hot(ctx.y, self.num_classes).to(z.dtype) * ctx.mask[:, None]
+        # F.one_hot does not vmap (it checks the label range with .item())
+        onehot = (ctx.y[:, None] == torch.arange(self.num_classes)).to(z.dtype) * ctx.mask[:, None]
         return {"sum": onehot.T @ z.detach(), "count": onehot.sum(0)}
 
     def finish(self, params, state, payload, stats):

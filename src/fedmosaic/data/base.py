@@ -27,6 +27,8 @@ class ArrayDataset:
     groups_test: np.ndarray | None = None
     group_names: list[str] | None = None
     meta: dict = field(default_factory=dict)
+    #: memoised values derived from the arrays (pooled train+test, content fingerprint); not part of the data
+    derived: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_classes(self) -> int:

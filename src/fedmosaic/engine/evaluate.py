@@ -1,0 +1,85 @@
+"""Evaluation: the global model on the global test set and on every client's test split (one pass over the
+concatenated splits, reduced per client), and personalized models on their own client's split (mapped over clients)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .mapping import for_each_client
+from .tree import tmap
+
+EVAL_BATCH = 4096
+
+
+def client_summary(correct_per_client: np.ndarray, sizes: np.ndarray) -> dict:
+    """Weighted mean (by test size), mean, std and the mean of the worst 10% of clients, over clients with data."""
+    has = sizes > 0
+    if not has.any():
+        return {}
+    acc = correct_per_client[has] / sizes[has]
+    worst = np.sort(acc)[: max(1, int(np.ceil(0.1 * len(acc))))]
+    return {
+        "acc": float(correct_per_client[has].sum() / sizes[has].sum()),
+        "acc_mean": float(acc.mean()),
+        "acc_std": float(acc.std()),
+        "acc_worst10": float(worst.mean()),
+        "clients": int(has.sum()),
+    }
+
+
+@torch.no_grad()
+def score_samples(apply, params, x: torch.Tensor, y: torch.Tensor, transform, logits_fn):
+    """Per-sample correctness and cross-entropy of one model over a set of samples (in batches)."""
+    correct, losses = [], []
+    for lo in range(0, len(y), EVAL_BATCH):
+        xb, yb = transform(x[lo : lo + EVAL_BATCH]), y[lo : lo + EVAL_BATCH]
+        z, logits = apply(params, xb)
+        scores = logits_fn(z, logits)
+        correct.append(scores.argmax(1) == yb)
+        losses.append(F.cross_entropy(logits, yb, reduction="none"))
+    if not correct:
+        return torch.zeros(0, dtype=torch.bool), torch.zeros(0)
+    return torch.cat(correct), torch.cat(losses)
+
+
+def global_metrics(correct: torch.Tensor, losses: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict:
+    per_class_n = torch.bincount(y, minlength=num_classes).double()
+    per_class_ok = torch.bincount(y, weights=correct.double(), minlength=num_classes)
+    return {
+        "acc": float(correct.double().mean()),
+        "loss": float(losses.mean()),
+        "class_acc": (per_class_ok / per_class_n.clamp(min=1)).tolist(),
+    }
+
+
+def per_client_correct(correct: torch.Tensor, ptr: np.ndarray) -> np.ndarray:
+    c = np.concatenate([[0], np.cumsum(correct.numpy().astype(np.int64))])
+    return (c[ptr[1:]] - c[ptr[:-1]]).astype(np.float64)
+
+
+@torch.no_grad()
+def personal_correct(apply, stacked_params, x, y, ptr, clients: np.ndarray, transform, logits_fn,
+                     vectorize: bool, budget: int = 16384) -> np.ndarray:
+    """Correct predictions of client k's own model on client k's split, for every k in ``clients``."""
+    sizes = np.diff(ptr)[clients]
+    out = np.zeros(len(clients))
+    if len(y) == 0:
+        return out
+
+    def count(params, xb, yb, mb):
+        z, logits = apply(params, xb)
+        return ((logits_fn(z, logits).argmax(1) == yb) & mb).sum()
+
+    mapped = for_each_client(count, (0, 0, 0, 0), vectorize)
+    T = max(int(sizes.max()) if len(sizes) else 0, 1)
+    step = max(1, budget // T)
+    for lo in range(0, len(clients), step):
+        idx = np.arange(lo, min(lo + step, len(clients)))
+        rows = ptr[clients[idx], None] + np.arange(T)
+        mask = np.arange(T) < sizes[idx, None]
+        rows = torch.as_tensor(np.where(mask, rows, 0))
+        params = tmap(lambda t: t[torch.as_tensor(idx)], stacked_params)
+        out[idx] = mapped(params, transform(x[rows]), y[rows], torch.as_tensor(mask)).numpy()
+    return out

@@ -1,0 +1,189 @@
+"""A built experiment: data on the device, architecture groups, the algorithm, the client store and the server.
+
+``Federation.round(t)`` runs one communication round; ``evaluate(t)`` measures it. Rounds, checkpoints and files
+are the runner's business (runner.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..algorithms import ALGORITHMS
+from ..config import RunConfig
+from ..data.federated import FederatedData, PartitionSpec, build
+from ..errors import ConfigError, FedMosaicError
+from ..models import build_model
+from . import evaluate as ev
+from .local import ClientTensors, LocalTrainer, cat_trees
+from .seeding import INIT, rng, sample_cohort
+from .transforms import make_normalizer
+from .tree import all_finite, nbytes, put, take, tmap
+
+
+class NonFiniteLoss(FedMosaicError):
+    pass
+
+
+class Group:
+    """Clients that share one architecture: its module, its trainer and its rows of the client store."""
+
+    def __init__(self, gid: int, module: torch.nn.Module, clients: np.ndarray):
+        self.gid, self.module, self.clients = gid, module, clients
+        self.init = {k: v.detach().clone() for k, v in module.named_parameters()}
+        self.trainer: LocalTrainer | None = None
+        self.store: dict = {}
+
+    def apply(self, params, x):
+        return torch.func.functional_call(self.module, params, (x,), {"with_features": True})
+
+
+def data_spec(cfg: RunConfig) -> PartitionSpec:
+    d = cfg.data
+    return PartitionSpec(d.dataset, d.clients, d.partition, d.pool, d.client_test, d.client_val,
+                         cfg.seed if d.seed is None else d.seed)
+
+
+class Federation:
+    def __init__(self, cfg: RunConfig, fd: FederatedData | None = None):
+        self.cfg = cfg
+        if cfg.engine.threads:
+            torch.set_num_threads(cfg.engine.threads)
+        self.fd = fd if fd is not None else build(data_spec(cfg))
+        dev = torch.device(cfg.engine.device)
+        self.vectorize = cfg.engine.backend == "vectorized"
+        self.split = {
+            s: ClientTensors(torch.as_tensor(self.fd.x[s], device=dev), torch.as_tensor(self.fd.y[s], device=dev),
+                             self.fd.ptr[s])
+            for s in ("train", "val", "test")
+        }
+        self.global_test = None
+        if self.fd.x_global is not None:
+            self.global_test = (torch.as_tensor(self.fd.x_global, device=dev),
+                                torch.as_tensor(self.fd.y_global, device=dev))
+        self.transform = make_normalizer(cfg.data.normalize, self.fd.x["train"], dev)
+        self.num_clients = self.fd.num_clients
+
+        algo_cls = ALGORITHMS[cfg.algorithm.name]
+        self.algo = algo_cls(algo_cls.Config.model_validate(cfg.algorithm.params()))
+        self.groups = self._build_groups(dev)
+        dims = {g.module.feature_dim for g in self.groups}
+        if len(dims) > 1:
+            raise ConfigError(f"model.heterogeneous: all architectures must share one feature size (got {sorted(dims)})")
+        self.algo.bind(self.fd.num_classes, dims.pop())
+        self.server = self.algo.init_server([g.init for g in self.groups])
+        for g in self.groups:
+            one = self.algo.init_client(self.server, g.init)
+            g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
+            g.trainer = LocalTrainer(self.algo, g.module, cfg.train.optimizer, cfg.model.task_loss, self.transform,
+                                     self.vectorize, cfg.engine.chunk_size)
+        self.group_of = np.zeros(self.num_clients, dtype=np.int64)
+        self.row_of = np.zeros(self.num_clients, dtype=np.int64)
+        for g in self.groups:
+            self.group_of[g.clients] = g.gid
+            self.row_of[g.clients] = np.arange(len(g.clients))
+
+    def _build_groups(self, dev) -> list[Group]:
+        m, shape, C = self.cfg.model, self.fd.dataset.input_shape, self.fd.num_classes
+        archs = m.heterogeneous or []
+        if archs and self.algo.global_model:
+            raise ConfigError(
+                f"model.heterogeneous: algorithm {self.algo.name!r} averages one global model, so every client needs "
+                "the same architecture; use a model-heterogeneous algorithm (e.g. fedproto, local)"
+            )
+        gen = torch.Generator().manual_seed(int(rng(self.cfg.seed, INIT).integers(2**62)))
+        specs = [(a.name, a.options, a.share) for a in archs] or [(m.name, m.options, 1.0)]
+        shares = np.array([s for *_, s in specs], dtype=float)
+        # round-robin by share: client k gets the architecture whose quota is most behind
+        owner = np.zeros(self.num_clients, dtype=np.int64)
+        given = np.zeros(len(specs))
+        for k in range(self.num_clients):
+            owner[k] = int(np.argmax(shares / shares.sum() * (k + 1) - given))
+            given[owner[k]] += 1
+        groups = []
+        for gid, (name, options, _) in enumerate(specs):
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+                module = build_model(name, shape, C, **options).to(dev)
+            groups.append(Group(gid, module, np.flatnonzero(owner == gid)))
+        return [g for g in groups if len(g.clients)]
+
+    # ---- one round ---------------------------------------------------------------------------------
+    def round(self, t: int) -> dict:
+        tc = self.cfg.train
+        cohort = sample_cohort(self.num_clients, tc.clients_per_round, self.cfg.seed, t)
+        payload = self.algo.broadcast(self.server, t)
+        lr = tc.optimizer.lr_at(t)
+        uploads, weights, losses, steps, writes = [], [], [], [], []
+        for g in self.groups:
+            members = cohort[self.group_of[cohort] == g.gid]
+            if not len(members):
+                continue
+            rows = torch.as_tensor(self.row_of[members])
+            up, new_state, loss, st = g.trainer.train(
+                self.split["train"], members, payload, take(g.store, rows), epochs=tc.local_epochs,
+                batch=tc.batch_size, lr=lr, seed=self.cfg.seed, round_idx=t,
+            )
+            uploads.append(up)
+            writes.append((g, rows, new_state))
+            weights.append(self.split["train"].sizes[members])
+            losses.append(loss)
+            steps.append(st)
+        loss = torch.cat(losses)
+        bad = ~torch.isfinite(loss)
+        if bad.any() or not all(all_finite(u) for u in uploads):
+            who = cohort[bad.numpy()] if bad.any() else cohort
+            raise NonFiniteLoss(f"round {t}: non-finite loss or update on clients {who.tolist()[:10]}")
+        for g, rows, new_state in writes:
+            put(g.store, rows, new_state)
+        up = cat_trees(uploads)
+        w = torch.as_tensor(np.concatenate(weights), dtype=torch.float32)
+        self.server = self.algo.aggregate(self.server, up, w, t)
+        return {
+            "round": t,
+            "lr": lr,
+            "train_loss": float(loss.mean()),
+            "clients": len(cohort),
+            "local_steps_max": int(np.concatenate(steps).max()),
+            "bytes_down": nbytes(payload) * len(cohort),
+            "bytes_up": nbytes(up),
+        }
+
+    # ---- evaluation --------------------------------------------------------------------------------
+    def evaluate(self) -> dict:
+        out: dict = {}
+        ev_cfg = self.cfg.eval
+        test = self.split["test"]
+        gp = self.algo.global_params(self.server)
+        logits_fn = lambda z, logits: self.algo.eval_logits(z, logits, self.server)  # noqa: E731
+        if gp is not None:
+            g0 = self.groups[0]
+            if ev_cfg.global_test and self.global_test is not None:
+                x, y = self.global_test
+                ok, ls = ev.score_samples(g0.apply, gp, x, y, self.transform, logits_fn)
+                out["global"] = ev.global_metrics(ok, ls, y, self.fd.num_classes)
+            if ev_cfg.client_test and len(test.y):
+                ok, _ = ev.score_samples(g0.apply, gp, test.x, test.y, self.transform, logits_fn)
+                out["global_clients"] = ev.client_summary(ev.per_client_correct(ok, test.ptr), test.sizes)
+        if ev_cfg.client_test and len(test.y):
+            correct = np.zeros(self.num_clients)
+            found = False
+            for g in self.groups:
+                pp = self.algo.personal_params(g.store)
+                if pp is None:
+                    continue
+                found = True
+                correct[g.clients] = ev.personal_correct(g.apply, pp, test.x, test.y, test.ptr, g.clients,
+                                                         self.transform, logits_fn, self.vectorize)
+            if found:
+                out["personal"] = ev.client_summary(correct, test.sizes)
+        return out
+
+    # ---- checkpoints -------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"server": self.server, "stores": [g.store for g in self.groups]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.server = state["server"]
+        for g, s in zip(self.groups, state["stores"], strict=True):
+            g.store = s
