@@ -93,6 +93,23 @@ class RunConfig(Strict):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint_every: int = Field(10, ge=1)
+    compare: list[AlgorithmConfig] | None = Field(
+        None, description="run these algorithms on the same partition, cohorts and batches and compare them"
+    )
+
+    def variants(self) -> list[RunConfig]:
+        """One config per compared algorithm (or just this one)."""
+        if not self.compare:
+            return [self]
+        names = [label(a) for a in self.compare]
+        names = [n if names.count(n) == 1 else f"{n}#{names[:i].count(n) + 1}" for i, n in enumerate(names)]
+        return [self.model_copy(update={"algorithm": a, "compare": None, "name": n}) for a, n in zip(self.compare, names)]
+
+
+def label(algo: AlgorithmConfig) -> str:
+    """A short readable name for an algorithm config, e.g. ``fedprox(mu=0.1)``."""
+    params = ",".join(f"{k}={v}" for k, v in algo.params().items())
+    return f"{algo.name}({params})" if params else algo.name
 
 
 def format_validation_error(err: ValidationError, prefix: str = "") -> str:
@@ -114,13 +131,15 @@ def validate(raw: dict) -> RunConfig:
         raise ConfigError(format_validation_error(e)) from None
     from .algorithms import ALGORITHMS  # late import: algorithms import the engine
 
-    algo = ALGORITHMS.get(cfg.algorithm.name)
-    if algo is None:
-        raise ConfigError(f"algorithm.name: unknown {cfg.algorithm.name!r}; allowed: {', '.join(sorted(ALGORITHMS))}")
-    try:
-        algo.Config.model_validate(cfg.algorithm.params())
-    except ValidationError as e:
-        raise ConfigError(format_validation_error(e, "algorithm")) from None
+    checks = [("algorithm", cfg.algorithm)] + [(f"compare.{i}", a) for i, a in enumerate(cfg.compare or [])]
+    for where, a in checks:
+        algo = ALGORITHMS.get(a.name)
+        if algo is None:
+            raise ConfigError(f"{where}.name: unknown {a.name!r}; allowed: {', '.join(sorted(ALGORITHMS))}")
+        try:
+            algo.Config.model_validate(a.params())
+        except ValidationError as e:
+            raise ConfigError(format_validation_error(e, where)) from None
     return cfg
 
 

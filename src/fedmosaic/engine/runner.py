@@ -23,6 +23,7 @@ import yaml
 from .. import __version__
 from ..config import RunConfig, dump, validate
 from ..errors import FedMosaicError
+from ..data.federated import FederatedData
 from .federation import Federation, NonFiniteLoss
 
 TIMING_KEYS = ("time_round_s", "time_eval_s")
@@ -101,7 +102,7 @@ def _meta(cfg: RunConfig, fed: Federation) -> dict:
 
 
 def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
-        stop_after: int | None = None, fed: Federation | None = None) -> dict:
+        stop_after: int | None = None, fd: FederatedData | None = None) -> dict:
     """Run (or resume) ``cfg`` in directory ``out``. ``stop_after``: stop once that round is done (as if killed)."""
     out = Path(out)
     start = 0
@@ -114,7 +115,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, progress: bool
     elif out.exists() and any(out.iterdir()):
         raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
     out.mkdir(parents=True, exist_ok=True)
-    fed = fed if fed is not None else Federation(cfg)
+    fed = Federation(cfg, fd)
     records: list[dict] = []
     if resume:
         ck = latest_checkpoint(out)

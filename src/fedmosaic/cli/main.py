@@ -1,0 +1,162 @@
+"""The ``fedmosaic`` command. User mistakes end as one line on stderr (exit 2), never as a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .. import __version__
+from ..errors import FedMosaicError
+
+
+def _run(args) -> None:
+    from ..config import load_config
+    from ..presets import preset_names, preset_path
+    from ..reports.compare import run_all, table
+    from ..engine.runner import new_run_dir
+
+    if args.resume:
+        out = Path(args.resume)
+        if not (out / "config.yaml").exists() and not (out / "comparison.yaml").exists():
+            raise FedMosaicError(f"--resume: {out} is not a run directory")
+        cfg = load_config(out / ("comparison.yaml" if (out / "comparison.yaml").exists() else "config.yaml"),
+                          args.set)
+    else:
+        source = args.config or "quickstart"
+        path = Path(source)
+        if not path.is_file():
+            found = preset_path(source)
+            if found is None:
+                raise FedMosaicError(f"config {source!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
+            path = found
+        cfg = load_config(path, args.set)
+        out = Path(args.out) if args.out else new_run_dir(args.runs_dir, cfg.name)
+    print(f"run directory: {out}", file=sys.stderr)
+    summaries = run_all(cfg, out, resume=bool(args.resume), progress=not args.no_progress)
+    print(table(summaries))
+    print(f"\nlearning curves: {out / 'learning_curves.png'}")
+
+
+def _partition(args) -> None:
+    import numpy as np
+
+    from ..config import parse_value
+    from ..data.federated import PartitionSpec, build
+    from ..reports.plots import partition_bubbles
+
+    params = {"scheme": args.scheme}
+    for flag, key in (("alpha", "alpha"), ("shards", "shards_per_client"), ("k", "k"), ("min_size", "min_size")):
+        if getattr(args, flag) is not None:
+            params[key] = getattr(args, flag)
+    for item in args.param:
+        if "=" not in item:
+            raise FedMosaicError(f"-p {item!r}: expected key=value, e.g. -p alpha=0.1")
+        key, value = item.split("=", 1)
+        params[key] = parse_value(value)
+    spec = PartitionSpec(args.dataset, args.clients, params, args.pool, args.test_frac, args.val_frac, args.seed)
+    fd = build(spec)
+    s = fd.summary()
+    out = Path(args.out) if args.out else Path("partitions") / f"{args.dataset}-{args.scheme}-{fd.hash[:10]}"
+    fd.save(out)
+    png = partition_bubbles(s["counts"], out / "partition.png", title=f"{args.dataset} · {args.scheme} · seed {args.seed}")
+    ent = s["entropy_mean_nats"]
+    print(f"dataset      {args.dataset} ({fd.num_classes} classes)  scheme {params}  seed {args.seed}")
+    print(f"clients      {s['clients']}")
+    print(f"samples      total {s['samples_total']}  min {s['samples_min']}  median {s['samples_median']:g}  "
+          f"max {s['samples_max']}  mean {s['samples_mean']:.1f}  std {s['samples_std']:.1f}")
+    print(f"classes      per client min {s['classes_min']}  median {s['classes_median']:g}  max {s['classes_max']}")
+    print(f"entropy      mean label entropy {ent:.3f} nats (uniform: {np.log(fd.num_classes):.3f})")
+    if fd.ptr["test"][-1]:
+        print(f"client test  {int(fd.ptr['test'][-1])} samples")
+    print(f"hash         {fd.hash}")
+    print(f"saved        {out}/  (manifest.json, partition.npz, {png.name})")
+
+
+def _data_list(args) -> None:
+    from ..data.registry import REGISTRY, _ensure_loaded, find_layout, missing_message
+
+    _ensure_loaded()
+    for name in sorted({s.name for s in REGISTRY.values()}):
+        spec = REGISTRY[name]
+        found = find_layout(spec)
+        if spec.builtin:
+            print(f"{name:18s} built-in")
+        elif found:
+            layout, folder = found
+            size = sum((folder / f).stat().st_size for f in layout.files)
+            print(f"{name:18s} found   {folder}  [{layout.name}, {size / 2**20:.1f} MiB]")
+        else:
+            print(f"{name:18s} missing {missing_message(spec).split(': ', 1)[1]}")
+
+
+def _data_download(args) -> None:
+    from ..data.registry import load_dataset
+
+    ds = load_dataset(args.name, download=True)
+    print(f"{ds.name}: {len(ds.y_train)} train, {0 if ds.y_test is None else len(ds.y_test)} test")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="fedmosaic", description="Federated learning when clients differ.")
+    p.add_argument("--version", action="version", version=f"fedmosaic {__version__}")
+    p.add_argument("--data-dir", help="data search path (folders separated by ':'); default $FEDMOSAIC_DATA")
+    sub = p.add_subparsers(dest="command")
+
+    r = sub.add_parser("run", help="run a config or preset (no argument: the quickstart comparison)")
+    r.add_argument("config", nargs="?", help="YAML file or preset name (default: quickstart)")
+    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.rounds=5")
+    r.add_argument("--out", help="run directory (must not exist yet)")
+    r.add_argument("--runs-dir", default="runs", help="where new run directories go (default: ./runs)")
+    r.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
+    r.add_argument("--no-progress", action="store_true", help="no progress bar")
+    r.set_defaults(fn=_run)
+
+    pt = sub.add_parser("partition", help="partition a dataset over clients, print a summary, save it with a PNG")
+    pt.add_argument("--dataset", required=True)
+    pt.add_argument("--clients", type=int, default=None, help="number of clients (some schemes fix it)")
+    pt.add_argument("--scheme", default="dirichlet")
+    pt.add_argument("--alpha", type=float)
+    pt.add_argument("--shards", type=int, help="shards per client (scheme shards)")
+    pt.add_argument("--k", type=int, help="classes per client (scheme label_k)")
+    pt.add_argument("--min-size", type=int)
+    pt.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE", help="any scheme parameter")
+    pt.add_argument("--pool", choices=("train", "all"), default="train")
+    pt.add_argument("--test-frac", type=float, default=0.0, help="per-client test fraction (stratified)")
+    pt.add_argument("--val-frac", type=float, default=0.0)
+    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--out", help="directory for manifest.json, partition.npz and partition.png")
+    pt.set_defaults(fn=_partition)
+
+    d = sub.add_parser("data", help="datasets: list what is found, download")
+    dsub = d.add_subparsers(dest="data_command", required=True)
+    dl = dsub.add_parser("list", help="each dataset: found where, size, or which files are missing")
+    dl.set_defaults(fn=_data_list)
+    dd = dsub.add_parser("download", help="download a dataset from its canonical source (SHA-256 checked)")
+    dd.add_argument("name")
+    dd.set_defaults(fn=_data_download)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # bare `fedmosaic` behaves like `fedmosaic run`
+        args = parser.parse_args(["run", *(argv or [])] if argv is not None else ["run"])
+    from ..paths import set_data_dirs
+
+    if args.data_dir:
+        set_data_dirs(args.data_dir)
+    try:
+        args.fn(args)
+    except FedMosaicError as e:
+        print(f"fedmosaic: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("fedmosaic: interrupted (a run continues with `fedmosaic run --resume RUN_DIR`)", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Tables and plots people can look at."""

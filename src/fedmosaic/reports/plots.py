@@ -1,0 +1,50 @@
+"""PNG plots: learning curves and the client x class bubble chart (pFedSRB Fig. 2 style)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import numpy as np  # noqa: E402
+
+CURVE_KEYS = (("global", "global model, global test"), ("global_clients", "global model, client tests"),
+              ("personal", "personalized, client tests"))
+
+
+def learning_curves(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> Path:
+    """Test accuracy per round for each run (one panel per kind of accuracy present)."""
+    kinds = [(k, label) for k, label in CURVE_KEYS if any(k in r for recs in runs.values() for r in recs)]
+    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(5.2 * max(1, len(kinds)), 3.8), squeeze=False)
+    for ax, (key, label) in zip(axes[0], kinds):
+        for name, recs in runs.items():
+            pts = [(r["round"] + 1, 100 * r[key]["acc"]) for r in recs if key in r]
+            if pts:
+                ax.plot(*zip(*pts), label=name, lw=1.6)
+        ax.set(xlabel="round", ylabel="accuracy (%)", title=label)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
+
+
+def partition_bubbles(counts: np.ndarray, path: str | Path, title: str = "", max_clients: int = 100) -> Path:
+    """Client x class bubble chart; bubble area ∝ sample count. Shows the first ``max_clients`` clients."""
+    c = counts[:max_clients]
+    k, n_cls = c.shape
+    ys, xs = np.nonzero(c)
+    fig, ax = plt.subplots(figsize=(min(14, 2 + 0.13 * k), min(9, 1.5 + 0.3 * n_cls)))
+    area = 400 * c[ys, xs] / max(c.max(), 1)
+    ax.scatter(ys, xs, s=area, alpha=0.6, color="tab:red", edgecolors="none")
+    ax.set(xlabel="client", ylabel="class", xlim=(-1, k), ylim=(-1, n_cls))
+    ax.set_title(title + (f" (first {k} of {len(counts)} clients)" if len(counts) > k else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return Path(path)
