@@ -35,20 +35,22 @@ class LinearSVM(LogisticRegression):
 
 
 class MLP(FedModel):
-    """784-100-C "2-layer DNN" (pFedSRB); the hidden layer is the feature."""
+    """784-100-C "2-layer DNN" (pFedSRB) by default; ``hidden`` may list several layers. The last hidden layer is
+    the feature."""
 
-    def __init__(self, input_shape, num_classes, hidden: int = 100):
+    def __init__(self, input_shape, num_classes, hidden: int | list[int] = 100):
         super().__init__()
-        self.feature_dim = hidden
+        sizes = [_flat_dim(input_shape), *([hidden] if isinstance(hidden, int) else hidden)]
+        self.body = nn.Sequential(*(m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU())))
+        self.feature_dim = sizes[-1]
         self.num_classes = num_classes
-        self.fc1 = nn.Linear(_flat_dim(input_shape), hidden)
-        self.fc2 = nn.Linear(hidden, num_classes)
+        self.fc = nn.Linear(sizes[-1], num_classes)
 
     def features(self, x):
-        return torch.relu(self.fc1(x.flatten(1)))
+        return self.body(x.flatten(1))
 
     def head(self, z):
-        return self.fc2(z)
+        return self.fc(z)
 
 
 class _ConvNet(FedModel):

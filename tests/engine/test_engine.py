@@ -1,0 +1,207 @@
+"""Reduction identities and equivalences of the round engine."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedmosaic.config import validate
+from fedmosaic.data.federated import PartitionSpec, compute
+from fedmosaic.engine.federation import Federation
+from fedmosaic.engine.runner import read_metrics, run, TIMING_KEYS
+from fedmosaic.engine.tree import leaves
+from fedmosaic.errors import FedMosaicError
+
+
+def make_cfg(**over):
+    raw = {
+        "seed": 3,
+        "data": {"dataset": "blobs", "clients": 8, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5},
+                 "client_test": 0.25},
+        "model": {"name": "mlp", "options": {"hidden": 16}},
+        "train": {"rounds": 3, "clients_per_round": 5, "local_epochs": 2, "batch_size": 8,
+                  "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}},
+        "checkpoint_every": 2,
+    }
+    for key, value in over.items():
+        node = raw
+        *path, last = key.split("__")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return validate(raw)
+
+
+@pytest.fixture(scope="module")
+def fd(blob_data):
+    spec = PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 3)
+    return compute(spec, blob_data)
+
+
+def train(cfg, fd, rounds=None):
+    fed = Federation(cfg, fd)
+    for t in range(rounds or cfg.train.rounds):
+        fed.round(t)
+    return fed
+
+
+def assert_trees_close(a, b, atol=1e-5, exact=False):
+    la, lb = leaves(a), leaves(b)
+    assert len(la) == len(lb) and la
+    for x, y in zip(la, lb):
+        if exact:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, atol=atol, rtol=1e-4)
+
+
+def test_fedprox_mu0_equals_fedavg(fd):
+    a = train(make_cfg(algorithm={"name": "fedavg"}), fd)
+    b = train(make_cfg(algorithm={"name": "fedprox", "mu": 0.0}), fd)
+    assert_trees_close(a.server["model"], b.server["model"], exact=True)
+
+
+def test_fedprox_mu_positive_differs(fd):
+    a = train(make_cfg(algorithm={"name": "fedavg"}), fd)
+    b = train(make_cfg(algorithm={"name": "fedprox", "mu": 1.0}), fd)
+    assert not torch.allclose(leaves(a.server["model"])[0], leaves(b.server["model"])[0])
+
+
+def test_ditto_lambda0_personal_equals_local_training(fd):
+    ditto = train(make_cfg(algorithm={"name": "ditto", "lam": 0.0}), fd)
+    local = train(make_cfg(algorithm={"name": "local"}), fd)
+    assert_trees_close(ditto.groups[0].store["personal"], local.groups[0].store["model"], exact=True)
+
+
+def test_ditto_lambda_pulls_personal_models_together(fd):
+    def spread(lam):
+        fed = train(make_cfg(algorithm={"name": "ditto", "lam": lam}, train__rounds=4), fd)
+        w = leaves(fed.groups[0].store["personal"])[0]
+        return float(((w - w.mean(0)) ** 2).sum())
+
+    assert spread(5.0) < spread(0.0)
+
+
+@pytest.mark.parametrize("algo", [{"name": "fedavg"}, {"name": "fedprox", "mu": 0.5}, {"name": "ditto", "lam": 0.3},
+                                  {"name": "fedproto", "lam": 1.0}])
+def test_vectorized_equals_sequential_and_chunking(fd, algo):
+    ref = train(make_cfg(algorithm=algo, engine={"backend": "sequential"}), fd)
+    for chunk in (1, 2, 128):
+        vec = train(make_cfg(algorithm=algo, engine={"backend": "vectorized", "chunk_size": chunk}), fd)
+        assert_trees_close(ref.server, vec.server)
+        assert_trees_close(ref.groups[0].store, vec.groups[0].store) if leaves(ref.groups[0].store) else None
+    ev_ref, ev_vec = ref.evaluate(), vec.evaluate()
+    for key in ev_ref:
+        assert ev_ref[key]["acc"] == pytest.approx(ev_vec[key]["acc"], abs=1e-6)
+
+
+def test_finished_client_does_not_move_under_momentum_and_weight_decay(fd):
+    """A client with few samples stops early in a ragged cohort: its result equals training it alone."""
+    cfg = make_cfg(algorithm={"name": "local"}, train__clients_per_round=8)
+    fed = Federation(cfg, fd)
+    g = fed.groups[0]
+    sizes = fed.split["train"].sizes
+    small, big = int(np.argmin(sizes)), int(np.argmax(sizes))
+    assert sizes[small] < sizes[big]
+    payload = fed.algo.broadcast(fed.server, 0)
+    kw = dict(epochs=2, batch=8, lr=0.05, seed=cfg.seed, round_idx=0)
+    states = g.store
+    both = np.array(sorted([small, big]))
+    _, together, _, steps = g.trainer.train(fed.split["train"], both, payload,
+                                            {k: {n: t[both] for n, t in v.items()} for k, v in states.items()}, **kw)
+    alone_ids = np.array([small])
+    _, alone, _, _ = g.trainer.train(fed.split["train"], alone_ids, payload,
+                                     {k: {n: t[alone_ids] for n, t in v.items()} for k, v in states.items()}, **kw)
+    row = int(np.flatnonzero(both == small)[0])
+    assert steps[row] < steps.max()
+    for name, t in together["model"].items():
+        torch.testing.assert_close(t[row], alone["model"][name][0], atol=1e-6, rtol=1e-5)
+
+
+def test_fedproto_two_architectures(fd):
+    cfg = make_cfg(algorithm={"name": "fedproto", "lam": 1.0}, train__rounds=4,
+                   model={"heterogeneous": [{"name": "mlp", "options": {"hidden": 24}},
+                                            {"name": "mlp", "options": {"hidden": [48, 24]}}]})
+    fed = Federation(cfg, fd)
+    assert len(fed.groups) == 2
+    shapes = {tuple(leaves(g.store)[0].shape[1:]) for g in fed.groups}
+    assert len(shapes) == 2  # really different architectures
+    assert [len(g.store["model"]) for g in fed.groups] == [4, 6]
+    for t in range(4):
+        fed.round(t)
+    assert fed.server["has"].sum() > 0
+    res = fed.evaluate()
+    assert res["personal"]["clients"] == 8 and 0 <= res["personal"]["acc"] <= 1
+
+
+def test_global_algorithm_rejects_heterogeneous_models(fd):
+    cfg = make_cfg(model={"heterogeneous": [{"name": "mlp"}, {"name": "mlp", "options": {"hidden": 7}}]})
+    with pytest.raises(FedMosaicError, match="same architecture"):
+        Federation(cfg, fd)
+
+
+def strip_timing(records):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+def test_resume_equals_uninterrupted(fd, tmp_path):
+    cfg = make_cfg(algorithm={"name": "ditto", "lam": 0.1}, train__rounds=5)
+    run(cfg, tmp_path / "full", progress=False, fd=fd)
+    run(cfg, tmp_path / "cut", progress=False, fd=fd, stop_after=2)  # "killed" after round 2
+    assert len(read_metrics(tmp_path / "cut")) == 3
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:  # a round written after the last checkpoint
+        f.write(json.dumps({"round": 3, "partial": True}) + "\n")
+    run(cfg, tmp_path / "cut", progress=False, fd=fd, resume=True)
+    assert strip_timing(read_metrics(tmp_path / "cut")) == strip_timing(read_metrics(tmp_path / "full"))
+    full = json.loads((tmp_path / "full" / "summary.json").read_text())
+    cut = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert full["personal_acc_final"] == cut["personal_acc_final"]
+
+
+def test_existing_run_directory_is_not_overwritten(fd, tmp_path):
+    cfg = make_cfg(train__rounds=1)
+    out = tmp_path / "r"
+    run(cfg, out, progress=False, fd=fd)
+    before = (out / "metrics.jsonl").read_text()
+    with pytest.raises(FedMosaicError, match="already exists"):
+        run(cfg, out, progress=False, fd=fd)
+    assert (out / "metrics.jsonl").read_text() == before
+
+
+def test_resume_refuses_a_different_config(fd, tmp_path):
+    run(make_cfg(train__rounds=2), tmp_path / "r", progress=False, fd=fd)
+    with pytest.raises(FedMosaicError, match="differs"):
+        run(make_cfg(train__rounds=3), tmp_path / "r", progress=False, fd=fd, resume=True)
+
+
+def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(fd, tmp_path):
+    cfg = make_cfg(train__rounds=6, checkpoint_every=1, train__optimizer={"lr": 1e6})
+    with pytest.raises(FedMosaicError, match="non-finite") as err:
+        run(cfg, tmp_path / "r", progress=False, fd=fd)
+    assert "\n" not in str(err.value)
+    ckpts = sorted((tmp_path / "r" / "checkpoints").glob("*.pt"))
+    for c in ckpts:
+        state = torch.load(c, weights_only=True)
+        assert all(torch.isfinite(t).all() for t in leaves(state["server"]))
+
+
+def test_bytes_are_measured_from_payloads(fd):
+    fed = Federation(make_cfg(), fd)
+    rec = fed.round(0)
+    n_params = sum(t.numel() for t in leaves(fed.server["model"]))
+    assert rec["bytes_down"] == rec["bytes_up"] == 4 * n_params * rec["clients"]
+    proto = Federation(make_cfg(algorithm={"name": "fedproto"}), fd).round(0)
+    assert proto["bytes_up"] == proto["clients"] * 4 * (fd.num_classes * 16 + fd.num_classes)
+
+
+def test_evaluation_reports_clients_and_classes(fd):
+    fed = train(make_cfg(algorithm={"name": "ditto"}, train__rounds=2), fd)
+    res = fed.evaluate()
+    assert len(res["global"]["class_acc"]) == fd.num_classes
+    assert res["global_clients"]["clients"] == 8
+    p = res["personal"]
+    assert p["acc_worst10"] <= p["acc_mean"] <= 1
+    assert p["acc_std"] >= 0
