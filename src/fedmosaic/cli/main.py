@@ -85,7 +85,8 @@ def _data_list(args) -> None:
         elif found:
             layout, folder = found
             size = sum((folder / f).stat().st_size for f in layout.files)
-            print(f"{name:18s} found   {folder}  [{layout.name}, {size / 2**20:.1f} MiB]")
+            where = (folder / layout.files[0]).resolve().parent
+            print(f"{name:18s} found   {where}  [{layout.name}, {size / 2**20:.1f} MiB]")
         else:
             print(f"{name:18s} missing {missing_message(spec).split(': ', 1)[1]}")
 

@@ -52,6 +52,7 @@ def register(spec: DatasetSpec) -> DatasetSpec:
 
 
 def dataset_names() -> list[str]:
+    _ensure_loaded()
     return sorted({s.name for s in REGISTRY.values()})
 
 
@@ -79,7 +80,7 @@ def missing_message(spec: DatasetSpec) -> str:
     roots = data_dirs()
     options = "; or ".join(", ".join(layout.files) for layout in spec.layouts)
     return (
-        f"dataset {spec.name!r} not found: put {options} in <data-dir>/{spec.folder}/ "
+        f"dataset {spec.name!r} not found: put {options} in <data-dir>/{'' if spec.folder == '.' else spec.folder + '/'} "
         f"(searched {', '.join(str(r) for r in roots)}; set FEDMOSAIC_DATA or --data-dir"
         + (", or run `fedmosaic data download " + spec.name + "`" if spec.downloads else "")
         + ")"
