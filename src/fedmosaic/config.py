@@ -74,6 +74,7 @@ class EngineConfig(Strict):
     backend: Literal["vectorized", "sequential"] = "vectorized"
     chunk_size: int = Field(128, ge=1, description="clients trained at once on the vectorized path (bounds memory)")
     device: str = "cpu"
+    compile: bool = Field(False, description="torch.compile the mapped gradient step (vectorized backend only)")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
 
 

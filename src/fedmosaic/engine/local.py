@@ -40,14 +40,29 @@ def cat_trees(trees: list):
 
 
 class LocalTrainer:
+    """Runs the local rounds of a cohort for one architecture.
+
+    Per step: the per-client gradient function (objective = the algorithm's terms) is mapped over the active
+    clients — ``vmap`` on the fast path, a Python loop on the sequential one — and the optimiser then updates the
+    stacked parameters of all of them in one in-place operation. With ``compile``, the mapped gradient function is
+    compiled with ``torch.compile``; the number of active clients is then padded to a power of two (padding rows are
+    masked out and discarded) so that a run compiles a handful of shapes rather than one per cohort size.
+    """
+
     def __init__(self, algo: Algorithm, module: torch.nn.Module, opt: optim.OptimizerConfig, task_loss: str,
-                 transform, vectorize: bool = True, chunk_size: int = 128):
+                 transform, vectorize: bool = True, chunk_size: int = 128, compile: bool = False):
         self.algo, self.module, self.opt, self.task_loss = algo, module, opt, task_loss
         self.transform = transform
         self.chunk_size = chunk_size
+        self.compile = compile and vectorize
         each = lambda fn, dims, fresh=False: for_each_client(fn, dims, vectorize, fresh)  # noqa: E731
         self._init = each(self._local_init, (None, 0, 0), fresh=True)
-        self._step = each(self._one_step, (0, 0, 0, None, 0, 0, 0, None))
+        self._grads = each(self._client_grads, (0, 0, None, 0, 0, 0))
+        if self.compile:
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self._grads = torch.compile(self._grads, dynamic=False)
         self._finish = each(algo.finish, (0, 0, None, 0), fresh=True)
 
     def apply(self, params, x):
@@ -55,18 +70,16 @@ class LocalTrainer:
 
     def _local_init(self, payload, state, cid):
         # ``cid`` is unused here; it gives vmap a batched input when the algorithm keeps no client state
-        params = self.algo.local_init(payload, state)
-        return params, optim.init_state(self.opt, params)
+        return self.algo.local_init(payload, state)
 
-    def _one_step(self, params, opt_state, state, payload, x, y, mask, lr):
+    def _client_grads(self, params, state, payload, x, y, mask):
         def objective(p):
             ctx = LocalContext(self.apply, p, state, payload, x, y, mask, self.task_loss)
             loss = self.algo.loss(ctx)
             return loss, (loss.detach(), tmap(torch.detach, self.algo.accumulate(ctx)))
 
         grads, (loss, acc) = grad(objective, has_aux=True)(params)
-        params, opt_state = optim.update(self.opt, params, grads, opt_state, lr)
-        return params, opt_state, loss, acc
+        return grads, loss, acc
 
     def train(self, data: ClientTensors, clients: np.ndarray, payload: dict, states, *, epochs: int, batch: int,
               lr: float, seed: int, round_idx: int):
@@ -85,42 +98,34 @@ class LocalTrainer:
     def _train_chunk(self, data, clients, payload, states, epochs, batch, lr, seed, round_idx):
         n = len(clients)
         positions, valid, steps = batch_plan(data.sizes, clients, epochs, batch, seed, round_idx)
-        params, opt_state = self._init(payload, states, torch.arange(n))
+        params = self._init(payload, states, torch.arange(n))
         loss_sum = torch.zeros(n)
         acc_sum = None
         start = data.ptr[clients]
         active = np.arange(n)
-        packed = (params, opt_state, states)  # the active clients' rows; the full trees while all are active
-
-        def unpack():
-            if len(active) < n:
-                idx = torch.as_tensor(active)
-                put(params, idx, packed[0])
-                put(opt_state, idx, packed[1])
-            else:
-                tmap(lambda a, b: a.copy_(b), (params, opt_state), packed[:2])
-
+        # the active clients' rows of (params, optimiser state, client state); the full trees while all are active
+        packed = (params, optim.init_state(self.opt, params), states)
         for s in range(int(steps.max()) if n else 0):
             now = np.flatnonzero(steps > s)
-            if len(now) < len(active):  # some clients finished: write them back, keep only the rest
-                unpack()
+            if len(now) < len(active):  # some clients finished: write their rows back, keep only the rest
+                if len(active) < n:
+                    put(params, torch.as_tensor(active), packed[0])
                 keep = torch.as_tensor(np.searchsorted(active, now))
                 packed = tuple(take(t, keep) for t in packed)
                 active = now
             ok = valid[active, s]
             rows = torch.as_tensor(np.where(ok, start[active, None] + positions[active, s], start[active, None]))
-            x = self.transform(data.x[rows])
-            p, o, loss, acc = self._step(packed[0], packed[1], packed[2], payload, x, data.y[rows],
-                                         torch.as_tensor(ok, dtype=x.dtype), lr)
-            packed = (p, o, packed[2])
+            x, y, m = self.transform(data.x[rows]), data.y[rows], torch.as_tensor(ok, dtype=torch.float32)
+            grads, loss, acc = self._mapped_grads(packed[0], packed[2], payload, x, y, m)
+            optim.update_(self.opt, packed[0], grads, packed[1], lr, s)
             ia = torch.as_tensor(active)
             loss_sum.index_add_(0, ia, loss)
             if acc:
                 if acc_sum is None:
                     acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype), acc)
                 tmap(lambda a, b: a.index_add_(0, ia, b), acc_sum, acc)
-        if n and steps.max() > 0:
-            unpack()
+        if len(active) < n:
+            put(params, torch.as_tensor(active), packed[0])
         stats = {
             "n": torch.as_tensor(data.sizes[clients], dtype=torch.float32),
             "steps": torch.as_tensor(steps, dtype=torch.float32),
@@ -130,3 +135,13 @@ class LocalTrainer:
         uploads, new_states = self._finish(params, states, payload, stats)
         mean_loss = loss_sum / torch.as_tensor(np.maximum(steps, 1), dtype=torch.float32)
         return uploads, new_states, mean_loss, steps
+
+    def _mapped_grads(self, params, state, payload, x, y, mask):
+        n = len(y)
+        if not self.compile or n & (n - 1) == 0:
+            return self._grads(params, state, payload, x, y, mask)
+        pad = torch.zeros(1 << n.bit_length(), dtype=torch.long)
+        pad[:n] = torch.arange(n)  # padding rows repeat client 0 with an all-zero mask
+        grads, loss, acc = self._grads(take(params, pad), take(state, pad), payload, x[pad], y[pad],
+                                       torch.cat([mask, mask.new_zeros(len(pad) - n, mask.shape[1])]))
+        return tmap(lambda t: t[:n], (grads, loss, acc))

@@ -1,7 +1,10 @@
-"""Optimisers as pure functions ``update(params, grads, state, lr) -> (params, state)``, so they vmap over clients.
+"""Optimisers applied to the stacked parameters of a whole cohort at once, in place.
 
-They follow ``torch.optim.SGD`` and ``torch.optim.Adam`` exactly (weight decay added to the gradient, PyTorch's
-momentum buffer convention, bias-corrected Adam), which the tests check against torch.optim.
+SGD and Adam are element-wise, so one update over the stacked trees is exactly one update per client; doing it in
+place (``torch._foreach_*``) avoids allocating a fresh copy of every client's parameters at every step. They follow
+``torch.optim.SGD`` and ``torch.optim.Adam`` (weight decay added to the gradient, PyTorch's momentum buffer seeded
+with the first gradient, bias-corrected Adam); the tests check them against torch.optim. All clients of a cohort
+start the round together, so the step index — and with it Adam's bias correction — is shared.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .tree import tmap
+from .tree import leaves
 
 
 class OptimizerConfig(BaseModel):
@@ -31,30 +34,39 @@ class OptimizerConfig(BaseModel):
 
 
 def init_state(cfg: OptimizerConfig, params) -> dict:
+    """Fresh state for a round (momentum restarts every round, as in FedNTD's setting)."""
+    zeros = lambda: [torch.zeros_like(p) for p in leaves(params)]  # noqa: E731
     if cfg.name == "adam":
-        return {"m": tmap(torch.zeros_like, params), "v": tmap(torch.zeros_like, params), "t": torch.zeros(())}
+        return {"m": zeros(), "v": zeros()}
     if cfg.momentum > 0:
-        # torch.optim.SGD seeds the buffer with the first gradient; the flag says whether that happened yet.
-        return {"buf": tmap(torch.zeros_like, params), "started": torch.zeros(())}
+        return {"buf": zeros()}
     return {}
 
 
-def update(cfg: OptimizerConfig, params, grads, state: dict, lr):
-    wd = cfg.weight_decay
-    if wd:
-        grads = tmap(lambda g, p: g + wd * p, grads, params)
+@torch.no_grad()
+def update_(cfg: OptimizerConfig, params, grads, state: dict, lr: float, step: int) -> None:
+    """One step, in place on ``params`` and ``state``; ``step`` counts from 0 within the round."""
+    ps, gs = leaves(params), list(leaves(grads))
+    if cfg.weight_decay:
+        gs = torch._foreach_add(gs, ps, alpha=cfg.weight_decay)
     if cfg.name == "adam":
         b1, b2 = cfg.betas
-        t = state["t"] + 1
-        m = tmap(lambda m_, g: b1 * m_ + (1 - b1) * g, state["m"], grads)
-        v = tmap(lambda v_, g: b2 * v_ + (1 - b2) * g * g, state["v"], grads)
-        c1, c2 = 1 - b1**t, 1 - b2**t
-        new = tmap(lambda p, m_, v_: p - lr * (m_ / c1) / ((v_ / c2).sqrt() + cfg.eps), params, m, v)
-        return new, {"m": m, "v": v, "t": t}
+        m, v = state["m"], state["v"]
+        torch._foreach_lerp_(m, gs, 1 - b1)
+        torch._foreach_mul_(v, b2)
+        torch._foreach_addcmul_(v, gs, gs, value=1 - b2)
+        c1, c2 = 1 - b1 ** (step + 1), 1 - b2 ** (step + 1)
+        denom = torch._foreach_sqrt(v)
+        torch._foreach_div_(denom, c2**0.5)
+        torch._foreach_add_(denom, cfg.eps)
+        torch._foreach_addcdiv_(ps, m, denom, value=-lr / c1)
+        return
     if cfg.momentum > 0:
-        mu, started = cfg.momentum, state["started"]
-        buf = tmap(lambda b, g: torch.where(started > 0, mu * b + g, g), state["buf"], grads)
-        direction = tmap(lambda b, g: g + mu * b, buf, grads) if cfg.nesterov else buf
-        new = tmap(lambda p, d: p - lr * d, params, direction)
-        return new, {"buf": buf, "started": torch.ones_like(started)}
-    return tmap(lambda p, g: p - lr * g, params, grads), state
+        buf = state["buf"]
+        if step == 0:
+            torch._foreach_copy_(buf, gs)
+        else:
+            torch._foreach_mul_(buf, cfg.momentum)
+            torch._foreach_add_(buf, gs)
+        gs = torch._foreach_add(gs, buf, alpha=cfg.momentum) if cfg.nesterov else buf
+    torch._foreach_add_(ps, gs, alpha=-lr)
