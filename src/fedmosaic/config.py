@@ -29,6 +29,7 @@ class DataConfig(Strict):
         "channel", description="z-score inputs per channel, per pixel/feature (FedProx/APFL MNIST), or not at all"
     )
     seed: int | None = Field(None, description="partition seed; defaults to the run seed")
+    classes: list[int] | None = Field(None, description="keep only these class ids, relabelled 0..k-1 in this order")
 
     @model_validator(mode="after")
     def _fractions(self):
@@ -132,6 +133,14 @@ def validate(raw: dict) -> RunConfig:
         raise ConfigError(format_validation_error(e)) from None
     from .algorithms import ALGORITHMS  # late import: algorithms import the engine
 
+    from .data.partition import parse_partition
+    from .data.registry import get_spec
+
+    parse_partition(cfg.data.partition, prefix="data.partition")
+    try:
+        get_spec(cfg.data.dataset)
+    except ConfigError as e:
+        raise ConfigError(f"data.dataset: {e}") from None
     checks = [("algorithm", cfg.algorithm)] + [(f"compare.{i}", a) for i, a in enumerate(cfg.compare or [])]
     for where, a in checks:
         algo = ALGORITHMS.get(a.name)

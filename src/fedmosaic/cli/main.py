@@ -32,10 +32,9 @@ def _run(args) -> None:
             path = found
         cfg = load_config(path, args.set)
         out = Path(args.out) if args.out else new_run_dir(args.runs_dir, cfg.name)
-    print(f"run directory: {out}", file=sys.stderr)
     summaries = run_all(cfg, out, resume=bool(args.resume), progress=not args.no_progress)
     print(table(summaries))
-    print(f"\nlearning curves: {out / 'learning_curves.png'}")
+    print(f"\nrun directory: {out}\nlearning curves: {out / 'learning_curves.png'}")
 
 
 def _partition(args) -> None:
@@ -54,7 +53,9 @@ def _partition(args) -> None:
             raise FedMosaicError(f"-p {item!r}: expected key=value, e.g. -p alpha=0.1")
         key, value = item.split("=", 1)
         params[key] = parse_value(value)
-    spec = PartitionSpec(args.dataset, args.clients, params, args.pool, args.test_frac, args.val_frac, args.seed)
+    classes = tuple(int(c) for c in args.classes.split(",")) if args.classes else None
+    spec = PartitionSpec(args.dataset, args.clients, params, args.pool, args.test_frac, args.val_frac, args.seed,
+                         classes)
     fd = build(spec)
     s = fd.summary()
     out = Path(args.out) if args.out else Path("partitions") / f"{args.dataset}-{args.scheme}-{fd.hash[:10]}"
@@ -126,6 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--test-frac", type=float, default=0.0, help="per-client test fraction (stratified)")
     pt.add_argument("--val-frac", type=float, default=0.0)
     pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--classes", help="keep only these class ids, e.g. 36,37,...,45 (FEMNIST a-j)")
     pt.add_argument("--out", help="directory for manifest.json, partition.npz and partition.png")
     pt.set_defaults(fn=_partition)
 

@@ -47,3 +47,26 @@ class ArrayDataset:
             raise ValueError(f"{self.name}: {len(self.x_train)} train inputs but {len(self.y_train)} labels")
         if self.x_test is not None and len(self.x_test) != len(self.y_test):
             raise ValueError(f"{self.name}: {len(self.x_test)} test inputs but {len(self.y_test)} labels")
+
+
+def select_classes(ds: ArrayDataset, classes: list[int]) -> ArrayDataset:
+    """The samples of ``classes`` only, relabelled 0..len(classes)-1 in the given order (e.g. FEMNIST's a-j)."""
+    from ..errors import ConfigError
+
+    bad = [c for c in classes if not 0 <= c < ds.num_classes]
+    if bad or len(set(classes)) != len(classes):
+        raise ConfigError(f"data.classes: must be distinct class ids in [0, {ds.num_classes}) (got {classes})")
+    lut = np.full(ds.num_classes, -1, dtype=np.int64)
+    lut[classes] = np.arange(len(classes))
+
+    def pick(x, y, g):
+        if y is None:
+            return x, y, g
+        keep = lut[y] >= 0
+        return x[keep], lut[y[keep]], None if g is None else g[keep]
+
+    xtr, ytr, gtr = pick(ds.x_train, ds.y_train, ds.groups_train)
+    xte, yte, gte = pick(ds.x_test, ds.y_test, ds.groups_test)
+    return ArrayDataset(f"{ds.name}[{','.join(map(str, classes))}]", xtr, ytr, xte, yte,
+                        [ds.classes[c] for c in classes], ds.source_files, gtr, gte, ds.group_names,
+                        {**ds.meta, "classes_from": ds.name})

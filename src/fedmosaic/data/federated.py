@@ -20,8 +20,8 @@ import numpy as np
 
 from ..errors import ConfigError, FedMosaicError
 from ..paths import partition_cache_dir
-from .base import ArrayDataset
-from .partition import client_split, parse_partition, summary
+from .base import ArrayDataset, select_classes
+from .partition import Natural, client_split, parse_partition, summary
 from .registry import load_dataset
 
 FORMAT = 1
@@ -39,6 +39,11 @@ class PartitionSpec:
     client_test: float = 0.0
     client_val: float = 0.0
     seed: int = 0
+    classes: tuple[int, ...] | None = None  # keep only these classes, relabelled 0..k-1
+
+    def load(self) -> ArrayDataset:
+        ds = load_dataset(self.dataset)
+        return select_classes(ds, list(self.classes)) if self.classes else ds
 
     def canonical(self) -> dict:
         scheme = parse_partition(dict(self.partition))
@@ -53,6 +58,7 @@ class PartitionSpec:
             "client_test": self.client_test,
             "client_val": self.client_val,
             "seed": self.seed,
+            "classes": None if self.classes is None else list(self.classes),
         }
 
     def key(self) -> str:
@@ -151,8 +157,8 @@ class FederatedData:
             raise FedMosaicError(f"{d}: not a readable fedmosaic partition ({type(e).__name__})") from None
         c = manifest["spec"]
         spec = PartitionSpec(c["dataset"], c["clients"], c["partition"], c["pool"], c["client_test"],
-                             c["client_val"], c["seed"])
-        ds = dataset if dataset is not None else load_dataset(spec.dataset)
+                             c["client_val"], c["seed"], None if c.get("classes") is None else tuple(c["classes"]))
+        ds = dataset if dataset is not None else spec.load()
         if dataset_fingerprint(ds) != manifest["dataset_fingerprint"]:
             raise FedMosaicError(f"{d}: the dataset files of {spec.dataset!r} differ from those it was made from")
         fd = cls(ds, spec, {s: arrays[f"src_{s}"] for s in SPLITS}, {s: arrays[f"ptr_{s}"] for s in SPLITS},
@@ -165,7 +171,7 @@ class FederatedData:
 def build(spec: PartitionSpec, dataset: ArrayDataset | None = None, cache: bool = True) -> FederatedData:
     """The partition for ``spec``: from the cache when it was made before, else computed (and cached)."""
     spec.canonical()  # validates the scheme before any data is read
-    ds = dataset if dataset is not None else load_dataset(spec.dataset)
+    ds = dataset if dataset is not None else spec.load()
     cdir = partition_cache_dir() / f"{spec.dataset.lower()}-{spec.key()[:16]}"
     if cache and (cdir / "manifest.json").exists():
         try:
@@ -195,6 +201,10 @@ def compute(spec: PartitionSpec, ds: ArrayDataset) -> FederatedData:
         parts, paired_test = scheme.split_paired(
             y_pool[:n_train], ds.y_test, spec.clients, rng, None if groups is None else groups[:n_train]
         )
+        if isinstance(scheme, Natural) and ds.groups_test is not None:
+            # natural clients keep their own test samples (LEAF's per-writer split)
+            ids = np.unique(ds.groups_train)
+            paired_test = [np.flatnonzero(ds.groups_test == g) for g in ids]
     else:
         parts = scheme.split(y_pool[pool], spec.clients, rng, None if groups is None else groups[pool])
     parts = [pool[p] for p in parts]

@@ -41,7 +41,7 @@ class Group:
 def data_spec(cfg: RunConfig) -> PartitionSpec:
     d = cfg.data
     return PartitionSpec(d.dataset, d.clients, d.partition, d.pool, d.client_test, d.client_val,
-                         cfg.seed if d.seed is None else d.seed)
+                         cfg.seed if d.seed is None else d.seed, None if d.classes is None else tuple(d.classes))
 
 
 class Federation:

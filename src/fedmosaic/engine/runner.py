@@ -114,8 +114,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, progress: bool
             raise FedMosaicError(f"--resume: the config differs from the one saved in {out}/config.yaml")
     elif out.exists() and any(out.iterdir()):
         raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
+    fed = Federation(cfg, fd)  # before creating anything: a config or data error leaves no empty run directory
     out.mkdir(parents=True, exist_ok=True)
-    fed = Federation(cfg, fd)
     records: list[dict] = []
     if resume:
         ck = latest_checkpoint(out)

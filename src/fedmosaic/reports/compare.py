@@ -10,6 +10,7 @@ from ..config import RunConfig, dump
 from ..data.federated import build
 from ..engine.federation import data_spec
 from ..engine.runner import read_metrics, run
+from ..errors import FedMosaicError
 from .plots import learning_curves
 
 COLUMNS = (
@@ -34,10 +35,12 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, progress: bool =
         summaries = [run(cfg, out, resume=resume, progress=progress)]
         curves = {cfg.name: read_metrics(out)}
     else:
+        fd = build(data_spec(cfg))  # one partition for all: same clients, same samples
+        if not resume and out.exists() and any(out.iterdir()):
+            raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
         out.mkdir(parents=True, exist_ok=True)
         if not resume:
             (out / "comparison.yaml").write_text(dump(cfg))
-        fd = build(data_spec(cfg))  # one partition for all: same clients, same samples
         summaries, curves = [], {}
         for v in variants:
             sub = out / dir_name(v.name)

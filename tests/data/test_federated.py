@@ -1,0 +1,119 @@
+"""FederatedData on real data: hashes, cache, save/load, the partition CLI and its error paths."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import fedmosaic.data.federated as federated
+from fedmosaic.cli.main import main
+from fedmosaic.data.federated import FederatedData, PartitionSpec, build
+from fedmosaic.errors import FedMosaicError
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def partition(tmp_path, name, *args):
+    out = tmp_path / name
+    assert main(["partition", *args, "--out", str(out)]) == 0
+    return out
+
+
+def test_mnist_dirichlet_cli_summary_png_and_stable_hash(tmp_path, capsys):
+    args = ("--dataset", "mnist", "--clients", "100", "--scheme", "dirichlet", "--alpha", "0.1", "--seed", "0")
+    a = partition(tmp_path, "a", *args)
+    first = capsys.readouterr().out
+    assert "clients      100" in first and "entropy" in first and "median" in first
+    assert (a / "partition.png").read_bytes()[:8] == PNG_MAGIC
+    b = partition(tmp_path, "b", *args)
+    second = capsys.readouterr().out
+    hash_of = lambda text: next(l for l in text.splitlines() if l.startswith("hash")).split()[-1]  # noqa: E731
+    assert hash_of(first) == hash_of(second)
+    partition(tmp_path, "c", *args[:-1], "1")
+    assert hash_of(capsys.readouterr().out) != hash_of(first)
+    fa, fb = FederatedData.load(a), FederatedData.load(b)
+    assert fa.hash == fb.hash and fa.num_clients == 100
+    assert all(np.array_equal(fa.src[s], fb.src[s]) for s in ("train", "test"))
+
+
+def test_dirichlet_alpha_001_with_1000_clients_finishes_in_seconds(tmp_path, capsys):
+    t0 = time.perf_counter()
+    out = partition(tmp_path, "d", "--dataset", "mnist", "--clients", "1000", "--scheme", "dirichlet",
+                    "--alpha", "0.01")
+    assert time.perf_counter() - t0 < 30
+    fd = FederatedData.load(out)
+    assert fd.sizes().min() >= 10 and fd.sizes().sum() == 60000
+
+
+def test_apfl_mnist_generator_matches_paper_total_and_mean():
+    """APFL/FedProx table: 1000 clients, 69,035 samples, mean 69 (std: see docs/results.md)."""
+    fd = build(PartitionSpec("mnist", None, {"scheme": "apfl_mnist"}, "all", 0.1, 0.0, 0))
+    sizes = fd.sizes("train") + fd.sizes("test")
+    assert fd.num_clients == 1000
+    assert sizes.sum() == pytest.approx(69035, rel=0.1)
+    assert sizes.mean() == pytest.approx(69, rel=0.1)
+    # every user holds exactly its two digits, 90/10 split per user
+    counts = fd.summary("train")["counts"]
+    u = np.arange(1000)
+    assert (counts[u, u % 10] > 0).all() and (counts[u, (u + 1) % 10] > 0).all()
+    assert ((counts > 0).sum(1) == 2).all()
+    # FedProx keeps int(0.9 n) for training, so small users hold out a little more than 10%
+    assert fd.sizes("test").sum() == pytest.approx(0.1 * sizes.sum(), rel=0.1)
+
+
+def test_cache_is_reused_and_invalid_partition_dirs_are_refused(tmp_path, monkeypatch):
+    spec = PartitionSpec("usps", 20, {"scheme": "shards", "shards_per_client": 2}, seed=4)
+    first = build(spec)
+    monkeypatch.setattr(federated, "compute", lambda *a: pytest.fail("recomputed instead of loading the cache"))
+    again = build(spec)
+    assert again.hash == first.hash
+    # shards also shard the test set with the same label table
+    test_labels = [set(np.unique(again.client(k, "test")[1])) for k in range(20)]
+    train_labels = [set(np.unique(again.client(k, "train")[1])) for k in range(20)]
+    assert test_labels == train_labels
+
+
+def test_save_never_replaces_a_different_partition(tmp_path):
+    a = build(PartitionSpec("digits", 10, {"scheme": "iid"}, seed=0))
+    b = build(PartitionSpec("digits", 10, {"scheme": "iid"}, seed=1))
+    a.save(tmp_path / "p")
+    before = (tmp_path / "p" / "partition.npz").read_bytes()
+    with pytest.raises(FedMosaicError, match="different partition"):
+        b.save(tmp_path / "p")
+    assert (tmp_path / "p" / "partition.npz").read_bytes() == before
+    a.save(tmp_path / "p")  # the identical partition is fine
+
+
+def test_views_not_copies_and_client_ranges():
+    fd = build(PartitionSpec("digits", 10, {"scheme": "dirichlet", "alpha": 0.5}, client_test=0.25, seed=0))
+    x, y = fd.client(3)
+    assert np.shares_memory(x, fd.x["train"])
+    assert len(x) == fd.sizes()[3] and fd.ptr["train"][-1] == len(fd.y["train"])
+    assert fd.sizes("test").sum() > 0 and fd.x_global is not None
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--dataset", "mnist", "--clients", "10", "--scheme", "dirichlet", "--alpha", "-1"], "partition.alpha"),
+    (["--dataset", "mnist", "--clients", "10", "--scheme", "label_k", "--k", "11"], "k"),
+    (["--dataset", "imagenet21k", "--clients", "10"], "unknown dataset 'imagenet21k'"),
+    (["--dataset", "mnist", "--clients", "10", "--scheme", "voronoi"], "partition.scheme: unknown 'voronoi'"),
+    (["--dataset", "digits", "--clients", "5000", "--scheme", "iid"], "n_clients"),
+    (["--dataset", "digits", "--clients", "500", "--scheme", "shards", "--shards", "10"], "shards"),
+])
+def test_partition_errors_are_one_line(args, needle, tmp_path, capsys):
+    assert main(["partition", *args, "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and needle in err and "Traceback" not in err
+    assert not (tmp_path / "x").exists()
+
+
+def test_entry_point_reports_errors_without_traceback(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "fedmosaic.cli.main", "partition", "--dataset", "mnist",
+                        "--clients", "10", "--scheme", "dirichlet", "--alpha", "0"],
+                       capture_output=True, text=True, cwd=tmp_path)
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "partition.alpha" in r.stderr
