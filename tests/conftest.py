@@ -37,6 +37,17 @@ def blobs(n_train=600, n_test=200, classes=5, shape=(1, 6, 6), seed=0):
     return ArrayDataset("blobs", xtr, ytr, xte, yte, [f"c{i}" for i in range(classes)])
 
 
+def _register_blobs():
+    """Users plug in their own data the same way: a DatasetSpec whose reader returns an ArrayDataset."""
+    from fedmosaic.data.registry import REGISTRY, DatasetSpec, Layout, register
+
+    if "blobs" not in REGISTRY:
+        register(DatasetSpec("blobs", ".", (Layout("generated", (), lambda folder: blobs()),), builtin=True))
+
+
+_register_blobs()
+
+
 @pytest.fixture(scope="session")
 def blob_data():
     return blobs()
