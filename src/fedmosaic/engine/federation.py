@@ -52,16 +52,27 @@ class Federation:
         self.fd = fd if fd is not None else build(data_spec(cfg))
         dev = torch.device(cfg.engine.device)
         self.vectorize = cfg.engine.backend == "vectorized"
+        normalize = make_normalizer(cfg.data.normalize, self.fd.x["train"], dev)
+        arrays = [self.fd.x[s] for s in ("train", "val", "test")]
+        if self.fd.x_global is not None:
+            arrays.append(self.fd.x_global)
+        # Normalise everything once up front when it fits the budget, rather than at every step.
+        preload = sum(a.size for a in arrays) * 4 <= cfg.engine.preload_mb * 2**20
+        self.transform = (lambda x: x) if preload else normalize
+
+        def tensor(x):
+            t = torch.as_tensor(x, device=dev)
+            if not preload:
+                return t
+            return torch.cat([normalize(t[i : i + 8192]) for i in range(0, len(t), 8192)]) if len(t) else t.float()
+
         self.split = {
-            s: ClientTensors(torch.as_tensor(self.fd.x[s], device=dev), torch.as_tensor(self.fd.y[s], device=dev),
-                             self.fd.ptr[s])
+            s: ClientTensors(tensor(self.fd.x[s]), torch.as_tensor(self.fd.y[s], device=dev), self.fd.ptr[s])
             for s in ("train", "val", "test")
         }
         self.global_test = None
         if self.fd.x_global is not None:
-            self.global_test = (torch.as_tensor(self.fd.x_global, device=dev),
-                                torch.as_tensor(self.fd.y_global, device=dev))
-        self.transform = make_normalizer(cfg.data.normalize, self.fd.x["train"], dev)
+            self.global_test = (tensor(self.fd.x_global), torch.as_tensor(self.fd.y_global, device=dev))
         self.num_clients = self.fd.num_clients
 
         algo_cls = ALGORITHMS[cfg.algorithm.name]

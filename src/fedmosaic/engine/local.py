@@ -99,33 +99,40 @@ class LocalTrainer:
         n = len(clients)
         positions, valid, steps = batch_plan(data.sizes, clients, epochs, batch, seed, round_idx)
         params = self._init(payload, states, torch.arange(n))
+        start = data.ptr[clients][:, None, None]
+        # per step and client: the rows of its batch (padding points at a real row and is masked out); step-major,
+        # so that a step's slice is contiguous (torch.compile guards on strides)
+        rows = torch.as_tensor(np.where(valid, start + positions, start).transpose(1, 0, 2).copy())
+        masks = torch.as_tensor(valid.transpose(1, 0, 2), dtype=torch.float32).contiguous()
         loss_sum = torch.zeros(n)
         acc_sum = None
-        start = data.ptr[clients]
         active = np.arange(n)
-        # the active clients' rows of (params, optimiser state, client state); the full trees while all are active
+        ia = torch.as_tensor(active)
+        # the active clients' rows of everything that is indexed by client; the full trees while all are active
         packed = (params, optim.init_state(self.opt, params), states)
+        finish_at = set(steps.tolist())
+        s0 = 0  # rows/masks start at step s0
         for s in range(int(steps.max()) if n else 0):
-            now = np.flatnonzero(steps > s)
-            if len(now) < len(active):  # some clients finished: write their rows back, keep only the rest
+            if s in finish_at:  # some clients finished (or never had data): write their rows back, keep only the rest
+                now = np.flatnonzero(steps > s)
                 if len(active) < n:
-                    put(params, torch.as_tensor(active), packed[0])
+                    put(params, ia, packed[0])
                 keep = torch.as_tensor(np.searchsorted(active, now))
                 packed = tuple(take(t, keep) for t in packed)
-                active = now
-            ok = valid[active, s]
-            rows = torch.as_tensor(np.where(ok, start[active, None] + positions[active, s], start[active, None]))
-            x, y, m = self.transform(data.x[rows]), data.y[rows], torch.as_tensor(ok, dtype=torch.float32)
-            grads, loss, acc = self._mapped_grads(packed[0], packed[2], payload, x, y, m)
+                # only the steps still to come: repacking then costs O(what remains), not O(the whole plan)
+                rows, masks = rows[s - s0 :].index_select(1, keep), masks[s - s0 :].index_select(1, keep)
+                active, ia, s0 = now, torch.as_tensor(now), s
+            r = rows[s - s0]
+            grads, loss, acc = self._mapped_grads(packed[0], packed[2], payload, self.transform(data.x[r]),
+                                                  data.y[r], masks[s - s0])
             optim.update_(self.opt, packed[0], grads, packed[1], lr, s)
-            ia = torch.as_tensor(active)
             loss_sum.index_add_(0, ia, loss)
             if acc:
                 if acc_sum is None:
                     acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype), acc)
                 tmap(lambda a, b: a.index_add_(0, ia, b), acc_sum, acc)
         if len(active) < n:
-            put(params, torch.as_tensor(active), packed[0])
+            put(params, ia, packed[0])
         stats = {
             "n": torch.as_tensor(data.sizes[clients], dtype=torch.float32),
             "steps": torch.as_tensor(steps, dtype=torch.float32),
