@@ -76,6 +76,7 @@ class EngineConfig(Strict):
     chunk_size: int = Field(128, ge=1, description="clients trained at once on the vectorized path (bounds memory)")
     device: str = "cpu"
     compile: bool = Field(False, description="torch.compile the mapped gradient step (vectorized backend only)")
+    fuse_steps: int = Field(8, ge=1, description="with compile: local steps per compiled call (fewer Python round trips)")
     preload_mb: int = Field(2048, ge=0, description="normalise the data once up front if it fits in this many MiB")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
 

@@ -20,9 +20,9 @@ def test_matches_torch_optim_per_client(cfg, make):
     init = torch.randn(n, *shape, generator=g)
     grads = [torch.randn(n, *shape, generator=g) for _ in range(6)]
     stacked = {"w": init.clone()}
-    state = optim.init_state(cfg, stacked)
+    state = optim.init_state(cfg, [stacked["w"]])
     for s, gr in enumerate(grads):
-        optim.update_(cfg, stacked, {"w": gr}, state, cfg.lr, s)
+        optim.update_(cfg, [stacked["w"]], [gr], state, cfg.lr, s)
     for i in range(n):
         w = torch.nn.Parameter(init[i].clone())
         opt = make([w])

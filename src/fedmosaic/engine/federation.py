@@ -87,7 +87,8 @@ class Federation:
             one = self.algo.init_client(self.server, g.init)
             g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
             g.trainer = LocalTrainer(self.algo, g.module, cfg.train.optimizer, cfg.model.task_loss, self.transform,
-                                     self.vectorize, cfg.engine.chunk_size, cfg.engine.compile)
+                                     self.vectorize, cfg.engine.chunk_size, cfg.engine.compile,
+                                     cfg.engine.fuse_steps)
         self.group_of = np.zeros(self.num_clients, dtype=np.int64)
         self.row_of = np.zeros(self.num_clients, dtype=np.int64)
         for g in self.groups:

@@ -19,7 +19,7 @@ from ..algorithms.terms import LocalContext
 from . import optim
 from .mapping import for_each_client
 from .seeding import batch_plan
-from .tree import put, take, tmap
+from .tree import leaves, put, take, tmap
 
 
 @dataclass
@@ -50,11 +50,13 @@ class LocalTrainer:
     """
 
     def __init__(self, algo: Algorithm, module: torch.nn.Module, opt: optim.OptimizerConfig, task_loss: str,
-                 transform, vectorize: bool = True, chunk_size: int = 128, compile: bool = False):
+                 transform, vectorize: bool = True, chunk_size: int = 128, compile: bool = False,
+                 fuse_steps: int = 1):
         self.algo, self.module, self.opt, self.task_loss = algo, module, opt, task_loss
         self.transform = transform
         self.chunk_size = chunk_size
         self.compile = compile and vectorize
+        self.fuse = fuse_steps if self.compile else 1
         each = lambda fn, dims, fresh=False: for_each_client(fn, dims, vectorize, fresh)  # noqa: E731
         self._init = each(self._local_init, (None, 0, 0), fresh=True)
         self._grads = each(self._client_grads, (0, 0, None, 0, 0, 0))
@@ -62,6 +64,7 @@ class LocalTrainer:
             import torch._dynamo
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            self._fused = torch.compile(self._k_steps, dynamic=False)
             self._grads = torch.compile(self._grads, dynamic=False)
         self._finish = each(algo.finish, (0, 0, None, 0), fresh=True)
 
@@ -109,10 +112,13 @@ class LocalTrainer:
         active = np.arange(n)
         ia = torch.as_tensor(active)
         # the active clients' rows of everything that is indexed by client; the full trees while all are active
-        packed = (params, optim.init_state(self.opt, params), states)
+        packed = (params, optim.init_state(self.opt, leaves(params)), states)
+        flat = leaves(packed[0])  # the optimiser works on flat leaf lists (no tree walk per step)
         finish_at = set(steps.tolist())
+        S = int(steps.max()) if n else 0
+        block0 = fused_until = 0  # steps block0..fused_until-1 run in fused blocks of ``self.fuse``
         s0 = 0  # rows/masks start at step s0
-        for s in range(int(steps.max()) if n else 0):
+        for s in range(S):
             if s in finish_at:  # some clients finished (or never had data): write their rows back, keep only the rest
                 now = np.flatnonzero(steps > s)
                 if len(active) < n:
@@ -122,10 +128,22 @@ class LocalTrainer:
                 # only the steps still to come: repacking then costs O(what remains), not O(the whole plan)
                 rows, masks = rows[s - s0 :].index_select(1, keep), masks[s - s0 :].index_select(1, keep)
                 active, ia, s0 = now, torch.as_tensor(now), s
-            r = rows[s - s0]
-            grads, loss, acc = self._mapped_grads(packed[0], packed[2], payload, self.transform(data.x[r]),
-                                                  data.y[r], masks[s - s0])
-            optim.update_(self.opt, packed[0], grads, packed[1], lr, s)
+                flat = leaves(packed[0])
+            if self.fuse > 1 and s >= fused_until:
+                nxt = min([f for f in finish_at if f > s], default=S)
+                block0, fused_until = s, s + (nxt - s) // self.fuse * self.fuse
+            if s < fused_until:  # K steps in one compiled call: the active set cannot change inside them
+                if (s - block0) % self.fuse:
+                    continue  # already taken by the fused call that started at an earlier step
+                r = rows[s - s0 : s - s0 + self.fuse]
+                loss, acc = self._bucketed(self._fused, packed[0], packed[1], packed[2], payload,
+                                           self.transform(data.x[r]), data.y[r], masks[s - s0 : s - s0 + self.fuse],
+                                           torch.tensor(lr), torch.tensor(s))
+            else:
+                r = rows[s - s0]
+                grads, loss, acc = self._bucketed(self._grads, packed[0], packed[2], payload,
+                                                  self.transform(data.x[r]), data.y[r], masks[s - s0])
+                optim.update_(self.opt, flat, leaves(grads), packed[1], lr, s)
             loss_sum.index_add_(0, ia, loss)
             if acc:
                 if acc_sum is None:
@@ -143,12 +161,39 @@ class LocalTrainer:
         mean_loss = loss_sum / torch.as_tensor(np.maximum(steps, 1), dtype=torch.float32)
         return uploads, new_states, mean_loss, steps
 
-    def _mapped_grads(self, params, state, payload, x, y, mask):
-        n = len(y)
+    def _k_steps(self, params, opt_state, state, payload, xs, ys, ms, lr, step):
+        """``len(xs)`` consecutive steps of the packed clients (compiled as one graph; updates in place)."""
+        loss_sum, acc_sum = 0, None
+        flat = leaves(params)
+        for k in range(len(xs)):
+            grads, loss, acc = self._grads(params, state, payload, xs[k], ys[k], ms[k])
+            optim.update_(self.opt, flat, leaves(grads), opt_state, lr, step + k)
+            loss_sum = loss_sum + loss
+            acc_sum = acc if acc_sum is None else tmap(torch.add, acc_sum, acc)
+        return loss_sum, acc_sum
+
+    def _bucketed(self, fn, *args):
+        """Call ``fn`` on the packed clients, padded to a power of two when compiled (few shapes, few compiles).
+
+        Client-indexed arguments are trees whose leaves have the clients on axis 0, except the per-step data of a
+        fused call, which is [K, clients, ...]; padding rows repeat client 0 with an all-zero mask.
+        """
+        n = len(args[-1]) if fn is self._grads else args[-3].shape[1]
         if not self.compile or n & (n - 1) == 0:
-            return self._grads(params, state, payload, x, y, mask)
-        pad = torch.zeros(1 << n.bit_length(), dtype=torch.long)
-        pad[:n] = torch.arange(n)  # padding rows repeat client 0 with an all-zero mask
-        grads, loss, acc = self._grads(take(params, pad), take(state, pad), payload, x[pad], y[pad],
-                                       torch.cat([mask, mask.new_zeros(len(pad) - n, mask.shape[1])]))
-        return tmap(lambda t: t[:n], (grads, loss, acc))
+            return fn(*args)
+        size = 1 << n.bit_length()
+        pad = torch.zeros(size, dtype=torch.long)
+        pad[:n] = torch.arange(n)
+        if fn is self._grads:
+            params, state, payload, x, y, m = args
+            m = torch.cat([m, m.new_zeros(size - n, m.shape[1])])
+            out = fn(take(params, pad), take(state, pad), payload, x[pad], y[pad], m)
+            return tmap(lambda t: t[:n], out)
+        params, opt_state, state, payload, xs, ys, ms, lr, step = args
+        ms = torch.cat([ms, ms.new_zeros(ms.shape[0], size - n, ms.shape[2])], 1)
+        p, o = take(params, pad), take(opt_state, pad)
+        out = fn(p, o, take(state, pad), payload, xs[:, pad], ys[:, pad], ms, lr, step)
+        keep = torch.arange(n)
+        put(params, keep, take(p, keep))
+        put(opt_state, keep, take(o, keep))
+        return tmap(lambda t: t[:n], out)

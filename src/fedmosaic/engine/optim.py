@@ -14,7 +14,6 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from .tree import leaves
 
 
 class OptimizerConfig(BaseModel):
@@ -33,9 +32,9 @@ class OptimizerConfig(BaseModel):
         return self.lr * self.lr_decay**round_idx
 
 
-def init_state(cfg: OptimizerConfig, params) -> dict:
+def init_state(cfg: OptimizerConfig, params: list) -> dict:
     """Fresh state for a round (momentum restarts every round, as in FedNTD's setting)."""
-    zeros = lambda: [torch.zeros_like(p) for p in leaves(params)]  # noqa: E731
+    zeros = lambda: [torch.zeros_like(p) for p in params]  # noqa: E731
     if cfg.name == "adam":
         return {"m": zeros(), "v": zeros()}
     if cfg.momentum > 0:
@@ -43,10 +42,13 @@ def init_state(cfg: OptimizerConfig, params) -> dict:
     return {}
 
 
-@torch.no_grad()
-def update_(cfg: OptimizerConfig, params, grads, state: dict, lr: float, step: int) -> None:
-    """One step, in place on ``params`` and ``state``; ``step`` counts from 0 within the round."""
-    ps, gs = leaves(params), list(leaves(grads))
+def update_(cfg: OptimizerConfig, params: list, grads: list, state: dict, lr, step) -> None:
+    """One step, in place on the leaf lists ``params`` and ``state``; ``step`` counts from 0 within the round.
+
+    ``lr`` and ``step`` may be 0-d tensors, so that a compiled multi-step function neither branches on them nor
+    recompiles when they change. Gradients come from torch.func and carry no graph: no ``no_grad`` needed.
+    """
+    ps, gs = params, grads
     if cfg.weight_decay:
         gs = torch._foreach_add(gs, ps, alpha=cfg.weight_decay)
     if cfg.name == "adam":
@@ -59,14 +61,17 @@ def update_(cfg: OptimizerConfig, params, grads, state: dict, lr: float, step: i
         denom = torch._foreach_sqrt(v)
         torch._foreach_div_(denom, c2**0.5)
         torch._foreach_add_(denom, cfg.eps)
-        torch._foreach_addcdiv_(ps, m, denom, value=-lr / c1)
+        upd = torch._foreach_div(m, denom)
+        torch._foreach_mul_(upd, -lr / c1)
+        torch._foreach_add_(ps, upd)
         return
     if cfg.momentum > 0:
         buf = state["buf"]
-        if step == 0:
-            torch._foreach_copy_(buf, gs)
-        else:
-            torch._foreach_mul_(buf, cfg.momentum)
-            torch._foreach_add_(buf, gs)
+        # buf = mu * buf + g, seeded with g at the first step (torch.optim.SGD); no branch on ``step``
+        torch._foreach_mul_(buf, cfg.momentum * (step > 0))
+        torch._foreach_add_(buf, gs)
         gs = torch._foreach_add(gs, buf, alpha=cfg.momentum) if cfg.nesterov else buf
-    torch._foreach_add_(ps, gs, alpha=-lr)
+    if isinstance(lr, torch.Tensor):
+        torch._foreach_add_(ps, torch._foreach_mul(gs, -lr))
+    else:
+        torch._foreach_add_(ps, gs, alpha=-lr)
