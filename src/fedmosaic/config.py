@@ -8,6 +8,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from .engine.augment import AugmentConfig
 from .engine.optim import OptimizerConfig
 from .errors import ConfigError
 
@@ -28,6 +29,7 @@ class DataConfig(Strict):
     normalize: Literal["channel", "pixel", "none"] = Field(
         "channel", description="z-score inputs per channel, per pixel/feature (FedProx/APFL MNIST), or not at all"
     )
+    augment: AugmentConfig = Field(default_factory=AugmentConfig, description="training-time augmentation")
     seed: int | None = Field(None, description="partition seed; defaults to the run seed")
     classes: list[int] | None = Field(None, description="keep only these class ids, relabelled 0..k-1 in this order")
 

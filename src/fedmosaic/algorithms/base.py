@@ -26,15 +26,22 @@ class Algorithm:
     Config: ClassVar[type[AlgoConfig]] = AlgoConfig
     #: True when the server keeps one model that every client trains (so all clients need one architecture).
     global_model: ClassVar[bool] = True
+    #: After local training, the engine evaluates minibatch gradients at the final local parameters on this many
+    #: samples (the client's first batches) and passes their mean square to ``finish`` as ``stats["grad_sq"]``.
+    post_grad_samples: ClassVar[int] = 0
 
     def __init__(self, cfg: AlgoConfig | None = None):
         self.cfg = cfg if cfg is not None else self.Config()
         self.num_classes = 0
         self.feature_dim = 0
+        self.num_clients = 0
+        self.optimizer = None
 
-    def bind(self, num_classes: int, feature_dim: int) -> None:
-        """Told by the engine before ``init_server``: the task's class count and the models' feature size."""
+    def bind(self, num_classes: int, feature_dim: int, num_clients: int, optimizer) -> None:
+        """Told by the engine before ``init_server``: the class count, the models' feature size, the number of
+        clients in the federation and the local optimiser's config (FedNova and SCAFFOLD need its momentum)."""
         self.num_classes, self.feature_dim = num_classes, feature_dim
+        self.num_clients, self.optimizer = num_clients, optimizer
 
     # ---- server side -------------------------------------------------------------------------------
     def init_server(self, init_params: list[dict]) -> dict:
@@ -70,7 +77,11 @@ class Algorithm:
         return {}
 
     def finish(self, params: dict, state: dict, payload: dict, stats: dict) -> tuple[dict, dict]:
-        """After local training: (upload, new persistent state). ``stats``: n, steps, lr, and accumulated sums."""
+        """After local training: (upload, new persistent state).
+
+        ``stats`` (per client): ``n`` train samples, ``steps`` local steps taken, ``lr``, ``acc`` (the sums of
+        :meth:`accumulate`) and, when ``post_grad_samples`` is set, ``grad_sq``.
+        """
         return {"model": params["model"]}, state
 
     # ---- evaluation -------------------------------------------------------------------------------

@@ -81,14 +81,14 @@ class Federation:
         dims = {g.module.feature_dim for g in self.groups}
         if len(dims) > 1:
             raise ConfigError(f"model.heterogeneous: all architectures must share one feature size (got {sorted(dims)})")
-        self.algo.bind(self.fd.num_classes, dims.pop())
+        self.algo.bind(self.fd.num_classes, dims.pop(), self.fd.num_clients, cfg.train.optimizer)
         self.server = self.algo.init_server([g.init for g in self.groups])
         for g in self.groups:
             one = self.algo.init_client(self.server, g.init)
             g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
             g.trainer = LocalTrainer(self.algo, g.module, cfg.train.optimizer, cfg.model.task_loss, self.transform,
                                      self.vectorize, cfg.engine.chunk_size, cfg.engine.compile,
-                                     cfg.engine.fuse_steps)
+                                     cfg.engine.fuse_steps, cfg.data.augment)
         self.group_of = np.zeros(self.num_clients, dtype=np.int64)
         self.row_of = np.zeros(self.num_clients, dtype=np.int64)
         for g in self.groups:
@@ -117,6 +117,11 @@ class Federation:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
                 module = build_model(name, shape, C, **options).to(dev)
+            if any(True for _ in module.buffers()):
+                raise ConfigError(
+                    f"model {name!r} has buffers (e.g. BatchNorm running statistics), which are not kept per client "
+                    "yet; use a GroupNorm variant"
+                )
             groups.append(Group(gid, module, np.flatnonzero(owner == gid)))
         return [g for g in groups if len(g.clients)]
 

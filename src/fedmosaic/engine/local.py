@@ -18,6 +18,8 @@ from ..algorithms.base import Algorithm
 from ..algorithms.terms import LocalContext
 from . import optim
 from .mapping import for_each_client
+from . import augment
+from .augment import AugmentConfig
 from .seeding import batch_plan
 from .tree import leaves, put, take, tmap
 
@@ -45,27 +47,31 @@ class LocalTrainer:
     Per step: the per-client gradient function (objective = the algorithm's terms) is mapped over the active
     clients — ``vmap`` on the fast path, a Python loop on the sequential one — and the optimiser then updates the
     stacked parameters of all of them in one in-place operation. With ``compile``, the mapped gradient function is
-    compiled with ``torch.compile``; the number of active clients is then padded to a power of two (padding rows are
-    masked out and discarded) so that a run compiles a handful of shapes rather than one per cohort size.
+    compiled with ``torch.compile``, and runs of ``fuse_steps`` steps during which no client finishes are compiled
+    as one call (gradients and updates), which removes most of the per-step Python overhead that dominates long
+    runs of tiny steps. The number of active clients is then padded to a power of two (padding rows are masked out
+    and discarded) so that a run compiles a handful of shapes rather than one per cohort size.
     """
 
     def __init__(self, algo: Algorithm, module: torch.nn.Module, opt: optim.OptimizerConfig, task_loss: str,
                  transform, vectorize: bool = True, chunk_size: int = 128, compile: bool = False,
-                 fuse_steps: int = 1):
+                 fuse_steps: int = 1, augment: AugmentConfig | None = None):
         self.algo, self.module, self.opt, self.task_loss = algo, module, opt, task_loss
         self.transform = transform
+        self.augment = augment if augment is not None and augment.active else None
         self.chunk_size = chunk_size
         self.compile = compile and vectorize
         self.fuse = fuse_steps if self.compile else 1
         each = lambda fn, dims, fresh=False: for_each_client(fn, dims, vectorize, fresh)  # noqa: E731
         self._init = each(self._local_init, (None, 0, 0), fresh=True)
-        self._grads = each(self._client_grads, (0, 0, None, 0, 0, 0))
+        self._map_grads = each(self._client_grads, (0, 0, None, 0, 0, 0))
+        self._grads = self._map_grads
         if self.compile:
             import torch._dynamo
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self._fused = torch.compile(self._k_steps, dynamic=False)
-            self._grads = torch.compile(self._grads, dynamic=False)
+            self._grads = torch.compile(self._map_grads, dynamic=False)
         self._finish = each(algo.finish, (0, 0, None, 0), fresh=True)
 
     def apply(self, params, x):
@@ -103,10 +109,14 @@ class LocalTrainer:
         positions, valid, steps = batch_plan(data.sizes, clients, epochs, batch, seed, round_idx)
         params = self._init(payload, states, torch.arange(n))
         start = data.ptr[clients][:, None, None]
-        # per step and client: the rows of its batch (padding points at a real row and is masked out); step-major,
-        # so that a step's slice is contiguous (torch.compile guards on strides)
+        # per step and client: the rows of its batch (padding points at a real row and is masked out), and the
+        # augmentation draws. Step-major, so that a step's slice is contiguous (torch.compile guards on strides).
         rows = torch.as_tensor(np.where(valid, start + positions, start).transpose(1, 0, 2).copy())
         masks = torch.as_tensor(valid.transpose(1, 0, 2), dtype=torch.float32).contiguous()
+        plan = [rows, masks]
+        if self.augment is not None:
+            plan.append(augment.draw(self.augment, clients, rows.shape[0], batch, data.x.shape[1:], seed, round_idx))
+        post = self._post_plan(rows, masks, batch)
         loss_sum = torch.zeros(n)
         acc_sum = None
         active = np.arange(n)
@@ -126,7 +136,7 @@ class LocalTrainer:
                 keep = torch.as_tensor(np.searchsorted(active, now))
                 packed = tuple(take(t, keep) for t in packed)
                 # only the steps still to come: repacking then costs O(what remains), not O(the whole plan)
-                rows, masks = rows[s - s0 :].index_select(1, keep), masks[s - s0 :].index_select(1, keep)
+                plan = [t[s - s0 :].index_select(1, keep) for t in plan]
                 active, ia, s0 = now, torch.as_tensor(now), s
                 flat = leaves(packed[0])
             if self.fuse > 1 and s >= fused_until:
@@ -135,14 +145,12 @@ class LocalTrainer:
             if s < fused_until:  # K steps in one compiled call: the active set cannot change inside them
                 if (s - block0) % self.fuse:
                     continue  # already taken by the fused call that started at an earlier step
-                r = rows[s - s0 : s - s0 + self.fuse]
-                loss, acc = self._bucketed(self._fused, packed[0], packed[1], packed[2], payload,
-                                           self.transform(data.x[r]), data.y[r], masks[s - s0 : s - s0 + self.fuse],
+                x, y, m = self._batch(data, plan, slice(s - s0, s - s0 + self.fuse))
+                loss, acc = self._bucketed(self._fused, packed[0], packed[1], packed[2], payload, x, y, m,
                                            torch.tensor(lr), torch.tensor(s))
             else:
-                r = rows[s - s0]
-                grads, loss, acc = self._bucketed(self._grads, packed[0], packed[2], payload,
-                                                  self.transform(data.x[r]), data.y[r], masks[s - s0])
+                x, y, m = self._batch(data, plan, s - s0)
+                grads, loss, acc = self._bucketed(self._grads, packed[0], packed[2], payload, x, y, m)
                 optim.update_(self.opt, flat, leaves(grads), packed[1], lr, s)
             loss_sum.index_add_(0, ia, loss)
             if acc:
@@ -152,6 +160,7 @@ class LocalTrainer:
         if len(active) < n:
             put(params, ia, packed[0])
         stats = {
+            **self._post_grads(data, post, params, states, payload),
             "n": torch.as_tensor(data.sizes[clients], dtype=torch.float32),
             "steps": torch.as_tensor(steps, dtype=torch.float32),
             "lr": torch.full((n,), float(lr)),
@@ -161,12 +170,38 @@ class LocalTrainer:
         mean_loss = loss_sum / torch.as_tensor(np.maximum(steps, 1), dtype=torch.float32)
         return uploads, new_states, mean_loss, steps
 
+    def _batch(self, data, plan, at):
+        """Inputs, labels and mask of the step(s) ``at`` of the packed plan, transformed and augmented."""
+        r = plan[0][at]
+        x = self.transform(data.x[r])
+        if self.augment is not None:
+            x = augment.apply(self.augment, x, plan[2][at])
+        return x, data.y[r], plan[1][at]
+
+    def _post_plan(self, rows, masks, batch):
+        """The first batches of the plan, kept for the algorithm's post-training gradients (e.g. FedCurv)."""
+        m = -(-self.algo.post_grad_samples // batch)
+        return (rows[:m].clone(), masks[:m].clone()) if m else None
+
+    def _post_grads(self, data, post, params, states, payload) -> dict:
+        """Mean over those batches of the squared minibatch gradient at the final local parameters."""
+        if post is None or not len(post[0]):
+            return {}
+        total, count = None, torch.zeros(len(post[1][0]))
+        for r, m in zip(*post):
+            grads, _, _ = self._map_grads(params, states, payload, self.transform(data.x[r]), data.y[r], m)
+            has = (m.sum(1) > 0).to(m.dtype)
+            sq = tmap(lambda g: g * g * has.view(-1, *([1] * (g.dim() - 1))), grads)
+            total = sq if total is None else tmap(torch.add, total, sq)
+            count += has
+        return {"grad_sq": tmap(lambda t: t / count.clamp(min=1).view(-1, *([1] * (t.dim() - 1))), total)}
+
     def _k_steps(self, params, opt_state, state, payload, xs, ys, ms, lr, step):
         """``len(xs)`` consecutive steps of the packed clients (compiled as one graph; updates in place)."""
         loss_sum, acc_sum = 0, None
         flat = leaves(params)
         for k in range(len(xs)):
-            grads, loss, acc = self._grads(params, state, payload, xs[k], ys[k], ms[k])
+            grads, loss, acc = self._map_grads(params, state, payload, xs[k], ys[k], ms[k])
             optim.update_(self.opt, flat, leaves(grads), opt_state, lr, step + k)
             loss_sum = loss_sum + loss
             acc_sum = acc if acc_sum is None else tmap(torch.add, acc_sum, acc)

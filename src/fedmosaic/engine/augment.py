@@ -1,0 +1,67 @@
+"""Training-time augmentation as batched tensor ops: random crop with zero padding, horizontal flip, cutout.
+
+The random parameters of every (client, step, sample) are drawn up front from a generator seeded by (run seed,
+round, client) — like the batch order — so augmentation is identical on every backend and chunk size, and the ops
+themselves are plain indexing on the gathered batch (they run on any stack of clients at once). They are applied
+after normalisation, so padding and cutout fill with the normalised value 0 (the data mean), as FedNTD's cutout does.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from .seeding import AUGMENT, rng
+
+
+class AugmentConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    crop_padding: int = Field(0, ge=0, description="random crop of the original size after zero padding (0: off)")
+    flip: bool = Field(False, description="random horizontal flip with probability 1/2")
+    cutout: int = Field(0, ge=0, description="side of the square zeroed at a random centre (0: off)")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.crop_padding or self.flip or self.cutout)
+
+
+def draw(cfg: AugmentConfig, clients: np.ndarray, steps: int, batch: int, shape, seed: int, round_idx: int):
+    """Per client, step and sample: (crop dy, crop dx, flip, cutout cy, cutout cx), as int64 [S, n, B, 5]."""
+    _, h, w = shape
+    out = np.zeros((len(clients), steps, batch, 5), dtype=np.int64)
+    for i, k in enumerate(clients):
+        g = rng(seed, AUGMENT, round_idx, k)
+        size = (steps, batch)
+        out[i, ..., 0] = g.integers(0, 2 * cfg.crop_padding + 1, size)
+        out[i, ..., 1] = g.integers(0, 2 * cfg.crop_padding + 1, size)
+        out[i, ..., 2] = g.integers(0, 2, size) if cfg.flip else 0
+        out[i, ..., 3] = g.integers(0, h, size)
+        out[i, ..., 4] = g.integers(0, w, size)
+    return torch.as_tensor(out.transpose(1, 0, 2, 3).copy())
+
+
+def apply(cfg: AugmentConfig, x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
+    """Augment images ``x`` [..., C, H, W] with ``params`` [..., 5] from :func:`draw` (leading axes match)."""
+    lead = x.shape[:-3]
+    c, h, w = x.shape[-3:]
+    x = x.reshape(-1, c, h, w)
+    p = params.reshape(-1, 5)
+    n = x.shape[0]
+    ys, xs = torch.arange(h), torch.arange(w)
+    if cfg.crop_padding:
+        pad = cfg.crop_padding
+        xp = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+        iy = (p[:, 0, None] + ys)[:, None, :, None]  # [n, 1, H, 1]
+        ix = (p[:, 1, None] + xs)[:, None, None, :]  # [n, 1, 1, W]
+        x = xp[torch.arange(n)[:, None, None, None], torch.arange(c)[None, :, None, None], iy, ix]
+    if cfg.flip:
+        x = torch.where(p[:, 2, None, None, None] > 0, x.flip(-1), x)
+    if cfg.cutout:
+        # DeVries & Taylor: rows [cy - L/2, cy - L/2 + L), clipped at the border
+        dy = ys[None, :] - (p[:, 3, None] - cfg.cutout // 2)
+        dx = xs[None, :] - (p[:, 4, None] - cfg.cutout // 2)
+        hole = ((dy >= 0) & (dy < cfg.cutout))[:, :, None] & ((dx >= 0) & (dx < cfg.cutout))[:, None, :]
+        x = x.masked_fill(hole[:, None], 0.0)
+    return x.reshape(*lead, c, h, w)
