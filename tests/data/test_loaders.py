@@ -174,7 +174,7 @@ def test_registry_names_and_alias():
     get_spec("mnist")  # importing the loaders registers them
     assert set(dataset_names()) - {"blobs"} == {  # blobs: the test suite's own registered dataset
         "mnist", "fashion-mnist", "cifar10", "cifar100", "usps", "femnist", "office-caltech10", "vehicle",
-        "tiny-imagenet", "svhn", "digits",
+        "tiny-imagenet", "svhn", "digits", "cinic10",
     }
     assert get_spec("FMNIST") is get_spec("fashion-mnist")
 

@@ -213,3 +213,12 @@ def test_compiled_fused_steps_equal_eager(fd):
     eager = train(make_cfg(algorithm=algo, train__rounds=2), fd)
     comp = train(make_cfg(algorithm=algo, train__rounds=2, engine={"compile": True, "fuse_steps": 3}), fd)
     assert_trees_close(eager.server, comp.server, atol=1e-5)
+
+
+def test_augmented_training_is_the_same_on_both_paths_and_differs_from_plain(fd):
+    aug = {"crop_padding": 1, "flip": True, "cutout": 2}
+    seq = train(make_cfg(data__augment=aug, engine={"backend": "sequential"}, train__rounds=2), fd)
+    vec = train(make_cfg(data__augment=aug, engine={"chunk_size": 2}, train__rounds=2), fd)
+    plain = train(make_cfg(train__rounds=2), fd)
+    assert_trees_close(seq.server, vec.server)
+    assert not torch.allclose(leaves(vec.server["model"])[0], leaves(plain.server["model"])[0])

@@ -10,27 +10,41 @@ from .. import __version__
 from ..errors import FedMosaicError
 
 
+def _config_path(source: str) -> Path:
+    from ..presets import preset_names, preset_path
+
+    path = Path(source)
+    if path.is_file():
+        return path
+    found = preset_path(source)
+    if found is None:
+        raise FedMosaicError(f"config {source!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
+    return found
+
+
+def _algorithm_spec(text: str) -> str:
+    """``fedprox:mu=0.1,foo=2`` → a YAML flow mapping ``{name: fedprox, mu: 0.1, foo: 2}``."""
+    name, _, params = text.partition(":")
+    items = [f"name: {name}"] + [p.replace("=", ": ", 1) for p in params.split(",") if p]
+    return "{" + ", ".join(items) + "}"
+
+
 def _run(args) -> None:
     from ..config import load_config
-    from ..presets import preset_names, preset_path
-    from ..reports.compare import run_all, table
     from ..engine.runner import new_run_dir
+    from ..reports.compare import run_all, table
 
+    overrides = list(args.set)
+    if getattr(args, "algorithms", None):
+        overrides.append("compare=[" + ", ".join(_algorithm_spec(a) for a in args.algorithms) + "]")
     if args.resume:
         out = Path(args.resume)
         if not (out / "config.yaml").exists() and not (out / "comparison.yaml").exists():
             raise FedMosaicError(f"--resume: {out} is not a run directory")
         cfg = load_config(out / ("comparison.yaml" if (out / "comparison.yaml").exists() else "config.yaml"),
-                          args.set)
+                          overrides)
     else:
-        source = args.config or "quickstart"
-        path = Path(source)
-        if not path.is_file():
-            found = preset_path(source)
-            if found is None:
-                raise FedMosaicError(f"config {source!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
-            path = found
-        cfg = load_config(path, args.set)
+        cfg = load_config(_config_path(args.config or "quickstart"), overrides)
         out = Path(args.out) if args.out else new_run_dir(args.runs_dir, cfg.name)
     summaries = run_all(cfg, out, resume=bool(args.resume), progress=not args.no_progress)
     print(table(summaries))
@@ -106,13 +120,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command")
 
     r = sub.add_parser("run", help="run a config or preset (no argument: the quickstart comparison)")
-    r.add_argument("config", nargs="?", help="YAML file or preset name (default: quickstart)")
-    r.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.rounds=5")
-    r.add_argument("--out", help="run directory (must not exist yet)")
-    r.add_argument("--runs-dir", default="runs", help="where new run directories go (default: ./runs)")
-    r.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
-    r.add_argument("--no-progress", action="store_true", help="no progress bar")
-    r.set_defaults(fn=_run)
+    c = sub.add_parser("compare", help="several algorithms on one partition, cohorts and batch order; table + PNG")
+    for q in (r, c):
+        q.add_argument("config", nargs="?", help="YAML file or preset name (default: quickstart)")
+        q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.rounds=5")
+        q.add_argument("--out", help="run directory (must not exist yet)")
+        q.add_argument("--runs-dir", default="runs", help="where new run directories go (default: ./runs)")
+        q.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
+        q.add_argument("--no-progress", action="store_true", help="no progress bar")
+        q.set_defaults(fn=_run)
+    c.add_argument("--algorithms", nargs="+", required=True, metavar="NAME[:K=V,...]",
+                   help="e.g. fedavg fedprox:mu=0.1 fedntd:beta=1,tau=1")
 
     pt = sub.add_parser("partition", help="partition a dataset over clients, print a summary, save it with a PNG")
     pt.add_argument("--dataset", required=True)

@@ -27,18 +27,16 @@ class AugmentConfig(BaseModel):
         return bool(self.crop_padding or self.flip or self.cutout)
 
 
-def draw(cfg: AugmentConfig, clients: np.ndarray, steps: int, batch: int, shape, seed: int, round_idx: int):
-    """Per client, step and sample: (crop dy, crop dx, flip, cutout cy, cutout cx), as int64 [S, n, B, 5]."""
+def draw(cfg: AugmentConfig, clients: np.ndarray, steps: np.ndarray, batch: int, shape, seed: int, round_idx: int):
+    """Per client, step and sample: (crop dy, crop dx, flip, cutout cy, cutout cx), as int64 [S, n, B, 5].
+
+    Client i's draws cover its own ``steps[i]`` steps only, so they do not depend on who else is in the chunk.
+    """
     _, h, w = shape
-    out = np.zeros((len(clients), steps, batch, 5), dtype=np.int64)
+    high = np.array([2 * cfg.crop_padding + 1, 2 * cfg.crop_padding + 1, 2 if cfg.flip else 1, h, w])
+    out = np.zeros((len(clients), int(steps.max()) if len(clients) else 0, batch, 5), dtype=np.int64)
     for i, k in enumerate(clients):
-        g = rng(seed, AUGMENT, round_idx, k)
-        size = (steps, batch)
-        out[i, ..., 0] = g.integers(0, 2 * cfg.crop_padding + 1, size)
-        out[i, ..., 1] = g.integers(0, 2 * cfg.crop_padding + 1, size)
-        out[i, ..., 2] = g.integers(0, 2, size) if cfg.flip else 0
-        out[i, ..., 3] = g.integers(0, h, size)
-        out[i, ..., 4] = g.integers(0, w, size)
+        out[i, : steps[i]] = rng(seed, AUGMENT, round_idx, k).integers(0, high, (steps[i], batch, 5))
     return torch.as_tensor(out.transpose(1, 0, 2, 3).copy())
 
 

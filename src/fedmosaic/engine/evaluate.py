@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from .mapping import for_each_client
 from .tree import tmap
 
-EVAL_BATCH = 4096
+EVAL_BATCH = 16384
 
 
 def client_summary(correct_per_client: np.ndarray, sizes: np.ndarray) -> dict:
@@ -30,18 +30,18 @@ def client_summary(correct_per_client: np.ndarray, sizes: np.ndarray) -> dict:
 
 
 @torch.no_grad()
-def score_samples(apply, params, x: torch.Tensor, y: torch.Tensor, transform, logits_fn):
-    """Per-sample correctness and cross-entropy of one model over a set of samples (in batches)."""
+def score_samples(apply, params, x: torch.Tensor, y: torch.Tensor, transform, logits_fn, with_loss: bool = True):
+    """Per-sample correctness (and cross-entropy, if asked) of one model over a set of samples, in batches."""
     correct, losses = [], []
     for lo in range(0, len(y), EVAL_BATCH):
         xb, yb = transform(x[lo : lo + EVAL_BATCH]), y[lo : lo + EVAL_BATCH]
         z, logits = apply(params, xb)
-        scores = logits_fn(z, logits)
-        correct.append(scores.argmax(1) == yb)
-        losses.append(F.cross_entropy(logits, yb, reduction="none"))
+        correct.append(logits_fn(z, logits).argmax(1) == yb)
+        if with_loss:
+            losses.append(F.cross_entropy(logits, yb, reduction="none"))
     if not correct:
         return torch.zeros(0, dtype=torch.bool), torch.zeros(0)
-    return torch.cat(correct), torch.cat(losses)
+    return torch.cat(correct), torch.cat(losses) if with_loss else None
 
 
 def global_metrics(correct: torch.Tensor, losses: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict:

@@ -179,9 +179,10 @@ class Federation:
                 x, y = self.global_test
                 ok, ls = ev.score_samples(g0.apply, gp, x, y, self.transform, logits_fn)
                 out["global"] = ev.global_metrics(ok, ls, y, self.fd.num_classes)
-            if ev_cfg.client_test and len(test.y):
-                ok, _ = ev.score_samples(g0.apply, gp, test.x, test.y, self.transform, logits_fn)
-                out["global_clients"] = ev.client_summary(ev.per_client_correct(ok, test.ptr), test.sizes)
+            for key, split in (("global_clients", test), ("global_val", self.split["val"])):
+                if (ev_cfg.client_test or key == "global_val") and len(split.y):
+                    ok, _ = ev.score_samples(g0.apply, gp, split.x, split.y, self.transform, logits_fn, False)
+                    out[key] = ev.client_summary(ev.per_client_correct(ok, split.ptr), split.sizes)
         if ev_cfg.client_test and len(test.y):
             correct = np.zeros(self.num_clients)
             found = False

@@ -115,30 +115,34 @@ class LocalTrainer:
         masks = torch.as_tensor(valid.transpose(1, 0, 2), dtype=torch.float32).contiguous()
         plan = [rows, masks]
         if self.augment is not None:
-            plan.append(augment.draw(self.augment, clients, rows.shape[0], batch, data.x.shape[1:], seed, round_idx))
+            plan.append(augment.draw(self.augment, clients, steps, batch, data.x.shape[1:], seed, round_idx))
         post = self._post_plan(rows, masks, batch)
         loss_sum = torch.zeros(n)
         acc_sum = None
+        # ``packed`` holds the active clients' rows of everything indexed by client (first ``real`` rows; when
+        # compiled, padded to a power of two with masked copies of the first so few shapes get compiled).
+        # While every client is active and no padding is needed, it is the full trees themselves.
         active = np.arange(n)
-        ia = torch.as_tensor(active)
-        # the active clients' rows of everything that is indexed by client; the full trees while all are active
+        ia, real = torch.as_tensor(active), n
         packed = (params, optim.init_state(self.opt, leaves(params)), states)
-        flat = leaves(packed[0])  # the optimiser works on flat leaf lists (no tree walk per step)
         finish_at = set(steps.tolist())
         S = int(steps.max()) if n else 0
         block0 = fused_until = 0  # steps block0..fused_until-1 run in fused blocks of ``self.fuse``
-        s0 = 0  # rows/masks start at step s0
+        s0 = 0  # plan tensors start at step s0
         for s in range(S):
-            if s in finish_at:  # some clients finished (or never had data): write their rows back, keep only the rest
+            if s in finish_at or (s == 0 and self.compile and n & (n - 1)):
                 now = np.flatnonzero(steps > s)
-                if len(active) < n:
-                    put(params, ia, packed[0])
-                keep = torch.as_tensor(np.searchsorted(active, now))
+                if packed[0] is not params:  # write the finished clients' rows back
+                    put(params, ia, tmap(lambda t: t[:real], packed[0]))
+                keep = np.searchsorted(active, now)
+                if self.compile:
+                    keep = np.concatenate([keep, np.full((1 << (len(keep) - 1).bit_length()) - len(keep), keep[0])])
+                keep = torch.as_tensor(keep)
                 packed = tuple(take(t, keep) for t in packed)
                 # only the steps still to come: repacking then costs O(what remains), not O(the whole plan)
                 plan = [t[s - s0 :].index_select(1, keep) for t in plan]
-                active, ia, s0 = now, torch.as_tensor(now), s
-                flat = leaves(packed[0])
+                plan[1][:, len(now) :] = 0  # padding rows never count
+                active, ia, real, s0 = now, torch.as_tensor(now), len(now), s
             if self.fuse > 1 and s >= fused_until:
                 nxt = min([f for f in finish_at if f > s], default=S)
                 block0, fused_until = s, s + (nxt - s) // self.fuse * self.fuse
@@ -146,19 +150,18 @@ class LocalTrainer:
                 if (s - block0) % self.fuse:
                     continue  # already taken by the fused call that started at an earlier step
                 x, y, m = self._batch(data, plan, slice(s - s0, s - s0 + self.fuse))
-                loss, acc = self._bucketed(self._fused, packed[0], packed[1], packed[2], payload, x, y, m,
-                                           torch.tensor(lr), torch.tensor(s))
+                loss, acc = self._fused(*packed, payload, x, y, m, torch.tensor(lr), torch.tensor(s))
             else:
                 x, y, m = self._batch(data, plan, s - s0)
-                grads, loss, acc = self._bucketed(self._grads, packed[0], packed[2], payload, x, y, m)
-                optim.update_(self.opt, flat, leaves(grads), packed[1], lr, s)
-            loss_sum.index_add_(0, ia, loss)
+                grads, loss, acc = self._grads(packed[0], packed[2], payload, x, y, m)
+                optim.update_(self.opt, leaves(packed[0]), leaves(grads), packed[1], lr, s)
+            loss_sum.index_add_(0, ia, loss[:real])
             if acc:
                 if acc_sum is None:
                     acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype), acc)
-                tmap(lambda a, b: a.index_add_(0, ia, b), acc_sum, acc)
-        if len(active) < n:
-            put(params, ia, packed[0])
+                tmap(lambda a, b: a.index_add_(0, ia, b[:real]), acc_sum, acc)
+        if packed[0] is not params:
+            put(params, ia, tmap(lambda t: t[:real], packed[0]))
         stats = {
             **self._post_grads(data, post, params, states, payload),
             "n": torch.as_tensor(data.sizes[clients], dtype=torch.float32),
@@ -206,29 +209,3 @@ class LocalTrainer:
             loss_sum = loss_sum + loss
             acc_sum = acc if acc_sum is None else tmap(torch.add, acc_sum, acc)
         return loss_sum, acc_sum
-
-    def _bucketed(self, fn, *args):
-        """Call ``fn`` on the packed clients, padded to a power of two when compiled (few shapes, few compiles).
-
-        Client-indexed arguments are trees whose leaves have the clients on axis 0, except the per-step data of a
-        fused call, which is [K, clients, ...]; padding rows repeat client 0 with an all-zero mask.
-        """
-        n = len(args[-1]) if fn is self._grads else args[-3].shape[1]
-        if not self.compile or n & (n - 1) == 0:
-            return fn(*args)
-        size = 1 << n.bit_length()
-        pad = torch.zeros(size, dtype=torch.long)
-        pad[:n] = torch.arange(n)
-        if fn is self._grads:
-            params, state, payload, x, y, m = args
-            m = torch.cat([m, m.new_zeros(size - n, m.shape[1])])
-            out = fn(take(params, pad), take(state, pad), payload, x[pad], y[pad], m)
-            return tmap(lambda t: t[:n], out)
-        params, opt_state, state, payload, xs, ys, ms, lr, step = args
-        ms = torch.cat([ms, ms.new_zeros(ms.shape[0], size - n, ms.shape[2])], 1)
-        p, o = take(params, pad), take(opt_state, pad)
-        out = fn(p, o, take(state, pad), payload, xs[:, pad], ys[:, pad], ms, lr, step)
-        keep = torch.arange(n)
-        put(params, keep, take(p, keep))
-        put(opt_state, keep, take(o, keep))
-        return tmap(lambda t: t[:n], out)

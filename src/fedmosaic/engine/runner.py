@@ -82,9 +82,23 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
             out[f"{key}_acc_mean"] = float(np.mean(accs))
     if ev and "personal" in ev[-1]:
         out["personal_acc_worst10_final"] = ev[-1]["personal"]["acc_worst10"]
+    val = [r for r in ev if "global_val" in r and "global" in r]
+    if val:
+        best = max(val, key=lambda r: r["global_val"]["acc"])  # first round with the best validation accuracy
+        out["global_acc_best_by_val"] = best["global"]["acc"]
+        out["best_round_by_val"] = best["round"]
+    history = [r["global"]["class_acc"] for r in ev if "global" in r]
+    if len(history) > 1:
+        out["forgetting"] = forgetting(history)
     out["bytes_per_round"] = float(np.mean([r["bytes_up"] + r["bytes_down"] for r in records])) if records else 0.0
     out["wall_time_s"] = float(sum(r.get("time_round_s", 0) + r.get("time_eval_s", 0) for r in records))
     return out
+
+
+def forgetting(class_acc_history: list[list[float]]) -> float:
+    """FedNTD eq. 5: F = (1/C) Σ_c max_{t<T} (A_c^t − A_c^T), from the global model's per-class test accuracy."""
+    a = np.asarray(class_acc_history)
+    return float((a[:-1].max(0) - a[-1]).mean())
 
 
 def _meta(cfg: RunConfig, fed: Federation) -> dict:

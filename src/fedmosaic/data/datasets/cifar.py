@@ -137,3 +137,11 @@ CIFAR100 = register(DatasetSpec(
         "85cd44d02ba6437773c5bbd22e183051d648de2e7d6b014e1ef29b855ba677a7",
     ),),
 ))
+
+CINIC10 = register(DatasetSpec(
+    name="cinic10",
+    folder=".",
+    layouts=(Layout("image-folders", ("cinic10/train/", "cinic10/test/"), partial(_read_folders, "cinic10")),),
+    description="CINIC-10 (CIFAR-10 classes, CIFAR + downsampled ImageNet), 32x32 RGB; the official "
+                "train/ and test/ folders (valid/ is not used). Not available offline.",
+))

@@ -1,0 +1,45 @@
+"""Augmentation ops, the forgetting score, and the compare command's algorithm specs."""
+
+import numpy as np
+import pytest
+import torch
+
+from fedmosaic.cli.main import _algorithm_spec
+from fedmosaic.config import parse_value
+from fedmosaic.engine import augment
+from fedmosaic.engine.augment import AugmentConfig
+from fedmosaic.engine.runner import forgetting
+
+
+def test_crop_flip_cutout_match_a_hand_made_example():
+    x = torch.arange(1.0, 17.0).reshape(1, 1, 4, 4)  # no zero pixel: zeros are holes or padding
+    # crop with padding 1: offsets (0, 2) shift the window up by one row and right by one column
+    p = torch.tensor([[0, 2, 0, 0, 0]])
+    out = augment.apply(AugmentConfig(crop_padding=1), x, p)
+    expected = torch.zeros(4, 4)
+    expected[1:, :3] = x[0, 0, :3, 1:]
+    assert torch.equal(out[0, 0], expected)
+    flipped = augment.apply(AugmentConfig(flip=True), x, torch.tensor([[0, 0, 1, 0, 0]]))
+    assert torch.equal(flipped[0, 0], x[0, 0].flip(-1))
+    holed = augment.apply(AugmentConfig(cutout=2), x, torch.tensor([[0, 0, 0, 2, 1]]))
+    hole = holed[0, 0] == 0
+    assert hole.sum() == 4 and hole[1:3, 0:2].all()  # rows cy-1..cy, cols cx-1..cx
+
+
+def test_draws_depend_on_client_not_on_cohort():
+    cfg = AugmentConfig(crop_padding=4, flip=True, cutout=16)
+    a = augment.draw(cfg, np.array([3, 7]), np.array([9, 5]), 8, (3, 32, 32), seed=1, round_idx=2)
+    b = augment.draw(cfg, np.array([7]), np.array([5]), 8, (3, 32, 32), seed=1, round_idx=2)
+    assert torch.equal(a[:5, 1], b[:, 0])
+    assert a[..., :2].max() <= 8 and a[..., 2].max() <= 1
+
+
+def test_forgetting_is_mean_of_per_class_drops_from_the_best_earlier_round():
+    hist = [[0.5, 0.9], [0.8, 0.2], [0.6, 0.4]]
+    # class 0: max(0.5, 0.8) - 0.6 = 0.2; class 1: max(0.9, 0.2) - 0.4 = 0.5
+    assert forgetting(hist) == pytest.approx(0.35)
+
+
+def test_algorithm_specs_become_config_entries():
+    assert parse_value(_algorithm_spec("fedprox:mu=0.1")) == {"name": "fedprox", "mu": 0.1}
+    assert parse_value(_algorithm_spec("fedavg")) == {"name": "fedavg"}
