@@ -72,6 +72,11 @@ class Algorithm:
     def loss(self, ctx: LocalContext) -> torch.Tensor:
         return sum(term(ctx) for term in self.terms())
 
+    def post_grad_loss(self, ctx: LocalContext) -> torch.Tensor:
+        """The loss whose minibatch gradients ``stats["grad_sq"]`` squares: the task loss alone (FedCurv's Fisher
+        is measured on the data term, not on the whole objective with its penalties)."""
+        return TaskLoss()(ctx)
+
     def accumulate(self, ctx: LocalContext) -> dict:
         """Per-step statistics summed over the client's local steps (e.g. prototype sums); detached."""
         return {}

@@ -102,3 +102,103 @@ class PrototypeMSE:
         known = ctx.payload["has"][ctx.y]
         per_sample = ((z - target) ** 2).mean(1) * known
         return self.lam * ctx.mean(per_sample)
+
+
+def not_true_columns(y: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """[B, C-1] indices of every class except the true one, in increasing order (vmap-safe: no boolean indexing)."""
+    j = torch.arange(num_classes - 1, device=y.device)
+    return j + (j >= y[:, None]).to(j.dtype)
+
+
+@dataclass(frozen=True)
+class NotTrueDistillation:
+    """FedNTD's not-true distillation: beta * tau^2 * KL(teacher || student) over the not-true classes.
+
+    Student and teacher logits lose their true-class column (the remaining C-1 are renormalised by the softmax at
+    temperature ``tau``); the teacher is the model in ``ctx.payload[teacher]`` (the global model received this
+    round), detached. The KL is summed over classes and averaged over the (real) samples. The true-class logit of
+    the student receives exactly zero gradient from this term.
+    """
+
+    beta: float
+    tau: float = 1.0
+    slot: str = "model"
+    teacher: str = "global"
+
+    def __call__(self, ctx: LocalContext) -> torch.Tensor:
+        if self.beta == 0:
+            return torch.zeros(())
+        _, logits = ctx.forward(self.slot)
+        _, t_logits = ctx.apply(ctx.payload[self.teacher], ctx.x)
+        idx = not_true_columns(ctx.y, logits.shape[-1])
+        log_s = F.log_softmax(logits.gather(1, idx) / self.tau, dim=1)
+        log_t = F.log_softmax(t_logits.detach().gather(1, idx) / self.tau, dim=1)
+        kl = (log_t.exp() * (log_t - log_s)).sum(1)
+        return self.beta * self.tau**2 * ctx.mean(kl)
+
+
+@dataclass(frozen=True)
+class CurvaturePenalty:
+    """FedCurv: lam * (<P, w^2> - 2 <Q, w>) with P = U - u_i and Q = V - v_i.
+
+    ``U``/``V`` (payload) are the server's sums of every client's latest u_k = E[g^2] and v_k = u_k * w_k; ``u``/``v``
+    (the client's persistent state) are its own last ones, so P and Q cover the other clients only. Up to a constant
+    this is lam * sum_{k != i} (w - w_k)^T diag(u_k) (w - w_k).
+    """
+
+    lam: float
+    slot: str = "model"
+
+    def __call__(self, ctx: LocalContext) -> torch.Tensor:
+        if self.lam == 0:
+            return torch.zeros(())
+        w = leaves(ctx.params[self.slot])
+        U, V = leaves(ctx.payload["U"]), leaves(ctx.payload["V"])
+        u, v = leaves(ctx.state["u"]), leaves(ctx.state["v"])
+        total = sum(
+            ((Ui - ui).detach() * wi * wi).sum() - 2 * ((Vi - vi).detach() * wi).sum()
+            for wi, Ui, ui, Vi, vi in zip(w, U, u, V, v, strict=True)
+        )
+        return self.lam * total
+
+
+@dataclass(frozen=True)
+class ControlVariate:
+    """SCAFFOLD's correction as a linear term <c - c_i, w>: its gradient adds (c - c_i) to the local gradient, which
+    is the reference's "g - c_i + c before the optimiser step". ``c`` is ``ctx.payload[server]``, ``c_i``
+    ``ctx.state[client]``. It is evaluated as <c - c_i, w - stopgrad(w)>, whose value is exactly 0 (so the reported
+    training loss stays the task loss) and whose gradient is the same."""
+
+    slot: str = "model"
+    server: str = "c"
+    client: str = "c"
+
+    def __call__(self, ctx: LocalContext) -> torch.Tensor:
+        w = leaves(ctx.params[self.slot])
+        c, ci = leaves(ctx.payload[self.server]), leaves(ctx.state[self.client])
+        return sum(((a - b).detach() * (wi - wi.detach())).sum() for wi, a, b in zip(w, c, ci, strict=True))
+
+
+@dataclass(frozen=True)
+class ModelContrastive:
+    """MOON: mu * CE([cos(z, z_glob), cos(z, z_prev)] / tau, target 0), averaged over the (real) samples.
+
+    z: features of the model in ``slot``; z_glob: of ``ctx.payload[global_ref]``; z_prev: of the client's previous
+    local model ``ctx.state[prev]`` (both detached).
+    """
+
+    mu: float
+    tau: float = 0.5
+    slot: str = "model"
+    global_ref: str = "global"
+    prev: str = "prev"
+
+    def __call__(self, ctx: LocalContext) -> torch.Tensor:
+        if self.mu == 0:
+            return torch.zeros(())
+        z, _ = ctx.forward(self.slot)
+        z_glob = ctx.apply(ctx.payload[self.global_ref], ctx.x)[0].detach()
+        z_prev = ctx.apply(ctx.state[self.prev], ctx.x)[0].detach()
+        sims = torch.stack([F.cosine_similarity(z, z_glob, dim=1), F.cosine_similarity(z, z_prev, dim=1)], 1)
+        per_sample = -F.log_softmax(sims / self.tau, dim=1)[:, 0]
+        return self.mu * ctx.mean(per_sample)

@@ -9,6 +9,7 @@ masked inside the loss. The client axis is cut into chunks of ``chunk_size`` to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -65,6 +66,7 @@ class LocalTrainer:
         each = lambda fn, dims, fresh=False: for_each_client(fn, dims, vectorize, fresh)  # noqa: E731
         self._init = each(self._local_init, (None, 0, 0), fresh=True)
         self._map_grads = each(self._client_grads, (0, 0, None, 0, 0, 0))
+        self._map_post_grads = each(partial(self._client_grads, objective=algo.post_grad_loss), (0, 0, None, 0, 0, 0))
         self._grads = self._map_grads
         if self.compile:
             import torch._dynamo
@@ -81,13 +83,15 @@ class LocalTrainer:
         # ``cid`` is unused here; it gives vmap a batched input when the algorithm keeps no client state
         return self.algo.local_init(payload, state)
 
-    def _client_grads(self, params, state, payload, x, y, mask):
-        def objective(p):
+    def _client_grads(self, params, state, payload, x, y, mask, objective=None):
+        objective = objective or self.algo.loss
+
+        def f(p):
             ctx = LocalContext(self.apply, p, state, payload, x, y, mask, self.task_loss)
-            loss = self.algo.loss(ctx)
+            loss = objective(ctx)
             return loss, (loss.detach(), tmap(torch.detach, self.algo.accumulate(ctx)))
 
-        grads, (loss, acc) = grad(objective, has_aux=True)(params)
+        grads, (loss, acc) = grad(f, has_aux=True)(params)
         return grads, loss, acc
 
     def train(self, data: ClientTensors, clients: np.ndarray, payload: dict, states, *, epochs: int, batch: int,
@@ -192,7 +196,7 @@ class LocalTrainer:
             return {}
         total, count = None, torch.zeros(len(post[1][0]))
         for r, m in zip(*post):
-            grads, _, _ = self._map_grads(params, states, payload, self.transform(data.x[r]), data.y[r], m)
+            grads, _, _ = self._map_post_grads(params, states, payload, self.transform(data.x[r]), data.y[r], m)
             has = (m.sum(1) > 0).to(m.dtype)
             sq = tmap(lambda g: g * g * has.view(-1, *([1] * (g.dim() - 1))), grads)
             total = sq if total is None else tmap(torch.add, total, sq)

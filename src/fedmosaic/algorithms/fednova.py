@@ -1,0 +1,48 @@
+"""FedNova (Wang et al.): normalised averaging, which removes the bias toward clients that take more local steps.
+
+Client i reports its normalised update d_i = (w^t - w_i) / a_i, with a_i the local-step normaliser
+(:func:`local_step_normaliser`: tau_i for plain SGD, the momentum-adjusted count with momentum). The server moves by
+the effective step count tau_eff = sum_i p_i a_i along the averaged direction:
+w^{t+1} = w^t - tau_eff * sum_i p_i d_i, with p_i = n_i / sum_j n_j over the cohort. With equal step counts and plain
+SGD this is FedAvg (up to rounding).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..engine.tree import tmap, weighted_mean
+from .base import Algorithm, register_algorithm
+
+
+def local_step_normaliser(steps: torch.Tensor, optimizer) -> torch.Tensor:
+    """a = sum over the local steps of the total weight each gradient ends up with (in units of lr).
+
+    Plain SGD: tau. Heavy-ball momentum rho (PyTorch's buffer, restarted every round):
+    a = (tau - rho (1 - rho^tau) / (1 - rho)) / (1 - rho) (FedNova, and SCAFFOLD's momentum-adjusted count).
+    Nesterov momentum: the same with the inner rho replaced by rho^2 (each gradient also gets the look-ahead rho).
+    Adam has no such count; there (and for ``optimizer=None``) the plain step count is used.
+    ``steps`` may be a tensor (one client's count inside a vmapped hook); a client with 0 steps gets 0.
+    """
+    rho = 0.0 if optimizer is None or optimizer.name != "sgd" else float(optimizer.momentum)
+    if rho == 0:
+        return steps
+    inner = rho * rho if optimizer.nesterov else rho
+    return (steps - inner * (1 - rho**steps) / (1 - rho)) / (1 - rho)
+
+
+@register_algorithm
+class FedNova(Algorithm):
+    name = "fednova"
+
+    def finish(self, params, state, payload, stats):
+        a = local_step_normaliser(stats["steps"], self.optimizer)
+        # a >= 1 whenever a step was taken; a client without steps did not move (d = 0)
+        d = tmap(lambda g, w: (g - w) / a.clamp(min=1), payload["global"], params["model"])
+        return {"d": d, "a": a}, state
+
+    def aggregate(self, server, uploads, weights, round_idx):
+        p = weights / weights.sum()
+        tau_eff = (p * uploads["a"]).sum()
+        direction = weighted_mean(uploads["d"], weights)
+        return {**server, "model": tmap(lambda w, d: w - tau_eff * d, server["model"], direction)}
