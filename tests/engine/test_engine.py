@@ -222,3 +222,12 @@ def test_augmented_training_is_the_same_on_both_paths_and_differs_from_plain(fd)
     plain = train(make_cfg(train__rounds=2), fd)
     assert_trees_close(seq.server, vec.server)
     assert not torch.allclose(leaves(vec.server["model"])[0], leaves(plain.server["model"])[0])
+
+
+def test_summary_uses_client_test_accuracy_when_there_is_no_global_test(fd, tmp_path):
+    cfg = make_cfg(train__rounds=3, eval={"global_test": False, "client_test": True})
+    summary = run(cfg, tmp_path / "r", progress=False, fd=fd)
+    accs = [r["global_clients"]["acc"] for r in read_metrics(tmp_path / "r")]
+    assert summary["global_clients_acc_final"] == accs[-1]
+    assert summary["global_clients_acc_mean"] == pytest.approx(np.mean(accs))
+    assert "global_acc_final" not in summary

@@ -73,7 +73,7 @@ def read_metrics(out: Path) -> list[dict]:
 
 def summarize(records: list[dict], cfg: RunConfig) -> dict:
     """Headline numbers. Never "best on test": the best round is chosen on validation accuracy when there is one."""
-    ev = [r for r in records if "global" in r or "personal" in r]
+    ev = [r for r in records if any(k in r for k in ("global", "global_clients", "personal"))]
     out: dict = {"name": cfg.name, "algorithm": cfg.algorithm.name, "rounds": len(records)}
     for key in ("global", "global_clients", "personal"):
         accs = [r[key]["acc"] for r in ev if key in r]
