@@ -12,6 +12,7 @@ from fedmosaic.config import validate
 from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.runner import read_metrics, run, TIMING_KEYS
+from fedtest import assert_trees_close, train
 from fedmosaic.engine.tree import leaves
 from fedmosaic.errors import FedMosaicError
 
@@ -41,21 +42,7 @@ def fd(blob_data):
     return compute(spec, blob_data)
 
 
-def train(cfg, fd, rounds=None):
-    fed = Federation(cfg, fd)
-    for t in range(rounds or cfg.train.rounds):
-        fed.round(t)
-    return fed
 
-
-def assert_trees_close(a, b, atol=1e-5, exact=False):
-    la, lb = leaves(a), leaves(b)
-    assert len(la) == len(lb) and la
-    for x, y in zip(la, lb):
-        if exact:
-            assert torch.equal(x, y)
-        else:
-            torch.testing.assert_close(x, y, atol=atol, rtol=1e-4)
 
 
 def test_fedprox_mu0_equals_fedavg(fd):

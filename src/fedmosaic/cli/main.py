@@ -74,7 +74,9 @@ def _partition(args) -> None:
     s = fd.summary()
     out = Path(args.out) if args.out else Path("partitions") / f"{args.dataset}-{args.scheme}-{fd.hash[:10]}"
     fd.save(out)
-    png = partition_bubbles(s["counts"], out / "partition.png", title=f"{args.dataset} · {args.scheme} · seed {args.seed}")
+    described = ", ".join(f"{k}={v}" for k, v in params.items() if k != "scheme")
+    png = partition_bubbles(s["counts"], out / "partition.png",
+                            title=f"{args.dataset} · {args.scheme}({described}) · {s['clients']} clients · seed {args.seed}")
     ent = s["entropy_mean_nats"]
     print(f"dataset      {args.dataset} ({fd.num_classes} classes)  scheme {params}  seed {args.seed}")
     print(f"clients      {s['clients']}")

@@ -18,6 +18,7 @@ import numpy as np
 from scipy.io.matlab import MatReadError
 
 from ...errors import CorruptDataError, FedMosaicError
+from ..base import ArrayDataset
 
 # What a truncated or malformed file raises somewhere inside numpy/gzip/zipfile/scipy/PIL/json. A malformed
 # *structure* (a JSON list where a dict belongs, a missing npz key) surfaces as KeyError/TypeError/IndexError.
@@ -47,6 +48,13 @@ def reading(what: str | Path) -> Iterator[None]:
 
 def abs_paths(paths: Iterable[Path]) -> list[str]:
     return [str(Path(p).resolve()) for p in paths]
+
+
+def digit_splits(name: str, paths: list[Path], read_split) -> ArrayDataset:
+    """A 10-digit dataset from a train file and a test file, each read by ``read_split(path) -> (x, y)``."""
+    (x_train, y_train), (x_test, y_test) = (read_split(p) for p in paths)
+    return ArrayDataset(name=name, x_train=x_train, y_train=y_train, x_test=x_test, y_test=y_test,
+                        classes=[str(d) for d in range(10)], source_files=abs_paths(paths))
 
 
 def read_maybe_gzip(path: Path) -> bytes:

@@ -9,7 +9,7 @@ import scipy.io
 
 from ..base import ArrayDataset
 from ..registry import DatasetSpec, Layout, Source, register
-from ._io import abs_paths, reading
+from ._io import digit_splits, reading
 
 _URL = "http://ufldl.stanford.edu/housenumbers/"
 
@@ -25,17 +25,7 @@ def _read_split(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _read(folder: Path) -> ArrayDataset:
-    paths = [folder / "train_32x32.mat", folder / "test_32x32.mat"]
-    (x_train, y_train), (x_test, y_test) = (_read_split(p) for p in paths)
-    return ArrayDataset(
-        name="svhn",
-        x_train=x_train,
-        y_train=y_train,
-        x_test=x_test,
-        y_test=y_test,
-        classes=[str(d) for d in range(10)],
-        source_files=abs_paths(paths),
-    )
+    return digit_splits("svhn", [folder / f for f in ("train_32x32.mat", "test_32x32.mat")], _read_split)
 
 
 SVHN = register(DatasetSpec(

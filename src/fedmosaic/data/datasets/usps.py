@@ -8,7 +8,7 @@ import numpy as np
 
 from ..base import ArrayDataset
 from ..registry import DatasetSpec, Layout, Source, register
-from ._io import abs_paths, reading
+from ._io import digit_splits, reading
 
 _URL = "https://hastie.su.domains/ElemStatLearn/datasets/"
 
@@ -24,17 +24,7 @@ def _read_split(path: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _read(folder: Path) -> ArrayDataset:
-    paths = [folder / "zip.train.gz", folder / "zip.test.gz"]
-    (x_train, y_train), (x_test, y_test) = (_read_split(p) for p in paths)
-    return ArrayDataset(
-        name="usps",
-        x_train=x_train,
-        y_train=y_train,
-        x_test=x_test,
-        y_test=y_test,
-        classes=[str(d) for d in range(10)],
-        source_files=abs_paths(paths),
-    )
+    return digit_splits("usps", [folder / f for f in ("zip.train.gz", "zip.test.gz")], _read_split)
 
 
 USPS = register(DatasetSpec(

@@ -1,0 +1,26 @@
+"""Helpers shared by the engine and algorithm tests."""
+
+from __future__ import annotations
+
+import torch
+
+from fedmosaic.engine.federation import Federation
+from fedmosaic.engine.tree import leaves
+
+
+def train(cfg, fd, rounds=None):
+    """A federation after ``rounds`` rounds (default: the config's)."""
+    fed = Federation(cfg, fd)
+    for t in range(rounds or cfg.train.rounds):
+        fed.round(t)
+    return fed
+
+
+def assert_trees_close(a, b, exact=False, atol=1e-5, rtol=1e-4):
+    la, lb = leaves(a), leaves(b)
+    assert len(la) == len(lb) and la
+    for x, y in zip(la, lb):
+        if exact:
+            assert torch.equal(x, y)
+        else:
+            torch.testing.assert_close(x, y, atol=atol, rtol=rtol)
