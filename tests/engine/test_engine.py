@@ -218,3 +218,19 @@ def test_summary_uses_client_test_accuracy_when_there_is_no_global_test(fd, tmp_
     assert summary["global_clients_acc_final"] == accs[-1]
     assert summary["global_clients_acc_mean"] == pytest.approx(np.mean(accs))
     assert "global_acc_final" not in summary
+
+
+def test_a_user_registered_module_trains_like_a_builtin(fd):
+    from torch import nn
+
+    from fedmosaic.models import MODELS, Wrapped, register_model
+
+    def tiny(input_shape, num_classes):
+        body = nn.Sequential(nn.Flatten(), nn.Linear(int(np.prod(input_shape)), 12), nn.Tanh())
+        return Wrapped(body, nn.Linear(12, num_classes))
+
+    if "user_tiny" not in MODELS:
+        register_model("user_tiny", tiny)
+    fed = train(make_cfg(model={"name": "user_tiny"}, train__rounds=3), fd)
+    assert leaves(fed.server["model"])[0].shape == (12, 36)
+    assert fed.evaluate()["global"]["acc"] > 1 / fd.num_classes  # learns something on separable blobs

@@ -36,19 +36,9 @@ def put(tree, idx: torch.Tensor, values) -> None:
     pytree.tree_map(lambda t, v: t.index_copy_(0, idx, v), tree, values)
 
 
-def row(tree, i: int):
-    return tmap(lambda t: t[i], tree)
-
 
 def nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in leaves(tree))
-
-
-def sq_norm(a, b=None) -> torch.Tensor:
-    """Sum of squares of ``a`` (or of ``a - b``) over all leaves."""
-    if b is None:
-        return sum((x * x).sum() for x in leaves(a))
-    return sum(((x - y) ** 2).sum() for x, y in zip(leaves(a), leaves(b), strict=True))
 
 
 def weighted_mean(stacked, weights: torch.Tensor):
