@@ -98,10 +98,12 @@ def test_finished_client_does_not_move_under_momentum_and_weight_decay(fd):
     states = g.store
     both = np.array(sorted([small, big]))
     _, together, _, steps = g.trainer.train(fed.split["train"], both, payload,
-                                            {k: {n: t[both] for n, t in v.items()} for k, v in states.items()}, **kw)
+                                            {k: {n: t[both] for n, t in v.items()} for k, v in states.items()}, {},
+                                            **kw)
     alone_ids = np.array([small])
     _, alone, _, _ = g.trainer.train(fed.split["train"], alone_ids, payload,
-                                     {k: {n: t[alone_ids] for n, t in v.items()} for k, v in states.items()}, **kw)
+                                     {k: {n: t[alone_ids] for n, t in v.items()} for k, v in states.items()}, {},
+                                     **kw)
     row = int(np.flatnonzero(both == small)[0])
     assert steps[row] < steps.max()
     for name, t in together["model"].items():
@@ -234,3 +236,31 @@ def test_a_user_registered_module_trains_like_a_builtin(fd):
     fed = train(make_cfg(model={"name": "user_tiny"}, train__rounds=3), fd)
     assert leaves(fed.server["model"])[0].shape == (12, 36)
     assert fed.evaluate()["global"]["acc"] > 1 / fd.num_classes  # learns something on separable blobs
+
+
+def test_batchnorm_models_keep_running_statistics_per_client_on_the_sequential_path(fd, tmp_path):
+    from torch import nn
+
+    from fedmosaic.models import MODELS, Wrapped, register_model
+
+    def bn_net(input_shape, num_classes):
+        body = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.Linear(64, 10))
+        return Wrapped(body, nn.Linear(10, num_classes))
+
+    if "user_bn" not in MODELS:
+        register_model("user_bn", bn_net)
+    with pytest.warns(UserWarning, match="sequential path"):
+        vec = train(make_cfg(model={"name": "user_bn"}, algorithm={"name": "local"}), fd)
+    seq = train(make_cfg(model={"name": "user_bn"}, algorithm={"name": "local"}, engine={"backend": "sequential"}), fd)
+    assert_trees_close(vec.groups[0].buffers, seq.groups[0].buffers)
+    means = vec.groups[0].buffers["body.1.running_mean"]
+    assert not torch.allclose(means[0], means[1])  # each client its own statistics
+    assert vec.evaluate()["personal"]["acc"] > 1 / fd.num_classes
+    # a global model averages the statistics of its cohort; they survive a checkpoint round trip
+    fed = train(make_cfg(model={"name": "user_bn"}, engine={"backend": "sequential"}), fd)
+    assert fed.groups[0].global_buffers["body.1.num_batches_tracked"] > 0
+    cfg = make_cfg(model={"name": "user_bn"}, engine={"backend": "sequential"}, train__rounds=4)
+    run(cfg, tmp_path / "full", progress=False, fd=fd)
+    run(cfg, tmp_path / "cut", progress=False, fd=fd, stop_after=1)
+    run(cfg, tmp_path / "cut", progress=False, fd=fd, resume=True)
+    assert strip_timing(read_metrics(tmp_path / "cut")) == strip_timing(read_metrics(tmp_path / "full"))

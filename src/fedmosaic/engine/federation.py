@@ -6,6 +6,8 @@ are the runner's business (runner.py).
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -18,19 +20,31 @@ from . import evaluate as ev
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .seeding import INIT, rng, sample_cohort
 from .transforms import make_normalizer
-from .tree import all_finite, nbytes, put, take, tmap
+from .tree import all_finite, nbytes, put, take, tmap, weighted_mean
 
 
 class NonFiniteLoss(FedMosaicError):
     pass
 
 
+def average_buffers(stacked: dict, weights: torch.Tensor) -> dict:
+    """Weighted mean of float buffers (running mean/var); integer counters take the largest value."""
+    return {k: weighted_mean({k: t}, weights)[k] if t.is_floating_point() else t.max(0).values
+            for k, t in stacked.items()}
+
+
 class Group:
-    """Clients that share one architecture: its module, its trainer and its rows of the client store."""
+    """Clients that share one architecture: its module, its trainer and its rows of the client store.
+
+    ``buffers`` holds every client's module buffers (BatchNorm running statistics), stacked; ``global_buffers``
+    the server's copy for algorithms with a global model (broadcast with it, averaged like it).
+    """
 
     def __init__(self, gid: int, module: torch.nn.Module, clients: np.ndarray):
         self.gid, self.module, self.clients = gid, module, clients
         self.init = {k: v.detach().clone() for k, v in module.named_parameters()}
+        self.global_buffers = {k: v.detach().clone() for k, v in module.named_buffers()}
+        self.buffers = tmap(lambda t: t.unsqueeze(0).repeat(len(clients), *([1] * t.dim())), self.global_buffers)
         self.trainer: LocalTrainer | None = None
         self.store: dict = {}
 
@@ -86,8 +100,14 @@ class Federation:
         for g in self.groups:
             one = self.algo.init_client(self.server, g.init)
             g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
+            # running statistics are updated in place during the forward pass, which vmap cannot do per client:
+            # such groups take the sequential path (same results, no vmap)
+            vectorize = self.vectorize and not g.global_buffers
+            if self.vectorize and not vectorize:
+                warnings.warn(f"model {g.module.__class__.__name__} has buffers (BatchNorm running statistics): "
+                              "its clients train on the sequential path", stacklevel=2)
             g.trainer = LocalTrainer(self.algo, g.module, cfg.train.optimizer, cfg.model.task_loss, self.transform,
-                                     self.vectorize, cfg.engine.chunk_size, cfg.engine.compile,
+                                     vectorize, cfg.engine.chunk_size, cfg.engine.compile and vectorize,
                                      cfg.engine.fuse_steps, cfg.data.augment)
         self.group_of = np.zeros(self.num_clients, dtype=np.int64)
         self.row_of = np.zeros(self.num_clients, dtype=np.int64)
@@ -117,11 +137,6 @@ class Federation:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
                 module = build_model(name, shape, C, **options).to(dev)
-            if any(True for _ in module.buffers()):
-                raise ConfigError(
-                    f"model {name!r} has buffers (e.g. BatchNorm running statistics), which are not kept per client "
-                    "yet; use a GroupNorm variant"
-                )
             groups.append(Group(gid, module, np.flatnonzero(owner == gid)))
         return [g for g in groups if len(g.clients)]
 
@@ -137,12 +152,17 @@ class Federation:
             if not len(members):
                 continue
             rows = torch.as_tensor(self.row_of[members])
+            if self.algo.global_model:  # the cohort starts from the server's running statistics
+                bufs = tmap(lambda t, n=len(members): t.unsqueeze(0).repeat(n, *([1] * t.dim())), g.global_buffers)
+            else:
+                bufs = take(g.buffers, rows)
+            g.module.train()
             up, new_state, loss, st = g.trainer.train(
-                self.split["train"], members, payload, take(g.store, rows), epochs=tc.local_epochs,
+                self.split["train"], members, payload, take(g.store, rows), bufs, epochs=tc.local_epochs,
                 batch=tc.batch_size, lr=lr, seed=self.cfg.seed, round_idx=t,
             )
             uploads.append(up)
-            writes.append((g, rows, new_state))
+            writes.append((g, rows, new_state, bufs))
             weights.append(self.split["train"].sizes[members])
             losses.append(loss)
             steps.append(st)
@@ -151,8 +171,10 @@ class Federation:
         if bad.any() or not all(all_finite(u) for u in uploads):
             who = cohort[bad.numpy()] if bad.any() else cohort
             raise NonFiniteLoss(f"round {t}: non-finite loss or update on clients {who.tolist()[:10]}")
-        for g, rows, new_state in writes:
-            put(g.store, rows, new_state)
+        for (g, rows, new_state, bufs), w in zip(writes, weights):
+            put((g.store, g.buffers), rows, (new_state, bufs))
+            if self.algo.global_model and g.global_buffers:
+                g.global_buffers = average_buffers(bufs, torch.as_tensor(w, dtype=torch.float32))
         up = cat_trees(uploads)
         w = torch.as_tensor(np.concatenate(weights), dtype=torch.float32)
         self.server = self.algo.aggregate(self.server, up, w, t)
@@ -162,9 +184,13 @@ class Federation:
             "train_loss": float(loss.mean()),
             "clients": len(cohort),
             "local_steps_max": int(np.concatenate(steps).max()),
-            "bytes_down": nbytes(payload) * len(cohort),
-            "bytes_up": nbytes(up),
+            "bytes_down": (nbytes(payload) + self._buffer_bytes()) * len(cohort),
+            "bytes_up": nbytes(up) + self._buffer_bytes() * len(cohort),
         }
+
+    def _buffer_bytes(self) -> int:
+        """Running statistics travel with a global model."""
+        return nbytes(self.groups[0].global_buffers) if self.algo.global_model else 0
 
     # ---- evaluation --------------------------------------------------------------------------------
     def evaluate(self) -> dict:
@@ -173,8 +199,11 @@ class Federation:
         test = self.split["test"]
         gp = self.algo.global_params(self.server)
         logits_fn = lambda z, logits: self.algo.eval_logits(z, logits, self.server)  # noqa: E731
+        for g in self.groups:
+            g.module.eval()  # BatchNorm: use the running statistics, do not update them
         if gp is not None:
             g0 = self.groups[0]
+            gp = {**gp, **g0.global_buffers}
             if ev_cfg.global_test and self.global_test is not None:
                 x, y = self.global_test
                 ok, ls = ev.score_samples(g0.apply, gp, x, y, self.transform, logits_fn)
@@ -191,17 +220,18 @@ class Federation:
                 if pp is None:
                     continue
                 found = True
-                correct[g.clients] = ev.personal_correct(g.apply, pp, test.x, test.y, test.ptr, g.clients,
-                                                         self.transform, logits_fn, self.vectorize)
+                correct[g.clients] = ev.personal_correct(g.apply, {**pp, **g.buffers}, test.x, test.y, test.ptr,
+                                                         g.clients, self.transform, logits_fn, self.vectorize)
             if found:
                 out["personal"] = ev.client_summary(correct, test.sizes)
         return out
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"server": self.server, "stores": [g.store for g in self.groups]}
+        return {"server": self.server, "stores": [g.store for g in self.groups],
+                "buffers": [(g.buffers, g.global_buffers) for g in self.groups]}
 
     def load_state_dict(self, state: dict) -> None:
         self.server = state["server"]
-        for g, s in zip(self.groups, state["stores"], strict=True):
-            g.store = s
+        for g, s, (b, gb) in zip(self.groups, state["stores"], state["buffers"], strict=True):
+            g.store, g.buffers, g.global_buffers = s, b, gb

@@ -65,8 +65,9 @@ class LocalTrainer:
         self.fuse = fuse_steps if self.compile else 1
         each = lambda fn, dims, fresh=False: for_each_client(fn, dims, vectorize, fresh)  # noqa: E731
         self._init = each(self._local_init, (None, 0, 0), fresh=True)
-        self._map_grads = each(self._client_grads, (0, 0, None, 0, 0, 0))
-        self._map_post_grads = each(partial(self._client_grads, objective=algo.post_grad_loss), (0, 0, None, 0, 0, 0))
+        dims = (0, 0, None, 0, 0, 0, 0)
+        self._map_grads = each(self._client_grads, dims)
+        self._map_post_grads = each(partial(self._client_grads, objective=algo.post_grad_loss), dims)
         self._grads = self._map_grads
         if self.compile:
             import torch._dynamo
@@ -76,27 +77,29 @@ class LocalTrainer:
             self._grads = torch.compile(self._map_grads, dynamic=False)
         self._finish = each(algo.finish, (0, 0, None, 0), fresh=True)
 
-    def apply(self, params, x):
-        return functional_call(self.module, params, (x,), {"with_features": True})
+    def apply(self, params, x, buffers=None):
+        """(features, logits); ``buffers`` (BatchNorm running statistics) are the client's, updated in place."""
+        return functional_call(self.module, {**params, **(buffers or {})}, (x,), {"with_features": True})
 
     def _local_init(self, payload, state, cid):
         # ``cid`` is unused here; it gives vmap a batched input when the algorithm keeps no client state
         return self.algo.local_init(payload, state)
 
-    def _client_grads(self, params, state, payload, x, y, mask, objective=None):
+    def _client_grads(self, params, state, payload, x, y, mask, buffers, objective=None):
         objective = objective or self.algo.loss
 
-        def f(p):
-            ctx = LocalContext(self.apply, p, state, payload, x, y, mask, self.task_loss)
+        def f(p, b):  # buffers are an argument, not captured: torch.func allows in-place updates of inputs only
+            ctx = LocalContext(partial(self.apply, buffers=b), p, state, payload, x, y, mask, self.task_loss)
             loss = objective(ctx)
             return loss, (loss.detach(), tmap(torch.detach, self.algo.accumulate(ctx)))
 
-        grads, (loss, acc) = grad(f, has_aux=True)(params)
+        grads, (loss, acc) = grad(f, has_aux=True)(params, buffers)
         return grads, loss, acc
 
-    def train(self, data: ClientTensors, clients: np.ndarray, payload: dict, states, *, epochs: int, batch: int,
-              lr: float, seed: int, round_idx: int):
-        """Train ``clients`` (their persistent ``states`` stacked in the same order).
+    def train(self, data: ClientTensors, clients: np.ndarray, payload: dict, states, buffers, *, epochs: int,
+              batch: int, lr: float, seed: int, round_idx: int):
+        """Train ``clients`` (their persistent ``states`` and model ``buffers`` stacked in the same order; the
+        buffers — BatchNorm running statistics — are updated in place).
 
         Returns (uploads, new_states, mean_loss[n], steps[n]) stacked in the order of ``clients``.
         """
@@ -104,11 +107,11 @@ class LocalTrainer:
         for lo in range(0, len(clients), self.chunk_size):
             sl = slice(lo, lo + self.chunk_size)
             outs.append(self._train_chunk(data, clients[sl], payload, tmap(lambda t: t[sl], states),
-                                          epochs, batch, lr, seed, round_idx))
+                                          tmap(lambda t: t[sl], buffers), epochs, batch, lr, seed, round_idx))
         uploads, new_states, losses, steps = zip(*outs)
         return cat_trees(list(uploads)), cat_trees(list(new_states)), torch.cat(losses), np.concatenate(steps)
 
-    def _train_chunk(self, data, clients, payload, states, epochs, batch, lr, seed, round_idx):
+    def _train_chunk(self, data, clients, payload, states, buffers, epochs, batch, lr, seed, round_idx):
         n = len(clients)
         positions, valid, steps = batch_plan(data.sizes, clients, epochs, batch, seed, round_idx)
         params = self._init(payload, states, torch.arange(n))
@@ -128,7 +131,7 @@ class LocalTrainer:
         # While every client is active and no padding is needed, it is the full trees themselves.
         active = np.arange(n)
         ia, real = torch.as_tensor(active), n
-        packed = (params, optim.init_state(self.opt, leaves(params)), states)
+        packed = (params, optim.init_state(self.opt, leaves(params)), states, buffers)
         finish_at = set(steps.tolist())
         S = int(steps.max()) if n else 0
         block0 = fused_until = 0  # steps block0..fused_until-1 run in fused blocks of ``self.fuse``
@@ -137,7 +140,7 @@ class LocalTrainer:
             if s in finish_at or (s == 0 and self.compile and n & (n - 1)):
                 now = np.flatnonzero(steps > s)
                 if packed[0] is not params:  # write the finished clients' rows back
-                    put(params, ia, tmap(lambda t: t[:real], packed[0]))
+                    put((params, buffers), ia, tmap(lambda t: t[:real], (packed[0], packed[3])))
                 keep = np.searchsorted(active, now)
                 if self.compile:
                     keep = np.concatenate([keep, np.full((1 << (len(keep) - 1).bit_length()) - len(keep), keep[0])])
@@ -154,10 +157,10 @@ class LocalTrainer:
                 if (s - block0) % self.fuse:
                     continue  # already taken by the fused call that started at an earlier step
                 x, y, m = self._batch(data, plan, slice(s - s0, s - s0 + self.fuse))
-                loss, acc = self._fused(*packed, payload, x, y, m, torch.tensor(lr), torch.tensor(s))
+                loss, acc = self._fused(*packed[:3], payload, x, y, m, packed[3], torch.tensor(lr), torch.tensor(s))
             else:
                 x, y, m = self._batch(data, plan, s - s0)
-                grads, loss, acc = self._grads(packed[0], packed[2], payload, x, y, m)
+                grads, loss, acc = self._grads(packed[0], packed[2], payload, x, y, m, packed[3])
                 optim.update_(self.opt, leaves(packed[0]), leaves(grads), packed[1], lr, s)
             loss_sum.index_add_(0, ia, loss[:real])
             if acc:
@@ -165,9 +168,9 @@ class LocalTrainer:
                     acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype), acc)
                 tmap(lambda a, b: a.index_add_(0, ia, b[:real]), acc_sum, acc)
         if packed[0] is not params:
-            put(params, ia, tmap(lambda t: t[:real], packed[0]))
+            put((params, buffers), ia, tmap(lambda t: t[:real], (packed[0], packed[3])))
         stats = {
-            **self._post_grads(data, post, params, states, payload),
+            **self._post_grads(data, post, params, states, payload, buffers),
             "n": torch.as_tensor(data.sizes[clients], dtype=torch.float32),
             "steps": torch.as_tensor(steps, dtype=torch.float32),
             "lr": torch.full((n,), float(lr)),
@@ -190,25 +193,27 @@ class LocalTrainer:
         m = -(-self.algo.post_grad_samples // batch)
         return (rows[:m].clone(), masks[:m].clone()) if m else None
 
-    def _post_grads(self, data, post, params, states, payload) -> dict:
+    def _post_grads(self, data, post, params, states, payload, buffers) -> dict:
         """Mean over those batches of the squared minibatch gradient at the final local parameters."""
         if post is None or not len(post[0]):
             return {}
         total, count = None, torch.zeros(len(post[1][0]))
         for r, m in zip(*post):
-            grads, _, _ = self._map_post_grads(params, states, payload, self.transform(data.x[r]), data.y[r], m)
+            # on copies of the buffers: these extra forward passes must not move the running statistics
+            grads, _, _ = self._map_post_grads(params, states, payload, self.transform(data.x[r]), data.y[r], m,
+                                               tmap(torch.clone, buffers))
             has = (m.sum(1) > 0).to(m.dtype)
             sq = tmap(lambda g: g * g * has.view(-1, *([1] * (g.dim() - 1))), grads)
             total = sq if total is None else tmap(torch.add, total, sq)
             count += has
         return {"grad_sq": tmap(lambda t: t / count.clamp(min=1).view(-1, *([1] * (t.dim() - 1))), total)}
 
-    def _k_steps(self, params, opt_state, state, payload, xs, ys, ms, lr, step):
+    def _k_steps(self, params, opt_state, state, payload, xs, ys, ms, buffers, lr, step):
         """``len(xs)`` consecutive steps of the packed clients (compiled as one graph; updates in place)."""
         loss_sum, acc_sum = 0, None
         flat = leaves(params)
         for k in range(len(xs)):
-            grads, loss, acc = self._map_grads(params, state, payload, xs[k], ys[k], ms[k])
+            grads, loss, acc = self._map_grads(params, state, payload, xs[k], ys[k], ms[k], buffers)
             optim.update_(self.opt, flat, leaves(grads), opt_state, lr, step + k)
             loss_sum = loss_sum + loss
             acc_sum = acc if acc_sum is None else tmap(torch.add, acc_sum, acc)
