@@ -87,6 +87,9 @@ class EvalConfig(Strict):
     every: int = Field(1, ge=1, description="evaluate every N rounds (and always after the last)")
     global_test: bool = True
     client_test: bool = True
+    local_models: bool = Field(
+        False, description="also test the cohort's local models on the global test set: in-local / out-local accuracy"
+    )
 
 
 class RunConfig(Strict):

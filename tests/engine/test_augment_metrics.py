@@ -43,3 +43,13 @@ def test_forgetting_is_mean_of_per_class_drops_from_the_best_earlier_round():
 def test_algorithm_specs_become_config_entries():
     assert parse_value(_algorithm_spec("fedprox:mu=0.1")) == {"name": "fedprox", "mu": 0.1}
     assert parse_value(_algorithm_spec("fedavg")) == {"name": "fedavg"}
+
+
+def test_in_local_and_out_local_accuracy_weights_class_accuracy_by_the_label_distribution():
+    from fedmosaic.engine.evaluate import in_out_local
+
+    acc = torch.tensor([[1.0, 0.0, 0.5]])  # per-class accuracy of one local model
+    counts = np.array([[3, 1, 0]])  # its client holds classes 0 and 1 (p = 0.75, 0.25, 0)
+    inside, outside = in_out_local(acc, counts)
+    assert inside == pytest.approx(0.75)
+    assert outside == pytest.approx((0.25 * 1 + 0.75 * 0 + 1 * 0.5) / 2)

@@ -264,3 +264,11 @@ def test_batchnorm_models_keep_running_statistics_per_client_on_the_sequential_p
     run(cfg, tmp_path / "cut", progress=False, fd=fd, stop_after=1)
     run(cfg, tmp_path / "cut", progress=False, fd=fd, resume=True)
     assert strip_timing(read_metrics(tmp_path / "cut")) == strip_timing(read_metrics(tmp_path / "full"))
+
+
+def test_local_model_in_and_out_local_accuracy_is_recorded(fd):
+    fed = Federation(make_cfg(eval={"local_models": True}), fd)
+    rec = fed.round(0)
+    assert 0 <= rec["local_out_acc"] <= 1 and 0 <= rec["local_in_acc"] <= 1
+    # local models fit their own classes better than the others (label-skewed blobs)
+    assert rec["local_in_acc"] > rec["local_out_acc"]

@@ -83,3 +83,27 @@ def personal_correct(apply, stacked_params, x, y, ptr, clients: np.ndarray, tran
         params = tmap(lambda t: t[torch.as_tensor(idx)], stacked_params)
         out[idx] = mapped(params, transform(x[rows]), y[rows], torch.as_tensor(mask)).numpy()
     return out
+
+
+@torch.no_grad()
+def local_class_accuracy(apply, stacked_params, x, y, num_classes: int, transform, vectorize: bool) -> torch.Tensor:
+    """Per-class accuracy [n, C] of each of a stack of (local) models on one shared test set."""
+
+    def per_class(params):
+        hits = torch.zeros(num_classes)
+        for lo in range(0, len(y), EVAL_BATCH):
+            _, logits = apply(params, transform(x[lo : lo + EVAL_BATCH]))
+            yb = y[lo : lo + EVAL_BATCH]
+            hits = hits.index_add(0, yb, (logits.argmax(1) == yb).to(hits.dtype))
+        return hits
+
+    hits = for_each_client(per_class, (0,), vectorize)(stacked_params)
+    return hits / torch.bincount(y, minlength=num_classes).clamp(min=1)
+
+
+def in_out_local(class_acc: torch.Tensor, label_counts: np.ndarray) -> tuple[float, float]:
+    """FedNTD's in-local / out-local accuracy of local models: class accuracy weighted by the client's label
+    distribution p_k, and by (1 - p_k)/(C - 1); averaged over the clients."""
+    p = torch.as_tensor(label_counts / np.maximum(label_counts.sum(1, keepdims=True), 1), dtype=class_acc.dtype)
+    C = class_acc.shape[1]
+    return float((class_acc * p).sum(1).mean()), float((class_acc * (1 - p)).sum(1).mean() / (C - 1))

@@ -48,6 +48,10 @@ class Group:
         self.trainer: LocalTrainer | None = None
         self.store: dict = {}
 
+    def global_buffers_like(self, n: int) -> dict:
+        """The server's buffers repeated for ``n`` clients."""
+        return tmap(lambda t: t.unsqueeze(0).repeat(n, *([1] * t.dim())), self.global_buffers)
+
     def apply(self, params, x):
         return torch.func.functional_call(self.module, params, (x,), {"with_features": True})
 
@@ -88,6 +92,7 @@ class Federation:
         if self.fd.x_global is not None:
             self.global_test = (tensor(self.fd.x_global), torch.as_tensor(self.fd.y_global, device=dev))
         self.num_clients = self.fd.num_clients
+        self.label_counts = self.fd.summary()["counts"]  # [K, C] train labels per client
 
         algo_cls = ALGORITHMS[cfg.algorithm.name]
         self.algo = algo_cls(algo_cls.Config.model_validate(cfg.algorithm.params()))
@@ -153,7 +158,7 @@ class Federation:
                 continue
             rows = torch.as_tensor(self.row_of[members])
             if self.algo.global_model:  # the cohort starts from the server's running statistics
-                bufs = tmap(lambda t, n=len(members): t.unsqueeze(0).repeat(n, *([1] * t.dim())), g.global_buffers)
+                bufs = g.global_buffers_like(len(members))
             else:
                 bufs = take(g.buffers, rows)
             g.module.train()
@@ -177,8 +182,10 @@ class Federation:
                 g.global_buffers = average_buffers(bufs, torch.as_tensor(w, dtype=torch.float32))
         up = cat_trees(uploads)
         w = torch.as_tensor(np.concatenate(weights), dtype=torch.float32)
+        local = self._local_in_out(cohort, up) if self.cfg.eval.local_models else {}
         self.server = self.algo.aggregate(self.server, up, w, t)
         return {
+            **local,
             "round": t,
             "lr": lr,
             "train_loss": float(loss.mean()),
@@ -187,6 +194,18 @@ class Federation:
             "bytes_down": (nbytes(payload) + self._buffer_bytes()) * len(cohort),
             "bytes_up": nbytes(up) + self._buffer_bytes() * len(cohort),
         }
+
+    def _local_in_out(self, cohort: np.ndarray, uploads: dict) -> dict:
+        """In-local / out-local accuracy of the cohort's freshly trained models (global-model algorithms)."""
+        if self.global_test is None or "model" not in uploads or not self.algo.global_model:
+            return {}
+        g = self.groups[0]
+        g.module.eval()
+        x, y = self.global_test
+        acc = ev.local_class_accuracy(g.apply, {**uploads["model"], **g.global_buffers_like(len(cohort))}, x, y,
+                                      self.fd.num_classes, self.transform, self.vectorize and not g.global_buffers)
+        in_acc, out_acc = ev.in_out_local(acc, self.label_counts[cohort])
+        return {"local_in_acc": in_acc, "local_out_acc": out_acc}
 
     def _buffer_bytes(self) -> int:
         """Running statistics travel with a global model."""
