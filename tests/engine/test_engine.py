@@ -150,6 +150,19 @@ def test_resume_equals_uninterrupted(fd, tmp_path):
     assert full["personal_acc_final"] == cut["personal_acc_final"]
 
 
+def test_resume_from_a_checkpoint_without_buffers(fd, tmp_path):
+    """Checkpoints written before BatchNorm support have no "buffers" entry; a model without buffers resumes."""
+    cfg = make_cfg(train__rounds=4)
+    run(cfg, tmp_path / "full", progress=False, fd=fd)
+    run(cfg, tmp_path / "old", progress=False, fd=fd, stop_after=1)
+    ck = sorted((tmp_path / "old" / "checkpoints").glob("*.pt"))[-1]
+    state = torch.load(ck, weights_only=True)
+    del state["buffers"]
+    torch.save(state, ck)
+    run(cfg, tmp_path / "old", progress=False, fd=fd, resume=True)
+    assert strip_timing(read_metrics(tmp_path / "old")) == strip_timing(read_metrics(tmp_path / "full"))
+
+
 def test_existing_run_directory_is_not_overwritten(fd, tmp_path):
     cfg = make_cfg(train__rounds=1)
     out = tmp_path / "r"

@@ -14,7 +14,7 @@ import torch
 from ..algorithms import ALGORITHMS
 from ..config import RunConfig
 from ..data.federated import FederatedData, PartitionSpec, build
-from ..errors import ConfigError, FedMosaicError
+from ..errors import ConfigError, CorruptDataError, FedMosaicError
 from ..models import build_model
 from . import evaluate as ev
 from .local import ClientTensors, LocalTrainer, cat_trees
@@ -252,5 +252,13 @@ class Federation:
 
     def load_state_dict(self, state: dict) -> None:
         self.server = state["server"]
-        for g, s, (b, gb) in zip(self.groups, state["stores"], state["buffers"], strict=True):
+        # Checkpoints written before BatchNorm support carry no "buffers"; that is only
+        # equivalent when the model has none.
+        buffers = state.get("buffers")
+        if buffers is None:
+            if any(g.buffers or g.global_buffers for g in self.groups):
+                raise CorruptDataError("checkpoint has no BatchNorm statistics but the model has buffers; "
+                                       "it was written for a different model")
+            buffers = [({}, {})] * len(self.groups)
+        for g, s, (b, gb) in zip(self.groups, state["stores"], buffers, strict=True):
             g.store, g.buffers, g.global_buffers = s, b, gb
