@@ -64,6 +64,31 @@ def test_resume_a_finished_and_an_interrupted_run(tmp_path, capsys):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_report_compares_existing_runs_at_a_common_round(tmp_path, capsys):
+    runs = []
+    for algo, rounds in (("fedavg", 3), ("fedprox", 2)):
+        out = tmp_path / algo
+        assert main(["run", "--no-progress", "--out", str(out), "--set", f"name={algo}", "--set", "data.clients=6",
+                     "--set", f"train.rounds={rounds}", "--set", f"algorithm={{name: {algo}}}",
+                     "--set", "compare=null"]) == 0
+        runs.append(str(out))
+    capsys.readouterr()
+    plot = tmp_path / "cmp.png"
+    assert main(["report", *runs, "--rounds", "2", "--plot", str(plot)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("fedavg", "fedprox"))}
+    assert rows["fedavg"][1] == rows["fedprox"][1] == "2"
+    fedavg_round2 = json.loads((tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()[1])["global"]["acc"]
+    assert rows["fedavg"][2] == f"{fedavg_round2:.2%}"
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert main(["report", *runs, "--rounds", "3", "--plot", str(plot)]) == 2  # never overwrites a plot
+    assert "already exists" in capsys.readouterr().err
+    assert main(["report", *runs, "--rounds", "3"]) == 0
+    assert "has only 2 rounds" in capsys.readouterr().err
+    assert main(["report", str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
 def test_preset_file_is_valid():
     from fedmosaic.presets import preset_names, preset_path
 

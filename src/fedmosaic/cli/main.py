@@ -51,6 +51,25 @@ def _run(args) -> None:
     print(f"\nrun directory: {out}\nlearning curves: {out / 'learning_curves.png'}")
 
 
+def _report(args) -> None:
+    from ..reports.compare import from_runs, table
+    from ..reports.plots import learning_curves
+
+    if args.rounds is not None and args.rounds < 1:
+        raise FedMosaicError(f"--rounds: must be at least 1 (got {args.rounds})")
+    plot = Path(args.plot) if args.plot else None
+    if plot is not None and plot.exists():
+        raise FedMosaicError(f"--plot {plot} already exists; choose another file")
+    summaries, curves, notes = from_runs([Path(d) for d in args.runs], args.rounds)
+    for n in notes:
+        print(f"fedmosaic: warning: {n}", file=sys.stderr)
+    print(table(summaries))
+    if plot is not None:
+        plot.parent.mkdir(parents=True, exist_ok=True)
+        learning_curves(curves, plot, title=args.title or "")
+        print(f"\nlearning curves: {plot}")
+
+
 def _partition(args) -> None:
     import numpy as np
 
@@ -133,6 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
         q.set_defaults(fn=_run)
     c.add_argument("--algorithms", nargs="+", required=True, metavar="NAME[:K=V,...]",
                    help="e.g. fedavg fedprox:mu=0.1 fedntd:beta=1,tau=1")
+
+    rp = sub.add_parser("report", help="table (and learning curves) of existing run directories, finished or not")
+    rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
+    rp.add_argument("--rounds", type=int, help="compare over the first N rounds of each run")
+    rp.add_argument("--plot", metavar="PNG", help="write the learning curves there (must not exist yet)")
+    rp.add_argument("--title", help="title of the plot")
+    rp.set_defaults(fn=_report)
 
     pt = sub.add_parser("partition", help="partition a dataset over clients, print a summary, save it with a PNG")
     pt.add_argument("--dataset", required=True)

@@ -6,15 +6,16 @@ import json
 import re
 from pathlib import Path
 
-from ..config import RunConfig, dump
+from ..config import RunConfig, dump, load_config
 from ..data.federated import build
 from ..engine.federation import data_spec
-from ..engine.runner import read_metrics, run
+from ..engine.runner import read_metrics, run, summarize
 from ..errors import FedMosaicError
 from .plots import learning_curves
 
 COLUMNS = (
     ("algorithm", "name", "{}"),
+    ("rounds", "rounds", "{}"),
     ("global acc", "global_acc_final", "{:.2%}"),
     ("mean over rounds", "global_acc_mean", "{:.2%}"),
     ("best-by-val", "global_acc_best_by_val", "{:.2%}"),
@@ -52,6 +53,33 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, progress: bool =
     (out / "comparison.json").write_text(json.dumps(summaries, indent=2))
     learning_curves(curves, out / "learning_curves.png", title=f"{cfg.name}: {cfg.data.dataset}")
     return summaries
+
+
+def from_runs(dirs: list[Path], upto: int | None = None) -> tuple[list[dict], dict[str, list[dict]], list[str]]:
+    """Summaries and curves of existing run directories (finished or interrupted), over their first ``upto``
+    rounds when given, so that runs stopped at different rounds are compared at the same one. Also returns
+    warnings: runs on different partitions, or shorter than ``upto``, are not a like-for-like comparison."""
+    summaries, curves, hashes, notes = [], {}, {}, []
+    for d in dirs:
+        if not (d / "config.yaml").is_file():
+            raise FedMosaicError(f"{d} is not a run directory (no config.yaml)")
+        cfg = load_config(d / "config.yaml")
+        records = read_metrics(d)
+        if not records:
+            raise FedMosaicError(f"{d} has no finished round yet (metrics.jsonl is empty)")
+        if upto is not None:
+            if len(records) < upto:
+                notes.append(f"{d} has only {len(records)} rounds (< {upto})")
+            records = records[:upto]
+        name = cfg.name if cfg.name not in curves else str(d)
+        summaries.append({**summarize(records, cfg), "name": name})
+        curves[name] = records
+        meta = d / "meta.json"
+        hashes[name] = json.loads(meta.read_text()).get("data_hash") if meta.is_file() else None
+    if len(set(hashes.values())) > 1:
+        notes.append("the runs use different partitions (data hashes differ): " +
+                     ", ".join(f"{n} {str(h)[:10]}" for n, h in hashes.items()))
+    return summaries, curves, notes
 
 
 def table(summaries: list[dict]) -> str:
