@@ -32,6 +32,7 @@ def test_quickstart_preset_runs_and_writes_table_and_curves(tmp_path, capsys):
     ("train.rounds=0", "train.rounds: must be greater than or equal to 1 (got 0)"),
     ("train.optimiser.lr=0.1", "train.optimiser: unknown field"),
     ("engine.backend=gpu", "engine.backend: must be 'vectorized' or 'sequential'"),
+    ("engine.device=gpu", "engine.device: must be 'auto' or a torch device such as 'cpu' or 'cuda:0' (got 'gpu')"),
     ("algorithm.name=fedsgd", "algorithm.name: unknown 'fedsgd'"),
     ("compare=[{name: fedprox, mu: -1}]", "compare.0.mu: must be greater than or equal to 0"),
     ("data.partition={scheme: dirichlet, alpha: 0}", "partition.alpha"),
@@ -41,6 +42,16 @@ def test_config_errors_are_one_line(override, needle, tmp_path, capsys):
     assert main(["run", "--no-progress", "--out", str(tmp_path / "r"), "--set", override]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and err.count("\n") == 0, err
+
+
+def test_a_device_that_is_not_there_is_a_one_line_error(tmp_path, capsys):
+    import torch
+
+    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a CPU-only machine)
+    assert main(["run", "--no-progress", "--out", str(tmp_path / "r"), "--set", f"engine.device={missing}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"engine.device: '{missing}' is not available" in err and "\n" not in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_yaml_file_errors(tmp_path, capsys):

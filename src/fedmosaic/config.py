@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .engine.augment import AugmentConfig
 from .engine.optim import OptimizerConfig
@@ -76,11 +76,23 @@ class TrainConfig(Strict):
 class EngineConfig(Strict):
     backend: Literal["vectorized", "sequential"] = "vectorized"
     chunk_size: int = Field(128, ge=1, description="clients trained at once on the vectorized path (bounds memory)")
-    device: str = "cpu"
+    device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
     compile: bool = Field(False, description="torch.compile the mapped gradient step (vectorized backend only)")
     fuse_steps: int = Field(8, ge=1, description="with compile: local steps per compiled call (fewer Python round trips)")
     preload_mb: int = Field(2048, ge=0, description="normalise the data once up front if it fits in this many MiB")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v != "auto":
+            import torch
+
+            try:
+                torch.device(v)
+            except RuntimeError:
+                raise ValueError(f"must be 'auto' or a torch device such as 'cpu' or 'cuda:0' (got {v!r})") from None
+        return v
 
 
 class EvalConfig(Strict):

@@ -29,7 +29,9 @@ class FedProto(Algorithm):
     global_model = False
 
     def init_server(self, init_params):
-        return {"protos": torch.zeros(self.num_classes, self.feature_dim), "has": torch.zeros(self.num_classes)}
+        dev = next(iter(init_params[0].values())).device
+        return {"protos": torch.zeros(self.num_classes, self.feature_dim, device=dev),
+                "has": torch.zeros(self.num_classes, device=dev)}
 
     def broadcast(self, server, round_idx):
         return {"protos": server["protos"], "has": server["has"]}
@@ -52,7 +54,7 @@ class FedProto(Algorithm):
     def accumulate(self, ctx):
         z, _ = ctx.forward()
         # F.one_hot does not vmap (it checks the label range with .item())
-        onehot = (ctx.y[:, None] == torch.arange(self.num_classes)).to(z.dtype) * ctx.mask[:, None]
+        onehot = (ctx.y[:, None] == torch.arange(self.num_classes, device=z.device)).to(z.dtype) * ctx.mask[:, None]
         return {"sum": onehot.T @ z.detach(), "count": onehot.sum(0)}
 
     def finish(self, params, state, payload, stats):

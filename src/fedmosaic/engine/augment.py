@@ -47,13 +47,14 @@ def apply(cfg: AugmentConfig, x: torch.Tensor, params: torch.Tensor) -> torch.Te
     x = x.reshape(-1, c, h, w)
     p = params.reshape(-1, 5)
     n = x.shape[0]
-    ys, xs = torch.arange(h), torch.arange(w)
+    dev = x.device
+    ys, xs = torch.arange(h, device=dev), torch.arange(w, device=dev)
     if cfg.crop_padding:
         pad = cfg.crop_padding
         xp = torch.nn.functional.pad(x, (pad, pad, pad, pad))
         iy = (p[:, 0, None] + ys)[:, None, :, None]  # [n, 1, H, 1]
         ix = (p[:, 1, None] + xs)[:, None, None, :]  # [n, 1, 1, W]
-        x = xp[torch.arange(n)[:, None, None, None], torch.arange(c)[None, :, None, None], iy, ix]
+        x = xp[torch.arange(n, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None], iy, ix]
     if cfg.flip:
         x = torch.where(p[:, 2, None, None, None] > 0, x.flip(-1), x)
     if cfg.cutout:

@@ -40,7 +40,7 @@ def score_samples(apply, params, x: torch.Tensor, y: torch.Tensor, transform, lo
         if with_loss:
             losses.append(F.cross_entropy(logits, yb, reduction="none"))
     if not correct:
-        return torch.zeros(0, dtype=torch.bool), torch.zeros(0)
+        return torch.zeros(0, dtype=torch.bool, device=y.device), torch.zeros(0, device=y.device)
     return torch.cat(correct), torch.cat(losses) if with_loss else None
 
 
@@ -55,7 +55,7 @@ def global_metrics(correct: torch.Tensor, losses: torch.Tensor, y: torch.Tensor,
 
 
 def per_client_correct(correct: torch.Tensor, ptr: np.ndarray) -> np.ndarray:
-    c = np.concatenate([[0], np.cumsum(correct.numpy().astype(np.int64))])
+    c = np.concatenate([[0], np.cumsum(correct.cpu().numpy().astype(np.int64))])
     return (c[ptr[1:]] - c[ptr[:-1]]).astype(np.float64)
 
 
@@ -79,9 +79,9 @@ def personal_correct(apply, stacked_params, x, y, ptr, clients: np.ndarray, tran
         idx = np.arange(lo, min(lo + step, len(clients)))
         rows = ptr[clients[idx], None] + np.arange(T)
         mask = np.arange(T) < sizes[idx, None]
-        rows = torch.as_tensor(np.where(mask, rows, 0))
-        params = tmap(lambda t: t[torch.as_tensor(idx)], stacked_params)
-        out[idx] = mapped(params, transform(x[rows]), y[rows], torch.as_tensor(mask)).numpy()
+        rows = torch.as_tensor(np.where(mask, rows, 0), device=x.device)
+        params = tmap(lambda t: t[torch.as_tensor(idx, device=t.device)], stacked_params)
+        out[idx] = mapped(params, transform(x[rows]), y[rows], torch.as_tensor(mask, device=x.device)).cpu().numpy()
     return out
 
 
@@ -90,7 +90,7 @@ def local_class_accuracy(apply, stacked_params, x, y, num_classes: int, transfor
     """Per-class accuracy [n, C] of each of a stack of (local) models on one shared test set."""
 
     def per_class(params):
-        hits = torch.zeros(num_classes)
+        hits = torch.zeros(num_classes, device=y.device)
         for lo in range(0, len(y), EVAL_BATCH):
             _, logits = apply(params, transform(x[lo : lo + EVAL_BATCH]))
             yb = y[lo : lo + EVAL_BATCH]
@@ -104,6 +104,7 @@ def local_class_accuracy(apply, stacked_params, x, y, num_classes: int, transfor
 def in_out_local(class_acc: torch.Tensor, label_counts: np.ndarray) -> tuple[float, float]:
     """FedNTD's in-local / out-local accuracy of local models: class accuracy weighted by the client's label
     distribution p_k, and by (1 - p_k)/(C - 1); averaged over the clients."""
-    p = torch.as_tensor(label_counts / np.maximum(label_counts.sum(1, keepdims=True), 1), dtype=class_acc.dtype)
+    p = torch.as_tensor(label_counts / np.maximum(label_counts.sum(1, keepdims=True), 1), dtype=class_acc.dtype,
+                        device=class_acc.device)
     C = class_acc.shape[1]
     return float((class_acc * p).sum(1).mean()), float((class_acc * (1 - p)).sum(1).mean() / (C - 1))

@@ -56,6 +56,16 @@ class Group:
         return torch.func.functional_call(self.module, params, (x,), {"with_features": True})
 
 
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA device when there is one, else the CPU. A device that is not there is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise ConfigError(f"engine.device: {name!r} is not available on this machine (use 'auto' or 'cpu')")
+    return dev
+
+
 def data_spec(cfg: RunConfig) -> PartitionSpec:
     d = cfg.data
     return PartitionSpec(d.dataset, d.clients, d.partition, d.pool, d.client_test, d.client_val,
@@ -68,7 +78,7 @@ class Federation:
         if cfg.engine.threads:
             torch.set_num_threads(cfg.engine.threads)
         self.fd = fd if fd is not None else build(data_spec(cfg))
-        dev = torch.device(cfg.engine.device)
+        self.device = dev = resolve_device(cfg.engine.device)
         self.vectorize = cfg.engine.backend == "vectorized"
         normalize = make_normalizer(cfg.data.normalize, self.fd.x["train"], dev)
         arrays = [self.fd.x[s] for s in ("train", "val", "test")]
@@ -156,7 +166,7 @@ class Federation:
             members = cohort[self.group_of[cohort] == g.gid]
             if not len(members):
                 continue
-            rows = torch.as_tensor(self.row_of[members])
+            rows = torch.as_tensor(self.row_of[members], device=self.device)
             if self.algo.global_model:  # the cohort starts from the server's running statistics
                 bufs = g.global_buffers_like(len(members))
             else:
@@ -174,14 +184,14 @@ class Federation:
         loss = torch.cat(losses)
         bad = ~torch.isfinite(loss)
         if bad.any() or not all(all_finite(u) for u in uploads):
-            who = cohort[bad.numpy()] if bad.any() else cohort
+            who = cohort[bad.cpu().numpy()] if bad.any() else cohort
             raise NonFiniteLoss(f"round {t}: non-finite loss or update on clients {who.tolist()[:10]}")
         for (g, rows, new_state, bufs), w in zip(writes, weights):
             put((g.store, g.buffers), rows, (new_state, bufs))
             if self.algo.global_model and g.global_buffers:
-                g.global_buffers = average_buffers(bufs, torch.as_tensor(w, dtype=torch.float32))
+                g.global_buffers = average_buffers(bufs, torch.as_tensor(w, dtype=torch.float32, device=self.device))
         up = cat_trees(uploads)
-        w = torch.as_tensor(np.concatenate(weights), dtype=torch.float32)
+        w = torch.as_tensor(np.concatenate(weights), dtype=torch.float32, device=self.device)
         local = self._local_in_out(cohort, up) if self.cfg.eval.local_models else {}
         self.server = self.algo.aggregate(self.server, up, w, t)
         return {

@@ -112,25 +112,26 @@ class LocalTrainer:
         return cat_trees(list(uploads)), cat_trees(list(new_states)), torch.cat(losses), np.concatenate(steps)
 
     def _train_chunk(self, data, clients, payload, states, buffers, epochs, batch, lr, seed, round_idx):
-        n = len(clients)
+        n, dev = len(clients), data.x.device
         positions, valid, steps = batch_plan(data.sizes, clients, epochs, batch, seed, round_idx)
-        params = self._init(payload, states, torch.arange(n))
+        params = self._init(payload, states, torch.arange(n, device=dev))
         start = data.ptr[clients][:, None, None]
         # per step and client: the rows of its batch (padding points at a real row and is masked out), and the
         # augmentation draws. Step-major, so that a step's slice is contiguous (torch.compile guards on strides).
-        rows = torch.as_tensor(np.where(valid, start + positions, start).transpose(1, 0, 2).copy())
-        masks = torch.as_tensor(valid.transpose(1, 0, 2), dtype=torch.float32).contiguous()
+        rows = torch.as_tensor(np.where(valid, start + positions, start).transpose(1, 0, 2).copy(), device=dev)
+        masks = torch.as_tensor(valid.transpose(1, 0, 2).copy(), dtype=torch.float32, device=dev)
         plan = [rows, masks]
         if self.augment is not None:
-            plan.append(augment.draw(self.augment, clients, steps, batch, data.x.shape[1:], seed, round_idx))
+            draws = augment.draw(self.augment, clients, steps, batch, data.x.shape[1:], seed, round_idx)
+            plan.append(draws.to(dev))
         post = self._post_plan(rows, masks, batch)
-        loss_sum = torch.zeros(n)
+        loss_sum = torch.zeros(n, device=dev)
         acc_sum = None
         # ``packed`` holds the active clients' rows of everything indexed by client (first ``real`` rows; when
         # compiled, padded to a power of two with masked copies of the first so few shapes get compiled).
         # While every client is active and no padding is needed, it is the full trees themselves.
         active = np.arange(n)
-        ia, real = torch.as_tensor(active), n
+        ia, real = torch.as_tensor(active, device=dev), n
         packed = (params, optim.init_state(self.opt, leaves(params)), states, buffers)
         finish_at = set(steps.tolist())
         S = int(steps.max()) if n else 0
@@ -144,12 +145,12 @@ class LocalTrainer:
                 keep = np.searchsorted(active, now)
                 if self.compile:
                     keep = np.concatenate([keep, np.full((1 << (len(keep) - 1).bit_length()) - len(keep), keep[0])])
-                keep = torch.as_tensor(keep)
+                keep = torch.as_tensor(keep, device=dev)
                 packed = tuple(take(t, keep) for t in packed)
                 # only the steps still to come: repacking then costs O(what remains), not O(the whole plan)
                 plan = [t[s - s0 :].index_select(1, keep) for t in plan]
                 plan[1][:, len(now) :] = 0  # padding rows never count
-                active, ia, real, s0 = now, torch.as_tensor(now), len(now), s
+                active, ia, real, s0 = now, torch.as_tensor(now, device=dev), len(now), s
             if self.fuse > 1 and s >= fused_until:
                 nxt = min([f for f in finish_at if f > s], default=S)
                 block0, fused_until = s, s + (nxt - s) // self.fuse * self.fuse
@@ -157,7 +158,8 @@ class LocalTrainer:
                 if (s - block0) % self.fuse:
                     continue  # already taken by the fused call that started at an earlier step
                 x, y, m = self._batch(data, plan, slice(s - s0, s - s0 + self.fuse))
-                loss, acc = self._fused(*packed[:3], payload, x, y, m, packed[3], torch.tensor(lr), torch.tensor(s))
+                loss, acc = self._fused(*packed[:3], payload, x, y, m, packed[3], torch.tensor(lr, device=dev),
+                                       torch.tensor(s, device=dev))
             else:
                 x, y, m = self._batch(data, plan, s - s0)
                 grads, loss, acc = self._grads(packed[0], packed[2], payload, x, y, m, packed[3])
@@ -165,19 +167,19 @@ class LocalTrainer:
             loss_sum.index_add_(0, ia, loss[:real])
             if acc:
                 if acc_sum is None:
-                    acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype), acc)
+                    acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=dev), acc)
                 tmap(lambda a, b: a.index_add_(0, ia, b[:real]), acc_sum, acc)
         if packed[0] is not params:
             put((params, buffers), ia, tmap(lambda t: t[:real], (packed[0], packed[3])))
         stats = {
             **self._post_grads(data, post, params, states, payload, buffers),
-            "n": torch.as_tensor(data.sizes[clients], dtype=torch.float32),
-            "steps": torch.as_tensor(steps, dtype=torch.float32),
-            "lr": torch.full((n,), float(lr)),
+            "n": torch.as_tensor(data.sizes[clients], dtype=torch.float32, device=dev),
+            "steps": torch.as_tensor(steps, dtype=torch.float32, device=dev),
+            "lr": torch.full((n,), float(lr), device=dev),
             "acc": acc_sum if acc_sum is not None else {},
         }
         uploads, new_states = self._finish(params, states, payload, stats)
-        mean_loss = loss_sum / torch.as_tensor(np.maximum(steps, 1), dtype=torch.float32)
+        mean_loss = loss_sum / torch.as_tensor(np.maximum(steps, 1), dtype=torch.float32, device=dev)
         return uploads, new_states, mean_loss, steps
 
     def _batch(self, data, plan, at):
@@ -197,7 +199,7 @@ class LocalTrainer:
         """Mean over those batches of the squared minibatch gradient at the final local parameters."""
         if post is None or not len(post[0]):
             return {}
-        total, count = None, torch.zeros(len(post[1][0]))
+        total, count = None, torch.zeros(len(post[1][0]), device=data.x.device)
         for r, m in zip(*post):
             # on copies of the buffers: these extra forward passes must not move the running statistics
             grads, _, _ = self._map_post_grads(params, states, payload, self.transform(data.x[r]), data.y[r], m,

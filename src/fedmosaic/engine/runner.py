@@ -111,6 +111,7 @@ def _meta(cfg: RunConfig, fed: Federation) -> dict:
         "seed": cfg.seed,
         "data_hash": fed.fd.hash,
         "num_clients": fed.num_clients,
+        "device": str(fed.device),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -134,7 +135,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, progress: bool
     if resume:
         ck = latest_checkpoint(out)
         if ck is not None:
-            state = torch.load(ck, weights_only=True)
+            state = torch.load(ck, weights_only=True, map_location=fed.device)
             fed.load_state_dict(state)
             start = state["round"] + 1
         records = [r for r in read_metrics(out) if r["round"] < start]

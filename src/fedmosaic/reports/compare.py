@@ -42,14 +42,23 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, progress: bool =
         fd = build(data_spec(cfg))  # one partition for all: same clients, same samples
         if not resume and out.exists() and any(out.iterdir()):
             raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
+        created = not out.exists()
         out.mkdir(parents=True, exist_ok=True)
         if not resume:
             (out / "comparison.yaml").write_text(dump(cfg))
         summaries, curves = [], {}
-        for v in variants:
-            sub = out / dir_name(v.name)
-            summaries.append(run(v, sub, resume=resume and (sub / "config.yaml").exists(), progress=progress, fd=fd))
-            curves[v.name] = read_metrics(sub)
+        try:
+            for v in variants:
+                sub = out / dir_name(v.name)
+                summaries.append(run(v, sub, resume=resume and (sub / "config.yaml").exists(), progress=progress,
+                                     fd=fd))
+                curves[v.name] = read_metrics(sub)
+        except FedMosaicError:
+            # a config error before any variant ran: leave no half-made comparison directory behind
+            if created and [p.name for p in out.iterdir()] == ["comparison.yaml"]:
+                (out / "comparison.yaml").unlink()
+                out.rmdir()
+            raise
     (out / "comparison.json").write_text(json.dumps(summaries, indent=2))
     learning_curves(curves, out / "learning_curves.png", title=f"{cfg.name}: {cfg.data.dataset}")
     return summaries
