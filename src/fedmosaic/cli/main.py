@@ -109,7 +109,7 @@ def _partition(args) -> None:
     print(f"saved        {out}/  (manifest.json, partition.npz, {png.name})")
 
 
-def _data_list(args) -> None:
+def _data_list(args) -> int:
     from ..data.registry import REGISTRY, _ensure_loaded, find_layout, missing_message
 
     _ensure_loaded()
@@ -125,6 +125,19 @@ def _data_list(args) -> None:
             print(f"{name:18s} found   {where}  [{layout.name}, {size / 2**20:.1f} MiB]")
         else:
             print(f"{name:18s} missing {missing_message(spec).split(': ', 1)[1]}")
+    return _data_verify() if args.verify else 0
+
+
+def _data_verify() -> int:
+    """Verdict per dataset on stdout; each bad, missing or unreadable file (and pin warning) on stderr."""
+    from ..data.verify import verify
+
+    report = verify(progress=True)
+    print()
+    print("\n".join(report.summary()))
+    for line in report.problems():
+        print(f"fedmosaic: {line}", file=sys.stderr)
+    return 1 if report.failed else 0
 
 
 def _data_download(args) -> None:
@@ -180,6 +193,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("data", help="datasets: list what is found, download")
     dsub = d.add_subparsers(dest="data_command", required=True)
     dl = dsub.add_parser("list", help="each dataset: found where, size, or which files are missing")
+    dl.add_argument("--verify", action="store_true",
+                    help="also check the files' SHA-256 against SHA256SUMS files and the registry's pins; "
+                    "exit 1 if any is bad, missing or unreadable")
     dl.set_defaults(fn=_data_list)
     dd = dsub.add_parser("download", help="download a dataset from its canonical source (SHA-256 checked)")
     dd.add_argument("name")
@@ -197,14 +213,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.data_dir:
         set_data_dirs(args.data_dir)
     try:
-        args.fn(args)
+        status = args.fn(args)
     except FedMosaicError as e:
         print(f"fedmosaic: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("fedmosaic: interrupted (a run continues with `fedmosaic run --resume RUN_DIR`)", file=sys.stderr)
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":
