@@ -12,7 +12,7 @@ from typing import Annotated, Union
 from pydantic import Field, ValidationError
 
 from ...errors import ConfigError
-from .base import PartitionScheme, validation_error_message
+from .base import PartitionScheme, shown, validation_error_message
 from .dirichlet import Dirichlet
 from .generators import APFLMnist, FEMNISTLognormal, femnist_letters_a_to_j
 from .iid import IID
@@ -42,8 +42,8 @@ def parse_partition(d: dict | PartitionScheme, prefix: str = "partition") -> Par
     if not isinstance(d, dict):
         raise ConfigError(f"{prefix}: must be a mapping with a 'scheme' key (got {type(d).__name__})")
     name = d.get("scheme")
-    if name not in SCHEMES:
-        what = "missing" if name is None else f"unknown {name!r}"
+    if not isinstance(name, str) or name not in SCHEMES:
+        what = "missing" if name is None else f"unknown {shown(name)}"
         raise ConfigError(f"{prefix}.scheme: {what}; allowed: {', '.join(sorted(SCHEMES))}")
     cls = SCHEMES[name]
     try:

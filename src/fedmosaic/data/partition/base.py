@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import math
+import re
+
 import numpy as np
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from ...errors import ConfigError
 
 Parts = list[np.ndarray]
+
+# Upper bounds of the scheme parameters: far above any published setting, low enough that no partitioner
+# allocates absurd memory or runs for hours. Float bounds also keep numpy's samplers finite.
+MAX_COUNT = 10**6  # clients, users, shards or classes per client
+MAX_SAMPLES = 10**7  # a number of samples (min_size, first, min_per_class, offset)
+MAX_RETRIES = 10**4  # Dirichlet passes; each costs a full pass over the classes
+MAX_SIGMA = 20.0  # lognormal sigma: exp(20 z) overflows only for z > 35 (probability ~1e-270)
 
 
 class PartitionScheme(BaseModel):
@@ -22,14 +32,26 @@ class PartitionScheme(BaseModel):
     ConfigError for any other number; ``num_clients`` answers the count before splitting.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a bool is not a number and "3" is not an int (an int is still accepted for a float parameter);
+    # allow_inf_nan=False: NaN and +-inf are rejected for every float parameter.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True, allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _numpy_scalars_as_python(cls, data):
+        # numpy ints and floats (e.g. from np.arange sweeps) are numbers; np.bool_ stays a bool (rejected).
+        if isinstance(data, dict):
+            return {
+                k: v.item() if isinstance(v, (np.integer, np.floating)) else v for k, v in data.items()
+            }
+        return data
 
     def num_clients(self, n_requested: int | None, groups: np.ndarray | None = None) -> int:
         """The number of clients ``split`` will return for this request."""
         if n_requested is None:
             raise ConfigError(f"n_clients: required for partition scheme '{self.scheme}'")
-        if isinstance(n_requested, bool) or not isinstance(n_requested, (int, np.integer)) or n_requested < 1:
-            raise ConfigError(f"n_clients: must be a positive integer (got {n_requested!r})")
+        if not is_count(n_requested) or n_requested < 1:
+            raise ConfigError(f"n_clients: must be a positive integer (got {shown(n_requested)})")
         return int(n_requested)
 
     def split(
@@ -62,25 +84,46 @@ class PartitionScheme(BaseModel):
         raise NotImplementedError
 
 
+def is_count(x) -> bool:
+    """Whether ``x`` is an integer (Python or numpy), not a bool."""
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
 def fixed_clients(n_requested: int | None, count: int, what: str) -> int:
     """For schemes whose setting fixes the client count: accept None (meaning ``count``) or ``count``."""
-    if n_requested is None or n_requested == count:
+    if n_requested is None or (is_count(n_requested) and n_requested == count):
         return count
     raise ConfigError(
-        f"n_clients: {what} fixes {count} clients (got {n_requested}); "
+        f"n_clients: {what} fixes {count} clients (got {shown(n_requested)}); "
         f"leave n_clients unset or set it to {count}"
     )
 
 
 def as_labels(labels: np.ndarray) -> np.ndarray:
-    labels = np.asarray(labels)
+    try:
+        labels = np.asarray(labels)
+    except (ValueError, TypeError):
+        raise ConfigError("labels: must be a 1-D integer array (got a ragged or mixed sequence)") from None
     if labels.ndim != 1 or not np.issubdtype(labels.dtype, np.integer):
         raise ConfigError(
             f"labels: must be a 1-D integer array (got dtype {labels.dtype}, shape {labels.shape})"
         )
     if len(labels) and labels.min() < 0:
         raise ConfigError(f"labels: must be >= 0 (got {labels.min()})")
+    if len(labels) and labels.dtype == np.uint64 and labels.max() > np.iinfo(np.int64).max:
+        raise ConfigError(f"labels: must fit in int64 (got {labels.max()})")
     return labels.astype(np.int64, copy=False)
+
+
+def class_ranks(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The distinct labels ascending, each sample's rank among them, and each class's size.
+
+    Working on ranks instead of raw label values keeps arrays indexed by class as small as the number of
+    classes present (labels like {0, 10**9} need two columns, not 10**9). Classes absent from ``labels`` take
+    no randomness in any scheme, so ranks give the same partitions as the raw values.
+    """
+    classes, ranks, sizes = np.unique(labels, return_inverse=True, return_counts=True)
+    return classes, ranks.reshape(-1).astype(np.int64), sizes.astype(np.int64)
 
 
 def require_samples_per_client(
@@ -99,6 +142,8 @@ def parts_from_owner(owner: np.ndarray, n_clients: int) -> Parts:
     kept = np.flatnonzero(owner >= 0)
     # A stable sort keeps each client's indices ascending, so no per-client sort is needed.
     order = kept[np.argsort(owner[kept], kind="stable")]
+    if n_clients == 0:
+        return []
     counts = np.bincount(owner[kept], minlength=n_clients)
     return [p.astype(np.int64) for p in np.split(order, np.cumsum(counts)[:-1])]
 
@@ -131,15 +176,37 @@ def even_sizes(total: int, parts: int) -> np.ndarray:
     return np.full(parts, total // parts, dtype=np.int64) + (np.arange(parts) < total % parts)
 
 
+def usable_weights(weights: np.ndarray) -> np.ndarray:
+    """Non-negative weights with a finite, positive sum, for draws that overflowed or underflowed.
+
+    Weights that already have a finite positive sum are returned unchanged. Otherwise: +inf weights (a
+    sampler overflow) share everything equally, as the limit of a weight that dwarfs all finite ones; finite
+    weights whose sum overflows are rescaled by their maximum; all-zero weights (underflow) become equal.
+    NaN and negative weights count as 0.
+    """
+    w = np.asarray(weights, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = w.sum()
+    if np.isfinite(s) and s > 0 and not (w < 0).any():
+        return w
+    w = np.where(np.isnan(w) | (w < 0), 0.0, w)
+    if np.isposinf(w).any():
+        return np.isposinf(w).astype(np.float64)
+    peak = w.max(initial=0.0)
+    return w / peak if peak > 0 else np.ones(len(w))
+
+
 def largest_remainder(weights: np.ndarray, total: int, rng: np.random.Generator | None = None) -> np.ndarray:
     """Integer counts proportional to ``weights`` summing exactly to ``total``.
 
     Ties in the fractional parts are broken at random when ``rng`` is given, so no position is favoured.
+    Weights that overflowed, underflowed to all zeros or contain NaN go through ``usable_weights`` first.
     """
     weights = np.asarray(weights, dtype=np.float64)
-    s = weights.sum()
-    if total == 0 or s <= 0:
+    if total == 0 or len(weights) == 0:
         return np.zeros(len(weights), dtype=np.int64)
+    weights = usable_weights(weights)
+    s = weights.sum()
     raw = weights / s * total
     base = np.floor(raw).astype(np.int64)
     short = total - int(base.sum())
@@ -155,16 +222,51 @@ _TEMPLATES = {
     "greater_than_equal": "must be >= {ge}",
     "less_than": "must be < {lt}",
     "less_than_equal": "must be <= {le}",
+    "finite_number": "must be a finite number",
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
+    "bool_type": "must be true or false",
+    "string_type": "must be a string",
 }
+
+
+def shown(value, limit: int = 60) -> str:
+    """``repr(value)`` for an error message: one line, at most ``limit`` characters, never raising."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**limit:
+        # repr of an int this long is unreadable, and beyond 4300 digits Python refuses to make it.
+        return f"~{'-' if value < 0 else ''}1e{math.floor(math.log10(abs(value)))}"
+    try:
+        text = repr(value)
+    except Exception:
+        text = f"<{type(value).__name__}>"
+    text = " ".join(text.splitlines())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+_YAML_STRING_FLOAT = re.compile(r"([+-]?\d+)([eE][+-]?\d+)")
+
+
+def _number(v: float) -> str:
+    return str(int(v)) if v.is_integer() and abs(v) < 1e16 else f"{v:g}"
+
+
+def _loc_part(p) -> str:
+    text = str(p)
+    return text if text.isprintable() and len(text) <= 60 else shown(p)
 
 
 def validation_error_message(err: ValidationError, prefix: str, allowed_fields: list[str]) -> str:
     """One line naming each offending parameter, e.g. ``partition.alpha: must be > 0 (got -1)``."""
     pieces = []
     for e in err.errors(include_url=False):
-        name = ".".join([prefix, *(str(p) for p in e["loc"])])
-        ctx = {k: f"{v:g}" if isinstance(v, float) else v for k, v in (e.get("ctx") or {}).items()}
-        if e["type"] in _TEMPLATES:
+        name = ".".join([prefix, *(_loc_part(p) for p in e["loc"])])
+        ctx = {k: _number(v) if isinstance(v, float) else v for k, v in (e.get("ctx") or {}).items()}
+        got = e.get("input")
+        if e["type"] in ("int_type", "float_type") and isinstance(got, str):
+            text = f"{_TEMPLATES[e['type']]}, not a string"
+        elif e["type"] == "float_type" and isinstance(got, int) and not isinstance(got, bool):
+            text = _TEMPLATES["finite_number"]  # an int too large for a float
+        elif e["type"] in _TEMPLATES:
             text = _TEMPLATES[e["type"]].format(**ctx)
         elif e["type"] == "extra_forbidden":
             text = f"unknown parameter; allowed: {', '.join(allowed_fields)}"
@@ -172,5 +274,10 @@ def validation_error_message(err: ValidationError, prefix: str, allowed_fields: 
             text = f"must be {ctx.get('expected')}"
         else:
             text = e["msg"][0].lower() + e["msg"][1:]
-        pieces.append(f"{name}: {text} (got {e['input']!r})")
+        piece = f"{name}: {text} (got {shown(got)})"
+        # PyYAML reads 1e-3 (no dot in the mantissa) as a string, a common way to end up here.
+        m = _YAML_STRING_FLOAT.fullmatch(got.strip()) if isinstance(got, str) else None
+        if m and e["type"] == "float_type":
+            piece += f"; YAML reads {got.strip()} as a string: write {m[1]}.0{m[2]}"
+        pieces.append(piece)
     return "; ".join(pieces)

@@ -14,18 +14,27 @@ from pydantic import Field
 
 from ...errors import ConfigError
 from .base import (
+    MAX_COUNT,
+    MAX_SAMPLES,
+    MAX_SIGMA,
     PartitionScheme,
     Parts,
+    class_members,
     fixed_clients,
     largest_remainder,
-    owner_from_counts,
     parts_from_owner,
+    usable_weights,
 )
 
 log = logging.getLogger(__name__)
 
 # LEAF's FEMNIST label order is 0-9 digits, 10-35 upper case, 36-61 lower case.
 _LOWER_A, _LOWER_J = 36, 45
+# The largest float64 below 2**63: per-user requests are capped here so that an overflowed lognormal draw
+# converts to int64 instead of wrapping around to a negative count. Smaller requests are unchanged.
+_MAX_REQUEST = float(2**63 - 1024)
+# At most this many (user, class) slots: several arrays of this length are built.
+_MAX_SLOTS = 10**7
 
 
 def femnist_letters_a_to_j(labels: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -54,15 +63,32 @@ class _ClassCycleGenerator(PartitionScheme):
                 f"partition.classes_per_user: must be <= the number of classes {len(classes)} "
                 f"(got {self.classes_per_user})"
             )
+        if self.users * self.classes_per_user > _MAX_SLOTS:
+            raise ConfigError(
+                f"partition.classes_per_user: users * classes_per_user = {self.users} * "
+                f"{self.classes_per_user} (user, class) slots is more than {_MAX_SLOTS}"
+            )
         slot_class = (np.arange(self.users)[:, None] + np.arange(self.classes_per_user)) % len(classes)
         return ranks.astype(np.int64), slot_class
 
     def _assign(self, ranks: np.ndarray, slot_class: np.ndarray, take: np.ndarray, rng) -> Parts:
-        counts = np.zeros((self.users, int(ranks.max()) + 1), dtype=np.int64)
-        np.add.at(
-            counts, (np.repeat(np.arange(self.users), slot_class.shape[1]), slot_class.ravel()), take.ravel()
-        )
-        return parts_from_owner(owner_from_counts(ranks, counts, rng), self.users)
+        """Give each (user, class) slot ``take`` random samples of its class; the rest are dropped.
+
+        Per class the users holding it are listed in ascending order, so this is ``owner_from_counts`` on the
+        (users x classes) count matrix without building that matrix (users * classes can be large).
+        """
+        n_classes = int(ranks.max()) + 1
+        user = np.repeat(np.arange(self.users), slot_class.shape[1])
+        cls, t = slot_class.ravel(), take.ravel()
+        order = np.lexsort((user, cls))
+        user, cls, t = user[order], cls[order], t[order]
+        bounds = np.searchsorted(cls, np.arange(n_classes + 1))
+        owner = np.full(len(ranks), -1, dtype=np.int64)
+        for c, members in enumerate(class_members(ranks, n_classes)):
+            holders, col = user[bounds[c] : bounds[c + 1]], t[bounds[c] : bounds[c + 1]]
+            if col.any():
+                owner[rng.permutation(members)[: int(col.sum())]] = np.repeat(holders, col)
+        return parts_from_owner(owner, self.users)
 
 
 class APFLMnist(_ClassCycleGenerator):
@@ -72,7 +98,8 @@ class APFLMnist(_ClassCycleGenerator):
     classes; the rest of each class is shared among the (user, class) slots holding it in proportion to
     lognormal(0, sigma) draws. As in the original, shares are floored and the remainders dropped (about half
     a sample per slot: ~69,050 of 70,000 kept; APFL reports 69,035); with ``drop_remainder=False`` they are
-    dealt by largest remainder and every sample is used. Samples within a class are drawn at random.
+    dealt by largest remainder and every sample of a held class is used (when users + classes_per_user - 1
+    < C, the classes no user holds are dropped either way). Samples within a class are drawn at random.
 
     Decision (sigma): the default 2.0 is the published code's. It gives a per-user std of ~165 (120-250
     over seeds), not the 106 that FedProx and APFL report for their one draw; ``sigma=1.55`` gives 106 in
@@ -81,10 +108,10 @@ class APFLMnist(_ClassCycleGenerator):
     """
 
     scheme: Literal["apfl_mnist"] = "apfl_mnist"
-    users: int = Field(1000, ge=1)
-    classes_per_user: int = Field(2, ge=1)
-    first: int = Field(5, ge=0)
-    sigma: float = Field(2.0, gt=0)
+    users: int = Field(1000, ge=1, le=MAX_COUNT)
+    classes_per_user: int = Field(2, ge=1, le=MAX_COUNT)
+    first: int = Field(5, ge=0, le=MAX_SAMPLES)
+    sigma: float = Field(2.0, gt=0, le=MAX_SIGMA)
     drop_remainder: bool = True
 
     def _split(self, labels: np.ndarray, n_clients: int, rng: np.random.Generator, groups) -> Parts:
@@ -101,7 +128,15 @@ class APFLMnist(_ClassCycleGenerator):
         rest = class_sizes - self.first * holders
         weights = rng.lognormal(0.0, self.sigma, slot_class.shape)
         if self.drop_remainder:
-            total = np.bincount(slot_class.ravel(), weights=weights.ravel(), minlength=len(class_sizes))
+            total = _class_totals(slot_class, weights, len(class_sizes))
+            bad = ~np.isfinite(total) | (total <= 0)
+            if bad.any():
+                # Draws that overflowed to inf or all underflowed to 0 would give 0/0 shares: such a class
+                # goes by usable_weights instead (other classes are untouched).
+                weights = weights.copy()
+                for c in np.flatnonzero(bad):
+                    weights[slot_class == c] = usable_weights(weights[slot_class == c])
+                total = _class_totals(slot_class, weights, len(class_sizes))
             share = np.floor(weights / total[slot_class] * rest[slot_class]).astype(np.int64)
         else:
             share = np.zeros(slot_class.shape, dtype=np.int64)
@@ -123,17 +158,19 @@ class FEMNISTLognormal(_ClassCycleGenerator):
     """
 
     scheme: Literal["femnist_lognormal"] = "femnist_lognormal"
-    users: int = Field(200, ge=1)
-    classes_per_user: int = Field(3, ge=1)
-    mean: float = 4.0
-    sigma: float = Field(1.0, gt=0)
-    offset: float = Field(5.0, ge=0)
-    min_per_class: int = Field(2, ge=0)
+    users: int = Field(200, ge=1, le=MAX_COUNT)
+    classes_per_user: int = Field(3, ge=1, le=MAX_COUNT)
+    mean: float = Field(4.0, ge=-100, le=100)
+    sigma: float = Field(1.0, gt=0, le=MAX_SIGMA)
+    offset: float = Field(5.0, ge=0, le=MAX_SAMPLES)
+    min_per_class: int = Field(2, ge=0, le=MAX_SAMPLES)
 
     def _split(self, labels: np.ndarray, n_clients: int, rng: np.random.Generator, groups) -> Parts:
         ranks, slot_class = self._slots(labels)
         n_u = rng.lognormal(self.mean, self.sigma, self.users) + self.offset
-        per = np.maximum(self.min_per_class, np.floor(n_u / self.classes_per_user)).astype(np.int64)
+        # A request beyond int64 (an overflowed draw) is capped; the class scaling below shrinks it anyway.
+        per_float = np.minimum(np.floor(n_u / self.classes_per_user), _MAX_REQUEST)
+        per = np.maximum(self.min_per_class, per_float).astype(np.int64)
         take = np.repeat(per[:, None], self.classes_per_user, axis=1)
         supply = np.bincount(ranks)
         demand = np.bincount(slot_class.ravel(), weights=take.ravel(), minlength=len(supply))
@@ -147,3 +184,9 @@ class FEMNISTLognormal(_ClassCycleGenerator):
             )
         take = np.floor(take * scale[slot_class]).astype(np.int64)
         return self._assign(ranks, slot_class, take, rng)
+
+
+def _class_totals(slot_class: np.ndarray, weights: np.ndarray, n_classes: int) -> np.ndarray:
+    """Sum of the slot weights of each class (inf where the sum overflows)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        return np.bincount(slot_class.ravel(), weights=weights.ravel(), minlength=n_classes)

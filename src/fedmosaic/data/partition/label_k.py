@@ -8,7 +8,16 @@ import numpy as np
 from pydantic import Field
 
 from ...errors import ConfigError
-from .base import PartitionScheme, Parts, class_members, even_sizes, parts_from_owner
+from .base import (
+    MAX_COUNT,
+    PartitionScheme,
+    Parts,
+    class_members,
+    class_ranks,
+    even_sizes,
+    parts_from_owner,
+    require_samples_per_client,
+)
 
 
 class LabelK(PartitionScheme):
@@ -21,13 +30,16 @@ class LabelK(PartitionScheme):
     """
 
     scheme: Literal["label_k"] = "label_k"
-    k: int = Field(2, ge=1)
+    k: int = Field(2, ge=1, le=MAX_COUNT)
 
     def _split(self, labels: np.ndarray, n_clients: int, rng: np.random.Generator, groups) -> Parts:
-        classes = np.unique(labels)
+        classes, ranks, _ = class_ranks(labels)
         n_classes = len(classes)
         if self.k > n_classes:
             raise ConfigError(f"partition.k: must be <= the number of classes {n_classes} (got {self.k})")
+        # Each client gets >= 1 sample of each of its k classes, so N >= K * k; checking it before drawing
+        # keeps a huge n_clients from allocating a huge key table (such a split fails below anyway).
+        require_samples_per_client(len(labels), n_clients, self.k, "partition.k")
         # Ranking random keys, with the fixed first class forced to the front, draws the k-1 others
         # without replacement in one vectorised step.
         keys = rng.random((n_clients, n_classes))
@@ -36,12 +48,12 @@ class LabelK(PartitionScheme):
         np.put_along_axis(held, np.argsort(keys, axis=1)[:, : self.k], True, axis=1)
 
         owner = np.full(len(labels), -1, dtype=np.int64)
-        members = class_members(labels)
+        members = class_members(ranks, n_classes)
         for j, c in enumerate(classes):
             holders = np.flatnonzero(held[:, j])
             if len(holders) == 0:
                 continue
-            idx = members[c]
+            idx = members[j]
             if len(idx) < len(holders):
                 raise ConfigError(
                     f"partition.k: class {c} has {len(idx)} samples but {len(holders)} clients hold it; "

@@ -20,24 +20,28 @@ class Natural(PartitionScheme):
     scheme: Literal["natural"] = "natural"
 
     def num_clients(self, n_requested: int | None, groups: np.ndarray | None = None) -> int:
-        return fixed_clients(
-            n_requested, len(np.unique(self._groups(groups))), f"partition scheme '{self.scheme}'"
-        )
+        return fixed_clients(n_requested, len(self._ids(groups)[0]), f"partition scheme '{self.scheme}'")
 
     def _split(self, labels: np.ndarray, n_clients: int, rng: np.random.Generator, groups) -> Parts:
-        groups = self._groups(groups)
-        if len(groups) != len(labels):
-            raise ConfigError(f"groups: has {len(groups)} entries but there are {len(labels)} labels")
-        _, client = np.unique(groups, return_inverse=True)
-        return parts_from_owner(client.astype(np.int64), n_clients)
+        _, client = self._ids(groups)
+        if len(client) != len(labels):
+            raise ConfigError(f"groups: has {len(client)} entries but there are {len(labels)} labels")
+        return parts_from_owner(client, n_clients)
 
-    def _groups(self, groups: np.ndarray | None) -> np.ndarray:
+    def _ids(self, groups: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+        """The distinct group ids ascending, and each sample's client (the rank of its id)."""
         if groups is None:
             raise ConfigError(
                 f"partition.scheme: '{self.scheme}' needs per-sample group ids, and this dataset has none; "
                 "pick a synthetic scheme such as iid or dirichlet"
             )
-        return np.asarray(groups).ravel()
+        try:
+            ids, client = np.unique(np.asarray(groups).ravel(), return_inverse=True)
+        except (TypeError, ValueError):
+            raise ConfigError("groups: must be an array of comparable ids (numbers or strings)") from None
+        if len(ids) == 0:
+            raise ConfigError("groups: empty; a natural partition needs at least one group id")
+        return ids, client.reshape(-1).astype(np.int64)
 
 
 class Domains(Natural):

@@ -7,7 +7,14 @@ from typing import Literal
 import numpy as np
 from pydantic import Field
 
-from .base import PartitionScheme, Parts, largest_remainder, require_samples_per_client
+from .base import (
+    MAX_SAMPLES,
+    MAX_SIGMA,
+    PartitionScheme,
+    Parts,
+    largest_remainder,
+    require_samples_per_client,
+)
 
 
 class QuantitySkew(PartitionScheme):
@@ -17,13 +24,17 @@ class QuantitySkew(PartitionScheme):
     so it is not a parameter. ``distribution="power_law"``: weight ~ Pareto with x_min = 1 and tail index
     ``exponent``, i.e. P(w > x) = x^-exponent. Shares are rounded by largest remainder. All samples are
     assigned, drawn uniformly at random, so each client's labels follow the global label distribution.
+
+    ``sigma`` <= 20 and ``exponent`` >= 0.05 keep the weights finite in practice (a Pareto draw is
+    expm1(E / exponent) with E ~ Exp(1)); a weight that still overflows to inf takes an equal share of
+    everything with the other infinite ones (see ``largest_remainder``).
     """
 
     scheme: Literal["quantity"] = "quantity"
     distribution: Literal["lognormal", "power_law"] = "lognormal"
-    sigma: float = Field(1.0, gt=0)
-    exponent: float = Field(1.5, gt=0)
-    min_size: int = Field(10, ge=1)
+    sigma: float = Field(1.0, gt=0, le=MAX_SIGMA)
+    exponent: float = Field(1.5, ge=0.05, le=1e6)
+    min_size: int = Field(10, ge=1, le=MAX_SAMPLES)
 
     def _split(self, labels: np.ndarray, n_clients: int, rng: np.random.Generator, groups) -> Parts:
         require_samples_per_client(len(labels), n_clients, self.min_size, "partition.min_size")

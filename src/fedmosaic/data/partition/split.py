@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from ...errors import ConfigError
-from .base import Parts, as_labels, largest_remainder
+from .base import Parts, as_labels, largest_remainder, shown
 
 HOLDOUTS = ("test", "val")
 
@@ -27,17 +27,29 @@ def client_split(
     labels = as_labels(labels)
     shares = _check_fractions(fractions)
     out: dict[str, Parts] = {key: [] for key in ("train", *HOLDOUTS)}
-    for part in parts:
-        for key, idx in _split_one(labels, np.asarray(part, dtype=np.int64), shares, rng).items():
+    for i, part in enumerate(parts):
+        part = np.asarray(part, dtype=np.int64)
+        if len(part) and (part.min() < 0 or part.max() >= len(labels)):
+            raise ConfigError(
+                f"parts[{i}]: indices must be in [0, {len(labels)}) (got {part.min()}..{part.max()})"
+            )
+        for key, idx in _split_one(labels, part, shares, rng).items():
             out[key].append(idx)
     return out
 
 
 def _check_fractions(fractions: dict[str, float]) -> list[float]:
-    unknown = sorted(set(fractions) - set(HOLDOUTS))
+    if not isinstance(fractions, dict):
+        raise ConfigError(f"fractions: must be a mapping like {{'test': 0.25}} (got {shown(fractions)})")
+    unknown = sorted((k for k in fractions if k not in HOLDOUTS), key=repr)
     if unknown:
-        raise ConfigError(f"fractions: unknown split {unknown[0]!r}; allowed: {', '.join(HOLDOUTS)}")
-    shares = [float(fractions.get(key, 0.0)) for key in HOLDOUTS]
+        raise ConfigError(f"fractions: unknown split {shown(unknown[0])}; allowed: {', '.join(HOLDOUTS)}")
+    shares = []
+    for key in HOLDOUTS:
+        try:
+            shares.append(float(fractions.get(key, 0.0)))
+        except (TypeError, ValueError, OverflowError):
+            raise ConfigError(f"fractions.{key}: must be a number (got {shown(fractions[key])})") from None
     for key, f in zip(HOLDOUTS, shares):
         if not 0.0 <= f < 1.0:
             raise ConfigError(f"fractions.{key}: must be in [0, 1) (got {f})")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...errors import ConfigError
-from .base import Parts, as_labels
+from .base import Parts, as_labels, is_count, shown
 
 Stream = list[tuple[int, np.ndarray, np.ndarray]]
 
@@ -33,6 +33,10 @@ def task_streams(
     no sample is shared. A client's samples of tasks it was not dealt are unused.
     """
     labels = as_labels(labels)
+    counts = {"n_tasks": n_tasks, "tasks_per_client": tasks_per_client, "classes_per_task": classes_per_task}
+    for name, value in counts.items():
+        if not (is_count(value) or (value is None and name != "n_tasks")):
+            raise ConfigError(f"{name}: must be an integer (got {shown(value)})")
     classes = np.unique(labels)
     cpt = _classes_per_task(len(classes), n_tasks, classes_per_task)
     if tasks_per_client is not None and not 1 <= tasks_per_client <= n_tasks:
@@ -43,13 +47,15 @@ def task_streams(
     order = rng.permutation(classes) if shuffle_classes else classes
     used = order[: n_tasks * cpt]
     task_classes = [np.sort(used[t * cpt : (t + 1) * cpt]) for t in range(n_tasks)]
-    task_of = np.full(int(classes.max()) + 1, -1, dtype=np.int64)
-    task_of[used] = np.repeat(np.arange(n_tasks), cpt)
+    # Task of each class by its rank among ``classes`` (label values may be sparse and large).
+    task_of = np.full(len(classes), -1, dtype=np.int64)
+    task_of[np.searchsorted(classes, used)] = np.repeat(np.arange(n_tasks), cpt)
+    rank = np.searchsorted(classes, labels)
 
     streams = []
     for part in parts:
         part = np.asarray(part, dtype=np.int64)
-        t_of = task_of[labels[part]]
+        t_of = task_of[rank[part]]
         held = rng.permutation(np.unique(t_of[t_of >= 0]))[:tasks_per_client]
         streams.append([(int(t), task_classes[t], np.sort(part[t_of == t])) for t in held])
     return streams
