@@ -32,11 +32,36 @@ def test_quickstart_preset_runs_and_writes_table_and_curves(tmp_path, capsys):
     ("train.rounds=0", "train.rounds: must be greater than or equal to 1 (got 0)"),
     ("train.optimiser.lr=0.1", "train.optimiser: unknown field"),
     ("engine.backend=gpu", "engine.backend: must be 'vectorized' or 'sequential'"),
-    ("engine.device=gpu", "engine.device: must be 'auto' or a torch device such as 'cpu' or 'cuda:0' (got 'gpu')"),
+    ("engine.device=gpu", "engine.device: must be 'auto', 'cpu' or a CUDA device such as 'cuda:0' (got 'gpu')"),
+    ("engine.device=meta", "engine.device: must be 'auto', 'cpu' or a CUDA device such as 'cuda:0' (got 'meta')"),
+    ("train.optimiser.lr=0.1", "train.optimiser: unknown field; did you mean 'optimizer'?"),
     ("algorithm.name=fedsgd", "algorithm.name: unknown 'fedsgd'"),
     ("compare=[{name: fedprox, mu: -1}]", "compare.0.mu: must be greater than or equal to 0"),
     ("data.partition={scheme: dirichlet, alpha: 0}", "partition.alpha"),
     ("data.dataset=nosuch", "data.dataset: unknown dataset 'nosuch'"),
+    # strict types, ranges (nested too), empty lists, typos, devices, models vs inputs, memory
+    ("train.rounds=true", "train.rounds: must be a valid integer (got True)"),
+    ("train.rounds=2.0", "train.rounds: must be a valid integer (got 2.0)"),
+    ("seed=-1", "seed: must be greater than or equal to 0 (got -1)"),
+    ("data.partition.alpha=.inf", "data.partition.alpha: must be a finite number (got inf)"),
+    ("train.optimizer.betas=[0.9, 1.0]", "train.optimizer.betas: each must be in [0, 1) (got [0.9, 1.0])"),
+    ("train.optimizer.lr=.nan", "train.optimizer.lr: must be a finite number"),
+    ("train.optimizer.lr=1e-3", "YAML reads 1e-3 as text, write 1.0e-3"),
+    ("data.classes=[]", "data.classes: must not be empty"),
+    ("model.heterogeneous=[]", "model.heterogeneous: must not be empty"),
+    ("compare=[]", "compare: must not be empty"),
+    ("train.clients_per_round=21", "train.clients_per_round: must be <= data.clients = 20 (got 21)"),
+    ("trian.rounds=3", "trian: unknown field; did you mean 'train'?"),
+    ("algorithm.name=fedavgg", "algorithm.name: unknown 'fedavgg'; did you mean 'fedavg'?"),
+    ("=5", "--set '=5': empty key"),
+    ("train..rounds=1", "--set 'train..rounds=1': empty part in the key"),
+    ("engine.device=mps", "engine.device: must be 'auto', 'cpu' or a CUDA device such as 'cuda:0' (got 'mps')"),
+    ("model.name=cnn4", "model 'cnn4': input (1, 8, 8) is too small for this CNN"),
+    ("model.options={hidden: 0}", "hidden: must be a width >= 1"),
+    ("model.options={hidden: 1000000000}", "parameters; model.options) needs about 279.4 GiB, more than the"),
+    ("train.local_epochs=1000000000", "the local batch plan"),
+    ("data.augment.cutout=100", "data.augment.cutout: must be <= the image side 8 (got 100)"),
+    ("model.heterogeneous=[{name: mlp}, {name: logreg}]", "model.heterogeneous: algorithm 'fedavg' averages one"),
 ])
 def test_config_errors_are_one_line(override, needle, tmp_path, capsys):
     assert main(["run", "--no-progress", "--out", str(tmp_path / "r"), "--set", override]) == 2
@@ -54,6 +79,46 @@ def test_a_device_that_is_not_there_is_a_one_line_error(tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_clients_per_round_larger_than_a_scheme_fixed_federation(tmp_path, capsys):
+    # apfl_mnist fixes the client count (partition.users), so this is only known once the partition is
+    argv = ["run", "--no-progress", "--out", str(tmp_path / "r"), "--set", "compare=null", "--set", "data.clients=null",
+            "--set", "data.partition={scheme: apfl_mnist, users: 5, first: 2}", "--set", "train.clients_per_round=6"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "fedmosaic: error: train.clients_per_round: must be <= the 5 clients of this partition (got 6)"
+    assert not (tmp_path / "r").exists()
+
+
+def test_batch_larger_than_every_client_is_the_full_batch(tmp_path):
+    """A batch of 10^9 is capped at the largest client (same results as a batch of exactly that size)."""
+    out = {}
+    for b in (1_000_000_000, 1000):
+        out[b] = tmp_path / str(b)
+        assert main(["run", "--no-progress", "--out", str(out[b]), "--set", "compare=null", "--set",
+                     "train.rounds=2", "--set", f"train.batch_size={b}"]) == 0
+    curves = [[json.loads(ln)["train_loss"] for ln in (o / "metrics.jsonl").read_text().splitlines()]
+              for o in out.values()]
+    assert curves[0] == curves[1]
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"", "the file is empty (or only comments)"),
+    (b"# nothing but a comment\n\n", "the file is empty (or only comments)"),
+    (b"train:\n  rounds: \xff\xfe\n", "not UTF-8 text (byte 0xff at offset 17)"),
+    (b"[" * 20000, "nested too deeply"),
+    (b"a: &a [1,1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
+     b"d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d,*d]\n", "more than 100,000 values"),
+    (b"- a list\n", "the top level must be a mapping"),
+    (b"!!python/object/apply:os.system [echo hi]\n", "invalid YAML"),
+])
+def test_unreadable_config_files(content, needle, tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(content)
+    assert main(["run", str(bad)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert needle in err and err.count("\n") == 0, err
+
+
 def test_yaml_file_errors(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("train: [1, 2\n")
@@ -65,7 +130,7 @@ def test_yaml_file_errors(tmp_path, capsys):
 
 def test_resume_a_finished_and_an_interrupted_run(tmp_path, capsys):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({"name": "one", "data": {"clients": 6}, "train": {"rounds": 2},
+    cfg.write_text(yaml.safe_dump({"name": "one", "data": {"clients": 6}, "train": {"rounds": 2, "clients_per_round": 3},
                                    "algorithm": {"name": "fedavg"}}))
     out = tmp_path / "r"
     assert main(["run", str(cfg), "--no-progress", "--out", str(out)]) == 0
@@ -79,7 +144,7 @@ def test_report_compares_existing_runs_at_a_common_round(tmp_path, capsys):
     runs = []
     for algo, rounds in (("fedavg", 3), ("fedprox", 2)):
         out = tmp_path / algo
-        assert main(["run", "--no-progress", "--out", str(out), "--set", f"name={algo}", "--set", "data.clients=6",
+        assert main(["run", "--no-progress", "--out", str(out), "--set", f"name={algo}", "--set", "data.clients=6", "--set", "train.clients_per_round=3",
                      "--set", f"train.rounds={rounds}", "--set", f"algorithm={{name: {algo}}}",
                      "--set", "compare=null"]) == 0
         runs.append(str(out))

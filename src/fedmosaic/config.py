@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
+import re
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -11,15 +14,33 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .engine.augment import AugmentConfig
 from .engine.optim import OptimizerConfig
 from .errors import ConfigError
+from .schema import MAX_COUNT, MAX_SEED, Schema
+
+#: A config file larger than this is not a config (a YAML alias bomb or a wrong file).
+MAX_CONFIG_BYTES = 1 << 20
+#: Values (scalars, list items, mapping entries) a config may hold once YAML aliases are expanded.
+MAX_CONFIG_NODES = 100_000
+#: Run names become directory names (plus a time stamp): one path component, at most this many UTF-8 bytes.
+MAX_NAME_BYTES = 100
+_BAD_NAME = re.compile(r"[/\\\x00-\x1f\x7f]")
 
 
-class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+def check_name(name: str) -> str:
+    """A run name is a name, not a path: it never creates anything outside the runs directory."""
+    if not name.strip():
+        raise ValueError("must not be empty")
+    if _BAD_NAME.search(name):
+        raise ValueError("must be a plain name, not a path: no '/', '\\' or control characters")
+    if name in (".", "..") or name != name.strip():
+        raise ValueError("must not be '.', '..' or start or end with spaces")
+    if len(name.encode()) > MAX_NAME_BYTES:
+        raise ValueError(f"must be at most {MAX_NAME_BYTES} bytes long (got {len(name.encode())})")
+    return name
 
 
-class DataConfig(Strict):
-    dataset: str = "digits"
-    clients: int | None = Field(20, ge=1, description="number of clients; None = the scheme's own count")
+class DataConfig(Schema):
+    dataset: str = Field("digits", min_length=1)
+    clients: int | None = Field(20, ge=1, le=MAX_COUNT, description="number of clients; None = the scheme's own count")
     partition: dict[str, Any] = Field(default_factory=lambda: {"scheme": "dirichlet", "alpha": 0.3})
     pool: Literal["train", "all"] = Field(
         "train", description="partition the train split only, or train+test pooled (per-client test splits)"
@@ -30,8 +51,16 @@ class DataConfig(Strict):
         "channel", description="z-score inputs per channel, per pixel/feature (FedProx/APFL MNIST), or not at all"
     )
     augment: AugmentConfig = Field(default_factory=AugmentConfig, description="training-time augmentation")
-    seed: int | None = Field(None, description="partition seed; defaults to the run seed")
-    classes: list[int] | None = Field(None, description="keep only these class ids, relabelled 0..k-1 in this order")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="partition seed; defaults to the run seed")
+    classes: list[int] | None = Field(None, min_length=1, description="keep only these class ids, relabelled 0..k-1 "
+                                      "in this order")
+
+    @field_validator("classes")
+    @classmethod
+    def _classes(cls, v):
+        if v is not None and (min(v) < 0 or len(set(v)) != len(v)):
+            raise ValueError(f"must be distinct class ids >= 0 (got {v})")
+        return v
 
     @model_validator(mode="after")
     def _fractions(self):
@@ -40,47 +69,47 @@ class DataConfig(Strict):
         return self
 
 
-class ArchConfig(Strict):
-    name: str
+class ArchConfig(Schema):
+    name: str = Field(min_length=1)
     options: dict[str, Any] = Field(default_factory=dict)
-    share: float = Field(1.0, gt=0, description="relative share of clients that get this architecture")
+    share: float = Field(1.0, gt=0, le=1e6, description="relative share of clients that get this architecture")
 
 
-class ModelConfig(Strict):
-    name: str = "mlp"
+class ModelConfig(Schema):
+    name: str = Field("mlp", min_length=1)
     options: dict[str, Any] = Field(default_factory=dict)
     task_loss: Literal["ce", "hinge"] = "ce"
     heterogeneous: list[ArchConfig] | None = Field(
-        None, description="several architectures, assigned to clients round-robin by share (model-heterogeneous FL)"
+        None, min_length=1, description="several architectures, assigned to clients round-robin by share (model-heterogeneous FL)"
     )
 
 
 class AlgorithmConfig(BaseModel):
     """``name`` plus the algorithm's own hyper-parameters (validated by that algorithm's Config)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     name: str = "fedavg"
 
     def params(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
 
 
-class TrainConfig(Strict):
-    rounds: int = Field(30, ge=1)
-    clients_per_round: int = Field(10, ge=1)
-    local_epochs: int = Field(1, ge=1)
-    batch_size: int = Field(10, ge=1)
+class TrainConfig(Schema):
+    rounds: int = Field(30, ge=1, le=MAX_COUNT)
+    clients_per_round: int = Field(10, ge=1, le=MAX_COUNT)
+    local_epochs: int = Field(1, ge=1, le=MAX_COUNT)
+    batch_size: int = Field(10, ge=1, le=MAX_COUNT, description="capped at the largest client's train size")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
 
 
-class EngineConfig(Strict):
+class EngineConfig(Schema):
     backend: Literal["vectorized", "sequential"] = "vectorized"
-    chunk_size: int = Field(128, ge=1, description="clients trained at once on the vectorized path (bounds memory)")
+    chunk_size: int = Field(128, ge=1, le=MAX_COUNT, description="clients trained at once on the vectorized path (bounds memory)")
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
     compile: bool = Field(False, description="torch.compile the mapped gradient step (vectorized backend only)")
-    fuse_steps: int = Field(8, ge=1, description="with compile: local steps per compiled call (fewer Python round trips)")
-    preload_mb: int = Field(2048, ge=0, description="normalise the data once up front if it fits in this many MiB")
-    threads: int | None = Field(None, ge=1, description="torch intra-op threads (default: torch's choice)")
+    fuse_steps: int = Field(8, ge=1, le=1024, description="with compile: local steps per compiled call (fewer Python round trips)")
+    preload_mb: int = Field(2048, ge=0, le=MAX_COUNT, description="normalise the data once up front if it fits in this many MiB")
+    threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads (default: torch's choice)")
 
     @field_validator("device")
     @classmethod
@@ -89,14 +118,16 @@ class EngineConfig(Strict):
             import torch
 
             try:
-                torch.device(v)
-            except RuntimeError:
-                raise ValueError(f"must be 'auto' or a torch device such as 'cpu' or 'cuda:0' (got {v!r})") from None
+                kind = torch.device(v).type
+            except (RuntimeError, ValueError):
+                kind = None
+            if kind not in ("cpu", "cuda"):  # meta, mps, xla...: nothing the engine can train on
+                raise ValueError(f"must be 'auto', 'cpu' or a CUDA device such as 'cuda:0' (got {v!r})") from None
         return v
 
 
-class EvalConfig(Strict):
-    every: int = Field(1, ge=1, description="evaluate every N rounds (and always after the last)")
+class EvalConfig(Schema):
+    every: int = Field(1, ge=1, le=MAX_COUNT, description="evaluate every N rounds (and always after the last)")
     global_test: bool = True
     client_test: bool = True
     local_models: bool = Field(
@@ -104,19 +135,31 @@ class EvalConfig(Strict):
     )
 
 
-class RunConfig(Strict):
-    name: str = "run"
-    seed: int = 0
+class RunConfig(Schema):
+    name: str = Field("run", description="a plain name (no path); run directories are <runs-dir>/<name>-<time>")
+    seed: int = Field(0, ge=0, le=MAX_SEED)
     data: DataConfig = Field(default_factory=DataConfig)
     model: ModelConfig = Field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
-    checkpoint_every: int = Field(10, ge=1)
+    checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT)
     compare: list[AlgorithmConfig] | None = Field(
-        None, description="run these algorithms on the same partition, cohorts and batches and compare them"
+        None, min_length=1, description="run these algorithms on the same partition, cohorts and batches and compare them"
     )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        return check_name(v)
+
+    @model_validator(mode="after")
+    def _cohort(self):
+        if self.data.clients is not None and self.train.clients_per_round > self.data.clients:
+            raise ValueError(f"train.clients_per_round: must be <= data.clients = {self.data.clients} "
+                             f"(got {self.train.clients_per_round})")
+        return self
 
     def variants(self) -> list[RunConfig]:
         """One config per compared algorithm (or just this one)."""
@@ -124,6 +167,7 @@ class RunConfig(Strict):
             return [self]
         names = [label(a) for a in self.compare]
         names = [n if names.count(n) == 1 else f"{n}#{names[:i].count(n) + 1}" for i, n in enumerate(names)]
+        names = [_BAD_NAME.sub("_", n)[:MAX_NAME_BYTES] for n in names]  # labels stay valid run names
         return [self.model_copy(update={"algorithm": a, "compare": None, "name": n}) for a, n in zip(self.compare, names)]
 
 
@@ -133,19 +177,93 @@ def label(algo: AlgorithmConfig) -> str:
     return f"{algo.name}({params})" if params else algo.name
 
 
-def format_validation_error(err: ValidationError, prefix: str = "") -> str:
-    """The first pydantic error as ``field.path: message (got value)``."""
+def _model_in(tp) -> type[BaseModel] | None:
+    """The config section class inside an annotation such as ``list[ArchConfig] | None``."""
+    if isinstance(tp, type) and issubclass(tp, BaseModel):
+        return tp
+    for arg in typing.get_args(tp):
+        if (found := _model_in(arg)) is not None:
+            return found
+    return None
+
+
+def _fields_at(model: type[BaseModel] | None, loc: tuple) -> list[str]:
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = model.model_fields.get(part) if model is not None else None
+        model = _model_in(field.annotation) if field is not None else None
+    return list(model.model_fields) if model is not None else []
+
+
+_TEXT_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
+
+
+def as_yaml_float(text: str) -> str:
+    """``1e-3`` as YAML 1.1 reads a float: a dot in the mantissa and a sign in the exponent (``1.0e-3``)."""
+    mantissa, exponent = text.lower().split("e")
+    if "." not in mantissa:
+        mantissa += ".0"
+    return f"{mantissa}e{exponent if exponent[0] in '+-' else '+' + exponent}"
+
+
+def yaml_scalar(value) -> str:
+    """``value`` as it must be written in YAML (or ``--set``) to be read back as the same value."""
+    return yaml.safe_dump(value).splitlines()[0]
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def format_validation_error(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> str:
+    """The first pydantic error as ``field.path: message (got value)``; an unknown key names the nearest valid one."""
     e = err.errors()[0]
     loc = ".".join(str(p) for p in (prefix, *e["loc"]) if p != "")
     msg = e["msg"].removeprefix("Value error, ").replace("Input should be", "must be")
     if e["type"] == "extra_forbidden":
-        msg = "unknown field"
+        allowed = _fields_at(model or RunConfig, e["loc"][:-1])
+        near = difflib.get_close_matches(str(e["loc"][-1]), allowed, n=1, cutoff=0.6)
+        msg = (f"unknown field; did you mean {near[0]!r}?" if near
+               else f"unknown field; allowed: {', '.join(allowed)}" if allowed
+               else "unknown field; this takes no parameters" if model is not None else "unknown field")
+    elif e["type"] == "too_short" and e.get("ctx", {}).get("min_length") == 1:
+        msg = "must not be empty (leave it out instead)"
     got = e.get("input")
-    shown = "" if e["type"] in ("missing", "extra_forbidden") or isinstance(got, dict) else f" (got {got!r})"
+    if isinstance(got, str) and _TEXT_FLOAT.fullmatch(got.strip()):
+        msg += f"; YAML reads {got.strip()} as text, write {as_yaml_float(got.strip())}"
+    shown = ("" if e["type"] in ("missing", "extra_forbidden", "too_short") or isinstance(got, dict) or "(got " in msg
+             else f" (got {short_repr(got)})")
+    if not loc and re.match(r"[a-z_]+(\.[a-z_]+)*: ", msg):  # a cross-field check names its own field
+        return msg
     return f"{loc or 'config'}: {msg}{shown}"
 
 
-def validate(raw: dict) -> RunConfig:
+def check_shape(raw: Any, where: str) -> None:
+    """Refuse what no config needs and what would stall validation: deep nesting, YAML alias bombs (a few lines
+    that expand to billions of values), and text that is not valid Unicode. Iterative, with early exits."""
+    stack, seen = [(raw, 0)], 0
+    while stack:
+        node, depth = stack.pop()
+        seen += 1
+        if seen > MAX_CONFIG_NODES:
+            raise ConfigError(f"{where}: more than {MAX_CONFIG_NODES:,} values (YAML aliases expanded); not a config")
+        if depth > 32:
+            raise ConfigError(f"{where}: nested more than 32 levels deep; not a config")
+        if isinstance(node, str):
+            try:
+                node.encode()
+            except UnicodeEncodeError:
+                raise ConfigError(f"{where}: a string is not valid Unicode text ({short_repr(node)})") from None
+        elif isinstance(node, dict):
+            stack.extend((x, depth + 1) for kv in node.items() for x in kv)
+        elif isinstance(node, (list, tuple, set)):
+            stack.extend((x, depth + 1) for x in node)
+
+
+def validate(raw: dict, where: str = "config") -> RunConfig:
+    check_shape(raw, where)
     try:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as e:
@@ -161,14 +279,21 @@ def validate(raw: dict) -> RunConfig:
     except ConfigError as e:
         raise ConfigError(f"data.dataset: {e}") from None
     checks = [("algorithm", cfg.algorithm)] + [(f"compare.{i}", a) for i, a in enumerate(cfg.compare or [])]
-    for where, a in checks:
+    for where_, a in checks:
         algo = ALGORITHMS.get(a.name)
         if algo is None:
-            raise ConfigError(f"{where}.name: unknown {a.name!r}; allowed: {', '.join(sorted(ALGORITHMS))}")
+            near = difflib.get_close_matches(a.name, list(ALGORITHMS), n=1)
+            hint = f"did you mean {near[0]!r}? " if near else ""
+            raise ConfigError(f"{where_}.name: unknown {short_repr(a.name)}; {hint}allowed: {', '.join(sorted(ALGORITHMS))}")
         try:
             algo.Config.model_validate(a.params())
         except ValidationError as e:
-            raise ConfigError(format_validation_error(e, where)) from None
+            raise ConfigError(format_validation_error(e, where_, algo.Config)) from None
+        if cfg.model.heterogeneous and algo.global_model:
+            raise ConfigError(
+                f"model.heterogeneous: {where_} {a.name!r} averages one global model, so every client needs the same "
+                "architecture; use a model-heterogeneous algorithm (e.g. fedproto, local)"
+            )
     return cfg
 
 
@@ -178,21 +303,46 @@ def parse_value(text: str) -> Any:
         return yaml.safe_load(text)
     except yaml.YAMLError:
         return text
+    except RecursionError:
+        raise ConfigError(f"--set value {short_repr(text)}: nested too deeply") from None
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key=value, e.g. train.rounds=5")
-        key, value = item.split("=", 1)
+        key, eq, value = item.partition("=")
+        parts = [p.strip() for p in key.split(".")]
+        if not eq or not all(parts):
+            what = "expected key=value" if not eq else "empty key" if not key.strip() else "empty part in the key"
+            raise ConfigError(f"--set {short_repr(item)}: {what}, e.g. train.rounds=5")
         node = raw
-        parts = key.strip().split(".")
-        for p in parts[:-1]:
+        for i, p in enumerate(parts[:-1]):
             node = node.setdefault(p, {})
             if not isinstance(node, dict):
-                raise ConfigError(f"--set {key}: {p!r} is not a section")
+                raise ConfigError(f"--set {key.strip()}: {'.'.join(parts[: i + 1])} is not a section")
         node[parts[-1]] = parse_value(value)
     return raw
+
+
+def read_yaml(path: Path) -> Any:
+    """A YAML file's content; every way it can be unreadable is one line naming the file."""
+    try:
+        size = path.stat().st_size
+        if size > MAX_CONFIG_BYTES:
+            raise ConfigError(f"{path}: {size:,} bytes is too large for a config (at most {MAX_CONFIG_BYTES:,})")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read it ({e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        raise ConfigError(f"{path}: invalid YAML" + (f" near line {line + 1}" if line is not None else "")) from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to be a config") from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
@@ -201,14 +351,12 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
         p = Path(path)
         if not p.is_file():
             raise ConfigError(f"config file {str(p)!r} not found")
-        try:
-            raw = yaml.safe_load(p.read_text()) or {}
-        except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", None)
-            raise ConfigError(f"{p}: invalid YAML" + (f" near line {line + 1}" if line is not None else "")) from None
+        raw = read_yaml(p)
+        if raw is None:
+            raise ConfigError(f"{p}: the file is empty (or only comments); a config needs at least one section")
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections (data, model, algorithm, train, ...)")
-    return validate(apply_overrides(raw, list(overrides)))
+    return validate(apply_overrides(raw, list(overrides)), str(path) if path is not None else "config")
 
 
 def dump(cfg: RunConfig) -> str:

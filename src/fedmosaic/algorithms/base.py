@@ -11,14 +11,13 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
-
 from ..engine.tree import weighted_mean
+from ..schema import Schema
 from .terms import LocalContext, TaskLoss
 
 
-class AlgoConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AlgoConfig(Schema):
+    """An algorithm's hyper-parameters: strict types, finite numbers, each with its range."""
 
 
 class Algorithm:

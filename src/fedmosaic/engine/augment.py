@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from ..errors import ConfigError
+from ..schema import Schema
 from .seeding import AUGMENT, rng
 
 
-class AugmentConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class AugmentConfig(Schema):
     crop_padding: int = Field(0, ge=0, description="random crop of the original size after zero padding (0: off)")
     flip: bool = Field(False, description="random horizontal flip with probability 1/2")
     cutout: int = Field(0, ge=0, description="side of the square zeroed at a random centre (0: off)")
@@ -25,6 +25,19 @@ class AugmentConfig(BaseModel):
     @property
     def active(self) -> bool:
         return bool(self.crop_padding or self.flip or self.cutout)
+
+    def check(self, input_shape: tuple[int, ...]) -> None:
+        """Augmentation needs images [C, H, W], and its sizes are bounded by the image."""
+        if not self.active:
+            return
+        if len(input_shape) != 3:
+            raise ConfigError(f"data.augment: needs images, but the inputs have shape {tuple(input_shape)}")
+        h, w = input_shape[1:]
+        if self.crop_padding > min(h, w):
+            raise ConfigError(f"data.augment.crop_padding: must be <= the image side {min(h, w)} "
+                              f"(got {self.crop_padding})")
+        if self.cutout > max(h, w):
+            raise ConfigError(f"data.augment.cutout: must be <= the image side {max(h, w)} (got {self.cutout})")
 
 
 def draw(cfg: AugmentConfig, clients: np.ndarray, steps: np.ndarray, batch: int, shape, seed: int, round_idx: int):

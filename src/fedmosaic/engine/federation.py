@@ -6,7 +6,9 @@ are the runner's business (runner.py).
 
 from __future__ import annotations
 
+import os
 import warnings
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,7 +17,7 @@ from ..algorithms import ALGORITHMS
 from ..config import RunConfig
 from ..data.federated import FederatedData, PartitionSpec, build
 from ..errors import ConfigError, CorruptDataError, FedMosaicError
-from ..models import build_model
+from ..models import build_model, parameter_count
 from . import evaluate as ev
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .seeding import INIT, rng, sample_cohort
@@ -66,6 +68,31 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def memory_bytes(device: torch.device) -> int | None:
+    """The memory a run on ``device`` can use at most: the GPU's, or the machine's (or its cgroup's limit)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    try:
+        return min(total, int(Path("/sys/fs/cgroup/memory.max").read_text()))  # cgroup v2; "max" = no limit
+    except (OSError, ValueError):
+        return total
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_fits(need: int, budget: int | None, device: torch.device, what: str) -> None:
+    """Requests that cannot fit are refused up front, in one line, before an allocator fails (or the OOM killer
+    strikes a lazily committed allocation)."""
+    if budget is not None and need > budget:
+        raise ConfigError(f"{what} needs about {gib(need)}, more than the {gib(budget)} of memory on {device}")
+
+
 def data_spec(cfg: RunConfig) -> PartitionSpec:
     d = cfg.data
     return PartitionSpec(d.dataset, d.clients, d.partition, d.pool, d.client_test, d.client_val,
@@ -103,6 +130,8 @@ class Federation:
             self.global_test = (tensor(self.fd.x_global), torch.as_tensor(self.fd.y_global, device=dev))
         self.num_clients = self.fd.num_clients
         self.label_counts = self.fd.summary()["counts"]  # [K, C] train labels per client
+        self.memory = memory_bytes(dev)
+        self._check_data(cfg)
 
         algo_cls = ALGORITHMS[cfg.algorithm.name]
         self.algo = algo_cls(algo_cls.Config.model_validate(cfg.algorithm.params()))
@@ -114,6 +143,7 @@ class Federation:
         self.server = self.algo.init_server([g.init for g in self.groups])
         for g in self.groups:
             one = self.algo.init_client(self.server, g.init)
+            self._check_training_memory(g, nbytes(one))
             g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
             # running statistics are updated in place during the forward pass, which vmap cannot do per client:
             # such groups take the sequential path (same results, no vmap)
@@ -130,14 +160,36 @@ class Federation:
             self.group_of[g.clients] = g.gid
             self.row_of[g.clients] = np.arange(len(g.clients))
 
+    def _check_data(self, cfg: RunConfig) -> None:
+        """What the config can only be checked against once the partition is known."""
+        K, tc = self.num_clients, cfg.train
+        if tc.clients_per_round > K:
+            raise ConfigError(f"train.clients_per_round: must be <= the {K} clients of this partition "
+                              f"(got {tc.clients_per_round})")
+        cfg.data.augment.check(self.fd.dataset.input_shape)
+        sizes = self.split["train"].sizes
+        # a batch larger than the largest client is all padding: cap it (same results, no giant batch plans)
+        self.batch = int(max(1, min(tc.batch_size, sizes.max(initial=1))))
+        # the batch plan of one chunk: per client, step and slot an index (numpy and torch), a mask, augmentation
+        n = min(cfg.engine.chunk_size, tc.clients_per_round)
+        steps = tc.local_epochs * -(-int(sizes.max(initial=1)) // self.batch)
+        per_slot = 8 + 1 + 8 + 4 + (40 if cfg.data.augment.active else 0)
+        check_fits(n * steps * self.batch * per_slot, self.memory, self.device,
+                   f"the local batch plan ({n} clients x {steps:,} steps x batch {self.batch}; "
+                   "train.local_epochs, train.batch_size, engine.chunk_size)")
+
+    def _check_training_memory(self, g: Group, state_bytes: int) -> None:
+        """Every client's persistent state, plus the cohort chunk's parameters, gradients and optimiser state."""
+        params = nbytes(g.init)
+        n = min(self.cfg.engine.chunk_size, self.cfg.train.clients_per_round)
+        need = state_bytes * len(g.clients) + params * (4 + 5 * n)
+        check_fits(need, self.memory, self.device,
+                   f"training {g.module.__class__.__name__} ({params // 4:,} parameters; {len(g.clients)} client "
+                   f"states, {n} clients trained at once: engine.chunk_size, train.clients_per_round)")
+
     def _build_groups(self, dev) -> list[Group]:
         m, shape, C = self.cfg.model, self.fd.dataset.input_shape, self.fd.num_classes
         archs = m.heterogeneous or []
-        if archs and self.algo.global_model:
-            raise ConfigError(
-                f"model.heterogeneous: algorithm {self.algo.name!r} averages one global model, so every client needs "
-                "the same architecture; use a model-heterogeneous algorithm (e.g. fedproto, local)"
-            )
         gen = torch.Generator().manual_seed(int(rng(self.cfg.seed, INIT).integers(2**62)))
         specs = [(a.name, a.options, a.share) for a in archs] or [(m.name, m.options, 1.0)]
         shares = np.array([s for *_, s in specs], dtype=float)
@@ -149,6 +201,8 @@ class Federation:
             given[owner[k]] += 1
         groups = []
         for gid, (name, options, _) in enumerate(specs):
+            n = parameter_count(name, shape, C, **options)
+            check_fits(4 * n, self.memory, dev, f"model {name!r} ({n:,} parameters; model.options)")
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
                 module = build_model(name, shape, C, **options).to(dev)
@@ -174,7 +228,7 @@ class Federation:
             g.module.train()
             up, new_state, loss, st = g.trainer.train(
                 self.split["train"], members, payload, take(g.store, rows), bufs, epochs=tc.local_epochs,
-                batch=tc.batch_size, lr=lr, seed=self.cfg.seed, round_idx=t,
+                batch=self.batch, lr=lr, seed=self.cfg.seed, round_idx=t,
             )
             uploads.append(up)
             writes.append((g, rows, new_state, bufs))

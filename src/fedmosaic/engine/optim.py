@@ -12,21 +12,38 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator, model_validator
+
+from ..schema import Schema
 
 
-
-class OptimizerConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-
+class OptimizerConfig(Schema):
     name: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0)
     momentum: float = Field(0.0, ge=0, lt=1)
     nesterov: bool = False
     weight_decay: float = Field(0.0, ge=0)
     lr_decay: float = Field(1.0, gt=0, le=1, description="lr of round t is lr * lr_decay**t")
-    betas: tuple[float, float] = (0.9, 0.999)
+    betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's decay rates, each in [0, 1)")
     eps: float = Field(1e-8, gt=0)
+
+    @field_validator("betas", mode="before")
+    @classmethod
+    def _pair(cls, v):
+        return tuple(v) if isinstance(v, list) else v  # YAML has lists, not tuples
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v):
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError(f"each must be in [0, 1) (got {list(v)})")
+        return v
+
+    @model_validator(mode="after")
+    def _nesterov(self):
+        if self.nesterov and (self.name != "sgd" or self.momentum == 0):
+            raise ValueError("nesterov: needs name 'sgd' and momentum > 0")
+        return self
 
     def lr_at(self, round_idx: int) -> float:
         return self.lr * self.lr_decay**round_idx

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import torch
 from torch import nn
 
 from ..errors import ConfigError
@@ -34,16 +35,50 @@ def register_model(name: str, factory: ModelFactory | None = None):
     return _add(factory) if factory is not None else _add
 
 
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
 def build_model(name: str, input_shape, num_classes: int, **options) -> FedModel:
+    """The model ``name`` for inputs of ``input_shape`` and ``num_classes`` classes.
+
+    Whatever cannot work is a one-line ConfigError: an unknown name, options the factory refuses, a model that is not
+    a FedModel, or one that cannot take the input (e.g. a CNN whose pooling shrinks an 8x8 image to nothing) or does
+    not return ``num_classes`` logits and ``feature_dim`` features; the model is tried on two zero inputs.
+    """
     if name not in MODELS:
         raise ConfigError(f"model.name: unknown {name!r}; allowed: {', '.join(sorted(MODELS))}")
+    shape = tuple(input_shape)
+    where = f"model {name!r}" + (f" with options {options}" if options else "")
     try:
-        model = MODELS[name](tuple(input_shape), num_classes, **options)
-    except TypeError as e:
-        raise ConfigError(f"model {name!r}: {e}") from None
+        model = MODELS[name](shape, num_classes, **options)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"{where}: {_first_line(e)}") from None
     if not isinstance(model, FedModel):
         raise ConfigError(f"model {name!r} must return a FedModel (features/head); wrap it with fedmosaic.models.Wrapped")
+    device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+    training = model.training
+    try:
+        model.eval()  # BatchNorm must not update its statistics on the probe
+        with torch.no_grad():
+            z, logits = model(torch.zeros(2, *shape, device=device), with_features=True)
+    except NotImplementedError:
+        return model.train(training)  # an op without a meta kernel: the real forward will tell
+    except (TypeError, ValueError, RuntimeError, IndexError) as e:
+        raise ConfigError(f"{where} cannot take inputs of shape {shape}: {_first_line(e)}") from None
+    model.train(training)
+    if tuple(logits.shape) != (2, num_classes) or tuple(z.shape) != (2, model.feature_dim):
+        raise ConfigError(f"{where}: on inputs of shape {shape} it gives logits {tuple(logits.shape[1:])} and "
+                          f"features {tuple(z.shape[1:])}, expected ({num_classes},) and ({model.feature_dim},)")
     return model
 
 
-__all__ = ["FedModel", "Wrapped", "MODELS", "register_model", "build_model"]
+def parameter_count(name: str, input_shape, num_classes: int, **options) -> int:
+    """Parameters and buffers of the model, counted on the meta device (nothing is allocated), so a request for a
+    model that cannot fit in memory is refused before it is built."""
+    with torch.device("meta"):
+        model = build_model(name, input_shape, num_classes, **options)
+    return sum(t.numel() for t in [*model.parameters(), *model.buffers()])
+
+
+__all__ = ["FedModel", "Wrapped", "MODELS", "register_model", "build_model", "parameter_count"]

@@ -40,7 +40,10 @@ class MLP(FedModel):
 
     def __init__(self, input_shape, num_classes, hidden: int | list[int] = 100):
         super().__init__()
-        sizes = [_flat_dim(input_shape), *([hidden] if isinstance(hidden, int) else hidden)]
+        widths = [hidden] if type(hidden) is int else hidden
+        if not isinstance(widths, list) or not widths or not all(type(h) is int and h >= 1 for h in widths):
+            raise ValueError(f"hidden: must be a width >= 1 or a non-empty list of them (got {hidden!r})")
+        sizes = [_flat_dim(input_shape), *widths]
         self.body = nn.Sequential(*(m for a, b in zip(sizes, sizes[1:]) for m in (nn.Linear(a, b), nn.ReLU())))
         self.feature_dim = sizes[-1]
         self.num_classes = num_classes
