@@ -1,13 +1,24 @@
-"""The ``fedmosaic`` command. User mistakes end as one line on stderr (exit 2), never as a traceback."""
+"""The ``fedmosaic`` command. Everything that stops it ends as one line on stderr, never as a traceback:
+
+- exit 2: a mistake in the input (config, options, files) or a failure of the machine (disk full, out of memory);
+- exit 130 / 143: interrupted by SIGINT / SIGTERM (the line says which run directory to resume);
+- exit 3: a bug in fedmosaic. ``FEDMOSAIC_TRACEBACK=1`` shows the traceback of any of these.
+"""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+import warnings
 from pathlib import Path
 
 from .. import __version__
-from ..errors import FedMosaicError
+from ..errors import FedMosaicError, RunError, Stopped, environment_error
+
+MAX_MESSAGE = 1000
 
 
 def _config_path(source: str) -> Path:
@@ -16,9 +27,10 @@ def _config_path(source: str) -> Path:
     path = Path(source)
     if path.is_file():
         return path
-    found = preset_path(source)
+    found = preset_path(source) if source in preset_names() else None
     if found is None:
-        raise FedMosaicError(f"config {source!r} is neither a file nor a preset; presets: {', '.join(preset_names())}")
+        what = "a directory, not a config file" if path.is_dir() else "neither a file nor a preset"
+        raise FedMosaicError(f"config {source!r} is {what}; presets: {', '.join(preset_names())}")
     return found
 
 
@@ -29,6 +41,26 @@ def _algorithm_spec(text: str) -> str:
     return "{" + ", ".join(items) + "}"
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the run is, so that it unwinds like Ctrl-C."""
+
+
+@contextlib.contextmanager
+def _sigterm_unwinds():
+    def handler(signum, frame):
+        raise _Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread: leave signals alone
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _run(args) -> None:
     from ..config import load_config
     from ..engine.runner import new_run_dir
@@ -37,16 +69,37 @@ def _run(args) -> None:
     overrides = list(args.set)
     if getattr(args, "algorithms", None):
         overrides.append("compare=[" + ", ".join(_algorithm_spec(a) for a in args.algorithms) + "]")
+    if args.amend and not args.resume:
+        raise FedMosaicError("--amend: only with --resume RUN_DIR (it changes a run that exists)")
     if args.resume:
+        if args.out or args.config:
+            raise FedMosaicError("--resume: the run directory has its config; give no config file or --out with it")
         out = Path(args.resume)
-        if not (out / "config.yaml").exists() and not (out / "comparison.yaml").exists():
-            raise FedMosaicError(f"--resume: {out} is not a run directory")
-        cfg = load_config(out / ("comparison.yaml" if (out / "comparison.yaml").exists() else "config.yaml"),
-                          overrides)
+        saved = [out / f for f in ("comparison.yaml", "config.yaml") if (out / f).is_file()]
+        if not saved:
+            raise FedMosaicError(f"--resume: {out} is not a run directory (no config.yaml or comparison.yaml)")
+        cfg = load_config(saved[0], overrides)
     else:
         cfg = load_config(_config_path(args.config or "quickstart"), overrides)
         out = Path(args.out) if args.out else new_run_dir(args.runs_dir, cfg.name)
-    summaries = run_all(cfg, out, resume=bool(args.resume), progress=not args.no_progress)
+    resume_cmd = f"fedmosaic run --resume {out}"
+    try:
+        with _sigterm_unwinds():
+            summaries = run_all(cfg, out, resume=bool(args.resume), amend=args.amend, progress=not args.no_progress)
+    except KeyboardInterrupt as e:
+        sig = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+        started = any((out / f).exists() for f in ("config.yaml", "comparison.yaml"))
+        raise Stopped(f"interrupted by {sig.name}; " + (
+            f"finished rounds are saved in {out}: continue with `{resume_cmd}`" if started
+            else "the run had not started, nothing was written"), 128 + sig) from None
+    except RunError as e:
+        fix = f" --amend --set {e.amend}" if e.amend else ""
+        raise FedMosaicError(f"{e}; continue with `{resume_cmd}{fix}`") from None
+    except Exception as e:
+        problem = environment_error(e)
+        if problem is None or not (out / "config.yaml").exists() and not (out / "comparison.yaml").exists():
+            raise
+        raise FedMosaicError(f"{problem}; finished rounds are saved in {out}: continue with `{resume_cmd}`") from e
     print(table(summaries))
     print(f"\nrun directory: {out}\nlearning curves: {out / 'learning_curves.png'}")
 
@@ -147,8 +200,13 @@ def _data_download(args) -> None:
     print(f"{ds.name}: {len(ds.y_train)} train, {0 if ds.y_test is None else len(ds.y_test)} test")
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line instead of argparse's usage block
+        self.exit(2, f"fedmosaic: error: {_one_line(message)} (see `{self.prog} --help`)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="fedmosaic", description="Federated learning when clients differ.")
+    p = _Parser(prog="fedmosaic", description="Federated learning when clients differ.")
     p.add_argument("--version", action="version", version=f"fedmosaic {__version__}")
     p.add_argument("--data-dir", help="data search path (folders separated by ':'); default $FEDMOSAIC_DATA")
     sub = p.add_subparsers(dest="command")
@@ -161,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--out", help="run directory (must not exist yet)")
         q.add_argument("--runs-dir", default="runs", help="where new run directories go (default: ./runs)")
         q.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
+        q.add_argument("--amend", action="store_true",
+                       help="with --resume: let --set change the learning rate, rounds, evaluation or engine settings "
+                       "from the next round on (recorded in meta.json), e.g. after a divergence")
         q.add_argument("--no-progress", action="store_true", help="no progress bar")
         q.set_defaults(fn=_run)
     c.add_argument("--algorithms", nargs="+", required=True, metavar="NAME[:K=V,...]",
@@ -203,23 +264,50 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _one_line(text: str) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None):
+    print(f"fedmosaic: warning: {_one_line(message)}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:  # bare `fedmosaic` behaves like `fedmosaic run`
-        args = parser.parse_args(["run", *(argv or [])] if argv is not None else ["run"])
+    try:
+        args = parser.parse_args(argv)
+        if args.command is None:  # bare `fedmosaic` behaves like `fedmosaic run`
+            args = parser.parse_args(["run", *(argv or [])] if argv is not None else ["run"])
+    except SystemExit as e:  # --help, --version, or a usage error (already printed in one line)
+        return int(e.code or 0) if isinstance(e.code, int) else 2
     from ..paths import set_data_dirs
 
     if args.data_dir:
         set_data_dirs(args.data_dir)
-    try:
-        status = args.fn(args)
-    except FedMosaicError as e:
-        print(f"fedmosaic: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("fedmosaic: interrupted (a run continues with `fedmosaic run --resume RUN_DIR`)", file=sys.stderr)
-        return 130
+    debug = bool(os.environ.get("FEDMOSAIC_TRACEBACK"))
+    with warnings.catch_warnings():
+        warnings.showwarning = _show_warning
+        try:
+            status = args.fn(args)
+        except FedMosaicError as e:
+            if debug:
+                raise
+            print(f"fedmosaic: error: {_one_line(e)}", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt:
+            print("fedmosaic: interrupted", file=sys.stderr)
+            return 130
+        except Exception as e:
+            if debug:
+                raise
+            problem = environment_error(e)
+            if problem is not None:
+                print(f"fedmosaic: error: {_one_line(problem)}", file=sys.stderr)
+                return 2
+            print(f"fedmosaic: internal error: {_one_line(f'{type(e).__name__}: {e}')} -- this is a bug in "
+                  "fedmosaic; please report it with the command (FEDMOSAIC_TRACEBACK=1 shows where)", file=sys.stderr)
+            return 3
     return status or 0
 
 

@@ -13,6 +13,7 @@ import urllib.request
 from pathlib import Path, PurePosixPath
 
 from ..errors import CorruptDataError, DataNotFoundError
+from ..files import atomic_write
 from ..paths import download_dir
 from .datasets._io import one_line
 from .registry import DatasetSpec, Source
@@ -27,14 +28,11 @@ _CHUNK = 1 << 20
 def download_file(src: Source, dest_dir: Path) -> Path:
     """Download ``src`` to ``dest_dir / src.filename``; it appears only complete and (if pinned) verified."""
     target = Path(dest_dir) / src.filename
-    tmp = None
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # a temp file beside the target, so os.replace is an atomic rename on the same filesystem
-        fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".part", dir=target.parent)
+
+    def fetch(out) -> None:
         digest = hashlib.sha256()
         log.info("downloading %s", src.url)
-        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(src.url, timeout=TIMEOUT_S) as response:
+        with urllib.request.urlopen(src.url, timeout=TIMEOUT_S) as response:
             for chunk in iter(lambda: response.read(_CHUNK), b""):
                 digest.update(chunk)
                 out.write(chunk)
@@ -43,14 +41,12 @@ def download_file(src: Source, dest_dir: Path) -> Path:
                 f"{target}: download from {src.url} has SHA-256 {digest.hexdigest()}, expected {src.sha256}; "
                 "discarded it"
             )
-        os.replace(tmp, target)
-        tmp = None
+
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return atomic_write(target, fetch, suffix=".part")
     except (OSError, http.client.HTTPException) as exc:  # URLError and socket timeouts are OSErrors
         raise DataNotFoundError(f"cannot download {src.url} to {target}: {one_line(exc)}") from exc
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-    return target
 
 
 def download_dataset(spec: DatasetSpec) -> Path:

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError, FedMosaicError
+from ..files import atomic_write
 from ..paths import partition_cache_dir
 from .base import ArrayDataset, select_classes
 from .partition import Natural, client_split, parse_partition, summary
@@ -142,8 +141,8 @@ class FederatedData:
         arrays = {f"src_{s}": self.src[s] for s in SPLITS} | {f"ptr_{s}": self.ptr[s] for s in SPLITS}
         if self.global_src is not None:
             arrays["global_src"] = self.global_src
-        _atomic_write(d / "partition.npz", lambda f: np.savez(f, **arrays))
-        _atomic_write(d / "manifest.json", lambda f: f.write(json.dumps(self.manifest(), indent=2).encode()))
+        atomic_write(d / "partition.npz", lambda f: np.savez(f, **arrays))
+        atomic_write(d / "manifest.json", json.dumps(self.manifest(), indent=2).encode())
         return d
 
     @classmethod
@@ -259,14 +258,3 @@ def _concat(parts) -> np.ndarray:
 
 def _sha(b: bytes) -> str:
     return hashlib.sha256(b).hexdigest()
-
-
-def _atomic_write(path: Path, write) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -7,27 +7,29 @@ with exactly the metrics of an uninterrupted run (timing fields aside).
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import platform
 import sys
-import tempfile
 import time
+import warnings
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
 import torch
-import yaml
 
 from .. import __version__
-from ..config import RunConfig, dump, validate
-from ..errors import FedMosaicError
+from ..config import RunConfig, dump, load_config, yaml_scalar
 from ..data.federated import FederatedData
+from ..errors import FedMosaicError, RunError
+from ..files import atomic_write, remove_temp_files
 from .federation import Federation, NonFiniteLoss
 
 TIMING_KEYS = ("time_round_s", "time_eval_s")
 KEEP_CHECKPOINTS = 2
+#: What ``--amend`` may change when resuming: settings that shape the rounds still to come, not the ones done.
+AMENDABLE = ("train.rounds", "train.optimizer.lr", "train.optimizer.lr_decay", "eval", "checkpoint_every", "engine")
 
 
 def new_run_dir(root: str | Path, name: str) -> Path:
@@ -39,36 +41,132 @@ def new_run_dir(root: str | Path, name: str) -> Path:
     return path
 
 
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def _save_checkpoint(out: Path, fed: Federation, round_done: int) -> Path:
     ck = out / "checkpoints"
     ck.mkdir(exist_ok=True)
-    path = ck / f"round_{round_done:05d}.pt"
-    fd, tmp = tempfile.mkstemp(dir=ck, suffix=".tmp")
-    os.close(fd)
-    torch.save({"round": round_done, **fed.state_dict()}, tmp)
-    os.replace(tmp, path)
-    for old in sorted(ck.glob("round_*.pt"))[:-KEEP_CHECKPOINTS]:
+    # serialised in memory first: torch's zip writer turns a failed file write (a full disk) into an opaque
+    # RuntimeError, while a plain write raises the OSError that says what happened
+    buf = io.BytesIO()
+    torch.save({"round": round_done, **fed.state_dict()}, buf)
+    path = atomic_write(ck / f"round_{round_done:05d}.pt", buf.getvalue())
+    for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
         old.unlink()
     return path
 
 
+def checkpoints(out: Path) -> list[Path]:
+    """The run's checkpoints, oldest first."""
+    return sorted((out / "checkpoints").glob("round_*.pt"))
+
+
 def latest_checkpoint(out: Path) -> Path | None:
-    found = sorted((out / "checkpoints").glob("round_*.pt"))
+    found = checkpoints(out)
     return found[-1] if found else None
 
 
 def read_metrics(out: Path) -> list[dict]:
+    """The rounds of ``metrics.jsonl``, 0, 1, 2, ... A damaged line (a crash mid-write, a full disk) ends them,
+    with a warning: the rounds from there on count as not done."""
     p = out / "metrics.jsonl"
     if not p.exists():
         return []
-    return [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
+    lines = [ln for ln in p.read_text(errors="replace").splitlines() if ln.strip()]
+    records: list[dict] = []
+    for i, line in enumerate(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if not isinstance(rec, dict) or rec.get("round") != len(records):
+            rest = len(lines) - i - 1
+            warnings.warn(f"{p}: line {i + 1} is damaged or out of order (a crash while writing?); dropped it"
+                          + (f" and the {rest} after it" if rest else "") + f"; rounds from {len(records)} on "
+                          "count as not done", stacklevel=2)
+            break
+        records.append(rec)
+    return records
+
+
+def _layout(tree, at: str = ""):
+    """(path, shape, dtype) of every tensor of a nested state: two states with the same layout are interchangeable."""
+    if isinstance(tree, torch.Tensor):
+        yield at, tuple(tree.shape), tree.dtype
+    elif isinstance(tree, dict):
+        for k in sorted(tree, key=str):
+            yield from _layout(tree[k], f"{at}/{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from _layout(v, f"{at}/{i}")
+    else:
+        yield at, type(tree).__name__, None
+
+
+def _load_checkpoint(path: Path, fed: Federation) -> int:
+    """Load ``path`` into ``fed``; the round it ends. Raises ValueError for anything unusable."""
+    try:
+        state = torch.load(path, weights_only=True, map_location=fed.device)
+    except Exception as e:  # torch raises many kinds for a truncated or garbled file
+        raise ValueError(f"unreadable ({type(e).__name__})") from None
+    if not isinstance(state, dict) or state.get("round") != int(path.stem.split("_")[1]):
+        raise ValueError("not a checkpoint of this round")
+    mine = fed.state_dict()
+    if any(list(_layout(state.get(k))) != list(_layout(mine[k])) for k in ("server", "stores")):
+        raise ValueError("written for a different model or algorithm")
+    fed.load_state_dict(state)
+    return state["round"]
+
+
+def _restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
+    """Resume point of a (possibly damaged) run directory: the newest checkpoint that loads and whose rounds all
+    have their metrics line. Leftover temporary files are removed; unusable checkpoints are set aside (renamed
+    ``*.corrupt``), never deleted."""
+    remove_temp_files(out, out / "checkpoints")
+    records = read_metrics(out)
+    start = 0
+    for ck in reversed(checkpoints(out)):
+        if int(ck.stem.split("_")[1]) >= len(records):
+            warnings.warn(f"{ck}: round {ck.stem.split('_')[1]} has no metrics line; resuming from an older "
+                          "checkpoint", stacklevel=2)
+            continue
+        try:
+            start = _load_checkpoint(ck, fed) + 1
+            break
+        except ValueError as e:
+            ck.rename(ck.with_name(ck.name + ".corrupt"))
+            warnings.warn(f"{ck}: {e}; set aside as {ck.name}.corrupt, resuming from an older checkpoint",
+                          stacklevel=2)
+    else:
+        if records:
+            warnings.warn(f"{out}: no usable checkpoint; starting again from round 0", stacklevel=2)
+    records = records[:start]
+    atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
+    return start, records
+
+
+def _flat(d: dict, at: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{at}.{k}" if at else str(k)
+        out.update(_flat(v, key) if isinstance(v, dict) and v else {key: v})
+    return out
+
+
+def config_changes(saved: RunConfig, cfg: RunConfig, where: Path, amend: bool) -> dict[str, list]:
+    """``{field: [old, new]}`` between a run's saved config and the one it is resumed with. Without ``amend`` any
+    change is refused; with it, only the fields in ``AMENDABLE``."""
+    old, new = _flat(saved.model_dump(mode="json")), _flat(cfg.model_dump(mode="json"))
+    changes = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+    if not changes:
+        return {}
+    shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:3])
+    if not amend:
+        raise FedMosaicError(f"--resume: the config differs from the one saved in {where} ({shown}); add --amend "
+                             "to change it from the next round on")
+    fixed = [k for k in changes if not any(k == a or k.startswith(a + ".") for a in AMENDABLE)]
+    if fixed:
+        raise FedMosaicError(f"--amend: {fixed[0]} cannot change in the middle of a run (the rounds already done "
+                             f"depend on it); what may change: {', '.join(AMENDABLE)}")
+    return changes
 
 
 def summarize(records: list[dict], cfg: RunConfig) -> dict:
@@ -116,33 +214,61 @@ def _meta(cfg: RunConfig, fed: Federation) -> dict:
     }
 
 
-def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, progress: bool = True,
+def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = False, progress: bool = True,
         stop_after: int | None = None, fd: FederatedData | None = None) -> dict:
-    """Run (or resume) ``cfg`` in directory ``out``. ``stop_after``: stop once that round is done (as if killed)."""
+    """Run (or resume) ``cfg`` in directory ``out``. ``stop_after``: stop once that round is done (as if killed).
+
+    With ``resume`` and ``amend``, ``cfg`` may differ from the saved config in the fields of ``AMENDABLE`` (a smaller
+    learning rate after a divergence, more rounds); the change applies from the resumed round on and is recorded
+    in ``meta.json`` under ``amendments``.
+    """
     out = Path(out)
-    start = 0
+    if out.exists() and not out.is_dir():
+        raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
+    changes: dict = {}
     if resume:
-        if not (out / "config.yaml").exists():
+        if not (out / "config.yaml").is_file():
             raise FedMosaicError(f"--resume: {out} is not a run directory (no config.yaml)")
-        saved = validate(yaml.safe_load((out / "config.yaml").read_text()))
-        if saved != cfg:
-            raise FedMosaicError(f"--resume: the config differs from the one saved in {out}/config.yaml")
+        changes = config_changes(load_config(out / "config.yaml"), cfg, out / "config.yaml", amend)
     elif out.exists() and any(out.iterdir()):
         raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
     fed = Federation(cfg, fd)  # before creating anything: a config or data error leaves no empty run directory
-    out.mkdir(parents=True, exist_ok=True)
-    records: list[dict] = []
-    if resume:
-        ck = latest_checkpoint(out)
-        if ck is not None:
-            state = torch.load(ck, weights_only=True, map_location=fed.device)
-            fed.load_state_dict(state)
-            start = state["round"] + 1
-        records = [r for r in read_metrics(out) if r["round"] < start]
-        _atomic_bytes(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
-    else:
-        _atomic_bytes(out / "config.yaml", dump(cfg).encode())
-        _atomic_bytes(out / "meta.json", json.dumps(_meta(cfg, fed), indent=2).encode())
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if resume:
+            start, records = _restore(out, fed)
+            if changes:
+                _amend(out, cfg, changes, start)
+        else:
+            start, records = 0, []
+            atomic_write(out / "config.yaml", dump(cfg).encode())
+            atomic_write(out / "meta.json", json.dumps(_meta(cfg, fed), indent=2).encode())
+    except OSError as e:
+        if created and not resume and out.is_dir():  # nothing of value yet: leave no half-made run directory
+            for p in out.iterdir():
+                p.unlink()
+            out.rmdir()
+        raise FedMosaicError(f"cannot write the run directory {out}: {e.strerror or e}") from None
+    try:
+        summary = _rounds(cfg, out, fed, start, records, progress, stop_after)
+    except OSError as e:
+        done = len(read_metrics(out))
+        raise RunError(f"cannot write {e.filename or out}: {e.strerror or e}; {out} keeps rounds 0-{done - 1}"
+                       if done else f"cannot write {e.filename or out}: {e.strerror or e}") from None
+    return summary
+
+
+def _amend(out: Path, cfg: RunConfig, changes: dict, start: int) -> None:
+    meta = json.loads((out / "meta.json").read_text())
+    meta.setdefault("amendments", []).append(
+        {"from_round": start, "changes": changes, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+    atomic_write(out / "meta.json", json.dumps(meta, indent=2).encode())
+    atomic_write(out / "config.yaml", dump(cfg).encode())
+
+
+def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: list[dict], progress: bool,
+            stop_after: int | None) -> dict:
     rounds = cfg.train.rounds
     bar = _progress(range(start, rounds), cfg.name, progress, start, rounds)
     with open(out / "metrics.jsonl", "a") as metrics:
@@ -154,10 +280,10 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, progress: bool
                 last = latest_checkpoint(out)
                 if last is None or int(last.stem.split("_")[1]) != t - 1:
                     last = _save_checkpoint(out, fed, t - 1) if t > 0 else None
-                raise FedMosaicError(
-                    f"{e}; stopped. Last good state: {last if last else 'none (failed in round 0)'}. "
-                    "Lower the learning rate or check the data normalisation."
-                ) from None
+                lr = cfg.train.optimizer.lr_at(t)
+                where = f"after round {t - 1}, whose state is saved" if last else "in the first round"
+                raise RunError(f"{e} (learning rate {lr:g}); stopped {where}",
+                               amend=f"train.optimizer.lr={yaml_scalar(float(f'{cfg.train.optimizer.lr / 10:.3g}'))}") from None
             rec["time_round_s"] = time.perf_counter() - t0
             if (t + 1) % cfg.eval.every == 0 or t == rounds - 1:
                 t1 = time.perf_counter()
@@ -173,7 +299,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, progress: bool
             if stop_after is not None and t >= stop_after:
                 return {}
     summary = summarize(records, cfg)
-    _atomic_bytes(out / "summary.json", json.dumps(summary, indent=2).encode())
+    atomic_write(out / "summary.json", json.dumps(summary, indent=2).encode())
     return summary
 
 

@@ -9,8 +9,9 @@ from pathlib import Path
 from ..config import RunConfig, dump, load_config
 from ..data.federated import build
 from ..engine.federation import data_spec
-from ..engine.runner import read_metrics, run, summarize
+from ..engine.runner import config_changes, read_metrics, run, summarize
 from ..errors import FedMosaicError
+from ..files import atomic_write
 from .plots import learning_curves
 
 COLUMNS = (
@@ -32,26 +33,35 @@ def dir_name(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label).strip("_")
 
 
-def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, progress: bool = True) -> list[dict]:
+def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = False, progress: bool = True
+            ) -> list[dict]:
     """Run ``cfg`` (each of its ``compare`` variants in a sub-directory); write table, JSON and learning curves."""
     variants = cfg.variants()
     if len(variants) == 1:
-        summaries = [run(cfg, out, resume=resume, progress=progress)]
+        summaries = [run(cfg, out, resume=resume, amend=amend, progress=progress)]
         curves = {cfg.name: read_metrics(out)}
     else:
-        fd = build(data_spec(cfg))  # one partition for all: same clients, same samples
+        if out.exists() and not out.is_dir():
+            raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
         if not resume and out.exists() and any(out.iterdir()):
             raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
+        changes = {}
+        if resume:  # the variants check their own configs; this checks (and records) the comparison's
+            changes = config_changes(load_config(out / "comparison.yaml"), cfg, out / "comparison.yaml", amend)
+        fd = build(data_spec(cfg))  # one partition for all: same clients, same samples
         created = not out.exists()
-        out.mkdir(parents=True, exist_ok=True)
-        if not resume:
-            (out / "comparison.yaml").write_text(dump(cfg))
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            if not resume or changes:
+                atomic_write(out / "comparison.yaml", dump(cfg).encode())
+        except OSError as e:
+            raise FedMosaicError(f"cannot write the run directory {out}: {e.strerror or e}") from None
         summaries, curves = [], {}
         try:
             for v in variants:
                 sub = out / dir_name(v.name)
-                summaries.append(run(v, sub, resume=resume and (sub / "config.yaml").exists(), progress=progress,
-                                     fd=fd))
+                summaries.append(run(v, sub, resume=resume and (sub / "config.yaml").exists(), amend=amend,
+                                     progress=progress, fd=fd))
                 curves[v.name] = read_metrics(sub)
         except FedMosaicError:
             # a config error before any variant ran: leave no half-made comparison directory behind
@@ -59,7 +69,7 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, progress: bool =
                 (out / "comparison.yaml").unlink()
                 out.rmdir()
             raise
-    (out / "comparison.json").write_text(json.dumps(summaries, indent=2))
+    atomic_write(out / "comparison.json", json.dumps(summaries, indent=2).encode())
     learning_curves(curves, out / "learning_curves.png", title=f"{cfg.name}: {cfg.data.dataset}")
     return summaries
 

@@ -10,6 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from ..files import atomic_write  # noqa: E402
+
 CURVE_KEYS = (("global", "global model, global test"), ("global_clients", "global model, client tests"),
               ("personal", "personalized, client tests"))
 
@@ -28,10 +30,15 @@ def learning_curves(runs: dict[str, list[dict]], path: str | Path, title: str = 
         ax.legend(fontsize=8)
     if title:
         fig.suptitle(title)
+    return _save(fig, path)
+
+
+def _save(fig, path) -> Path:
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    try:
+        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+    finally:
+        plt.close(fig)
 
 
 def partition_bubbles(counts: np.ndarray, path: str | Path, title: str = "", max_clients: int = 100) -> Path:
@@ -44,7 +51,4 @@ def partition_bubbles(counts: np.ndarray, path: str | Path, title: str = "", max
     ax.scatter(ys, xs, s=area, alpha=0.6, color="tab:red", edgecolors="none")
     ax.set(xlabel="client", ylabel="class", xlim=(-1, k), ylim=(-1, n_cls))
     ax.set_title(title + (f" (first {k} of {len(counts)} clients)" if len(counts) > k else ""), fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)

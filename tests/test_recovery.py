@@ -1,0 +1,286 @@
+"""Run names, output locations, damaged run directories, divergence and signals: every failure is one line, and a
+run directory that holds finished rounds can always be resumed to the metrics of an uninterrupted run."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from fedmosaic.cli.main import main
+from fedmosaic.engine.runner import TIMING_KEYS, read_metrics
+
+SMALL = {
+    "name": "small", "seed": 1,
+    "data": {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"}, "client_test": 0.25},
+    "model": {"name": "mlp", "options": {"hidden": 8}},
+    "train": {"rounds": 4, "clients_per_round": 2, "batch_size": 32, "optimizer": {"lr": 0.05}},
+    "checkpoint_every": 1,
+}
+
+
+def write_cfg(tmp_path, **changes) -> Path:
+    cfg = json.loads(json.dumps(SMALL))
+    for key, value in changes.items():
+        node = cfg
+        *path, last = key.split("__")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    p = tmp_path / "cfg.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+def cli(*argv) -> tuple[int, str]:
+    """Exit status and stderr of an in-process CLI call (stderr via a file: capsys is per test)."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        rc = main([*argv])
+    return rc, err.getvalue()
+
+
+def error_line(stderr: str) -> str:
+    lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("fedmosaic: warning:")]
+    assert len(lines) == 1 and lines[0].startswith("fedmosaic: error: ") and "Traceback" not in stderr, stderr
+    return lines[0]
+
+
+def metrics(out: Path) -> list[dict]:
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(out)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The uninterrupted run every recovery must reproduce."""
+    tmp = tmp_path_factory.mktemp("ref")
+    out = tmp / "full"
+    assert cli("run", str(write_cfg(tmp)), "--no-progress", "--out", str(out))[0] == 0
+    return metrics(out)
+
+
+# ---- 2. run names are names ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("name, needle", [
+    ("../../x", "must be a plain name"), ("/abs/path", "must be a plain name"), ("a/b", "must be a plain name"),
+    ("", "must not be empty"),
+    ("nul\x00byte", "must be a plain name"), ("x" * 300, "must be at most 100 bytes"), ("..", "must not be '.', '..'"),
+])
+def test_run_names_cannot_escape_the_runs_directory(name, needle, tmp_path, monkeypatch):
+    work = tmp_path / "a" / "b" / "work"
+    work.mkdir(parents=True)
+    monkeypatch.chdir(work)
+    cfg = write_cfg(work, name=name)
+    rc, err = cli("run", str(cfg), "--no-progress", "--runs-dir", "runs")
+    assert rc == 2 and f"fedmosaic: error: name: {needle}" in error_line(err)
+    # refused before anything was created, anywhere
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b", "cfg.yaml", "work"]
+    assert not Path("/abs").exists()
+
+
+def test_a_plain_name_makes_a_run_directory_inside_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert cli("run", str(write_cfg(tmp_path, name="my run (v2)", train__rounds=1)), "--no-progress")[0] == 0
+    [made] = (tmp_path / "runs").iterdir()
+    assert made.name.startswith("my run (v2)-") and (made / "summary.json").exists()
+
+
+# ---- 3. output locations ------------------------------------------------------------------------------------
+def test_out_that_is_an_existing_file(tmp_path):
+    target = tmp_path / "taken"
+    target.write_text("user data")
+    rc, err = cli("run", str(write_cfg(tmp_path)), "--no-progress", "--out", str(target))
+    assert rc == 2 and "exists and is not a directory" in error_line(err)
+    assert target.read_text() == "user data"
+
+
+def _read_only_dir(path: Path):
+    """A directory nobody may write to: a read-only tmpfs for root (who ignores permissions), else chmod."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(stat.S_IRUSR | stat.S_IXUSR)
+        return lambda: path.chmod(stat.S_IRWXU)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
+                      capture_output=True).returncode:
+        pytest.skip("running as root without permission to mount a read-only tmpfs")
+    return lambda: subprocess.run(["umount", str(path)], check=True)
+
+
+def test_read_only_runs_directory(tmp_path):
+    ro = tmp_path / "ro"
+    undo = _read_only_dir(ro)
+    try:
+        rc, err = cli("run", str(write_cfg(tmp_path)), "--no-progress", "--runs-dir", str(ro))
+        line = error_line(err)
+        assert rc == 2 and "cannot write the run directory" in line and ("Read-only" in line or "Permission" in line)
+    finally:
+        undo()
+
+
+def _fail_checkpoint_at(monkeypatch, round_idx: int):
+    real = torch.save
+
+    def save(obj, f, *a, **k):
+        if isinstance(obj, dict) and obj.get("round") == round_idx:
+            f.write(b"partial")  # some bytes reach the disk before it fills up
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(obj, f, *a, **k)
+
+    monkeypatch.setattr(torch, "save", save)
+
+
+def test_full_disk_is_one_line_and_the_run_resumes(tmp_path, monkeypatch, reference):
+    out = tmp_path / "r"
+    _fail_checkpoint_at(monkeypatch, 2)
+    rc, err = cli("run", str(write_cfg(tmp_path)), "--no-progress", "--out", str(out))
+    line = error_line(err)
+    assert rc == 2 and "No space left on device" in line and f"fedmosaic run --resume {out}" in line
+    assert not list(out.rglob("*.tmp"))  # the partial checkpoint did not stay
+    monkeypatch.undo()  # space freed
+    assert cli("run", "--no-progress", "--resume", str(out))[0] == 0
+    assert metrics(out) == reference
+
+
+def test_a_really_full_disk(tmp_path):
+    """The same on a real filesystem that runs out of space: a 200 KiB tmpfs, enlarged before resuming."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    if os.geteuid() != 0 or subprocess.run(["mount", "-t", "tmpfs", "-o", "size=200k", "tmpfs", str(disk)],
+                                           capture_output=True).returncode:
+        pytest.skip("needs root and permission to mount a tmpfs")
+    cfg = write_cfg(tmp_path, model__options={"hidden": 256})  # checkpoints of ~80 KB: the third does not fit
+    try:
+        out = disk / "r"
+        rc, err = cli("run", str(cfg), "--no-progress", "--out", str(out))
+        line = error_line(err)
+        assert rc == 2 and "No space left on device" in line, line
+        subprocess.run(["mount", "-o", "remount,size=16m", str(disk)], check=True)
+        assert cli("run", "--no-progress", "--resume", str(out))[0] == 0
+        assert cli("run", str(cfg), "--no-progress", "--out", str(tmp_path / "full"))[0] == 0
+        assert metrics(out) == metrics(tmp_path / "full")
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+# ---- 4. resume survives damage ------------------------------------------------------------------------------
+def _cut(tmp_path, after: int) -> Path:
+    """A run "killed" once round ``after`` is done (checkpoints every round)."""
+    from fedmosaic.config import load_config
+    from fedmosaic.engine.runner import run
+
+    out = tmp_path / "cut"
+    run(load_config(write_cfg(tmp_path)), out, progress=False, stop_after=after)
+    return out
+
+
+def test_truncated_last_metrics_line_is_recomputed(tmp_path, reference):
+    out = _cut(tmp_path, 2)
+    text = (out / "metrics.jsonl").read_text()
+    (out / "metrics.jsonl").write_text(text[: len(text) - 40])  # the last line lost its end
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0 and "line 3 is damaged" in err and "fedmosaic: warning:" in err
+    assert metrics(out) == reference
+
+
+@pytest.mark.parametrize("damage", [b"", b"garbage, not a checkpoint", "truncated"])
+def test_corrupt_or_empty_latest_checkpoint_falls_back_to_the_previous(damage, tmp_path, reference):
+    out = _cut(tmp_path, 2)
+    latest = out / "checkpoints" / "round_00002.pt"
+    good = latest.read_bytes()
+    latest.write_bytes(good[: len(good) // 2] if damage == "truncated" else damage)
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0 and "round_00002.pt" in err and "set aside" in err
+    assert metrics(out) == reference
+    assert (out / "checkpoints" / "round_00002.pt.corrupt").exists()  # set aside, not deleted
+
+
+def test_leftover_temporary_files_are_removed(tmp_path, reference):
+    out = _cut(tmp_path, 1)
+    junk = [out / ".metrics.jsonl.abc123.tmp", out / "checkpoints" / ".round_00002.pt.xyz.tmp",
+            out / "checkpoints" / "tmpq1w2e3.tmp"]  # the last: the name older versions used
+    for p in junk:
+        p.write_bytes(b"half")
+    assert cli("run", "--no-progress", "--resume", str(out))[0] == 0
+    assert not any(p.exists() for p in junk)
+    assert metrics(out) == reference
+
+
+def test_run_files_get_ordinary_permissions(tmp_path):
+    out = tmp_path / "r"
+    assert cli("run", str(write_cfg(tmp_path, train__rounds=2)), "--no-progress", "--out", str(out))[0] == 0
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {p.relative_to(out).as_posix(): stat.S_IMODE(p.stat().st_mode) for p in out.rglob("*") if p.is_file()}
+    assert {"config.yaml", "meta.json", "metrics.jsonl", "summary.json", "learning_curves.png",
+            "checkpoints/round_00001.pt"} <= modes.keys()
+    assert set(modes.values()) == {0o666 & ~umask}, modes
+
+
+def test_divergence_then_resume_with_a_smaller_learning_rate(tmp_path):
+    out = tmp_path / "r"
+    _cut(tmp_path, 1).rename(out)  # two good rounds
+    # the learning rate is raised (allowed with --amend) until the run diverges in round 2
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "train.optimizer.lr=1.0e+30")
+    line = error_line(err)
+    assert rc == 2 and "non-finite" in line and "stopped after round 1" in line
+    assert f"fedmosaic run --resume {out} --amend --set train.optimizer.lr=1.0e+29" in line
+    assert len(read_metrics(out)) == 2
+    # a plain resume with another learning rate is refused: the config differs
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--set", "train.optimizer.lr=0.01")
+    assert rc == 2 and "add --amend" in error_line(err)
+    # what shaped the finished rounds cannot be amended
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "model.options.hidden=9")
+    assert rc == 2 and "model.options.hidden cannot change" in error_line(err)
+    assert cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "train.optimizer.lr=0.01")[0] == 0
+    assert [r["round"] for r in read_metrics(out)] == [0, 1, 2, 3]
+    assert [r["lr"] for r in read_metrics(out)] == [0.05, 0.05, 0.01, 0.01]
+    amendments = json.loads((out / "meta.json").read_text())["amendments"]
+    assert [(a["from_round"], a["changes"]) for a in amendments] == [
+        (2, {"train.optimizer.lr": [0.05, 1e30]}), (2, {"train.optimizer.lr": [1e30, 0.01]})]
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["optimizer"]["lr"] == 0.01
+
+
+def test_amend_needs_resume(tmp_path):
+    rc, err = cli("run", str(write_cfg(tmp_path)), "--no-progress", "--amend")
+    assert rc == 2 and "--amend: only with --resume" in error_line(err)
+
+
+# ---- 5. signals ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signals_name_the_real_run_directory(sig, code, tmp_path):
+    cfg = write_cfg(tmp_path, train__rounds=100000, checkpoint_every=5)
+    runs = tmp_path / "runs"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "fedmosaic.cli.main", "run", str(cfg), "--no-progress",
+                             "--runs-dir", str(runs)], stderr=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+    try:
+        deadline = time.time() + 120
+        while not [p for p in runs.glob("*/metrics.jsonl") if p.stat().st_size] and time.time() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.3)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    err = err.decode()
+    [out] = runs.iterdir()
+    assert proc.returncode == code, err
+    assert f"fedmosaic: error: interrupted by {sig.name}" in error_line(err)
+    assert f"fedmosaic run --resume {out}" in err
+    done = len(read_metrics(out))
+    assert done >= 1
+    # what the message says works: the run continues from its last checkpoint
+    rc, _ = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", f"train.rounds={done + 1}")
+    assert rc == 0 and len(read_metrics(out)) == done + 1
