@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+
 import torch
 
 from fedmosaic.engine.federation import Federation
@@ -24,3 +27,22 @@ def assert_trees_close(a, b, exact=False, atol=1e-5, rtol=1e-4):
             assert torch.equal(x, y)
         else:
             torch.testing.assert_close(x, y, atol=atol, rtol=rtol)
+
+
+class TimeLimit(BaseException):
+    """Raised by :func:`time_limit`'s alarm: a BaseException, so no ``except Exception`` in the code under test can
+    swallow it and a hang fails the test instead of blocking CI."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    def fire(signum, frame):
+        raise TimeLimit(f"no result within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, fire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -13,15 +13,14 @@ import io
 import os
 import random
 import shutil
-import signal
 import time
 from pathlib import Path
 
-import pytest
 import torch
 import yaml
 
 from fedmosaic.cli.main import main
+from fedtest import TimeLimit, time_limit
 
 CORPUS = Path(__file__).parent / "fuzz" / "corpus"
 SEED = int(os.environ.get("FEDMOSAIC_FUZZ_SEED", "0"))
@@ -47,10 +46,6 @@ GARBAGE_FILES = [
     b"d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d]\nf: [*e,*e,*e,*e,*e,*e,*e,*e]\n",
     b"name: \"\\ud800\"\n", b"x: 1\n" * 300_000,
 ]
-
-
-class CaseTimeout(BaseException):
-    """Raised by the alarm; a BaseException so that nothing inside the CLI can swallow it."""
 
 
 def _leaves(node, path=()):
@@ -130,20 +125,6 @@ def _listing(root: Path) -> set[Path]:
     return {p for p in root.rglob("*")}
 
 
-@contextlib.contextmanager
-def _alarm(seconds: float):
-    def fire(signum, frame):
-        raise CaseTimeout()
-
-    previous = signal.signal(signal.SIGALRM, fire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def test_hostile_configs_and_set_lines(tmp_path, monkeypatch):
     cases = generate(CASES, SEED)
     assert len(cases) >= 1000
@@ -167,9 +148,9 @@ def test_hostile_configs_and_set_lines(tmp_path, monkeypatch):
         err, out = io.StringIO(), io.StringIO()
         started = False
         try:
-            with _alarm(CASE_TIMEOUT_S), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            with time_limit(CASE_TIMEOUT_S), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
                 rc = main(["run", str(cfg_file), "--no-progress", "--runs-dir", str(runs), *argv])
-        except CaseTimeout:
+        except TimeLimit:
             # accepted and training (a valid but long run, e.g. rounds: 1000000000) is not a hang
             started = any(runs.glob("*/meta.json")) or any(runs.glob("*/*/meta.json"))
             rc = None

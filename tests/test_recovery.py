@@ -74,7 +74,7 @@ def reference(tmp_path_factory):
 
 # ---- 2. run names are names ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("name, needle", [
-    ("../../x", "must be a plain name"), ("/abs/path", "must be a plain name"), ("a/b", "must be a plain name"),
+    ("../../x", "must be a plain name"), ("<absolute>", "must be a plain name"), ("a/b", "must be a plain name"),
     ("", "must not be empty"),
     ("nul\x00byte", "must be a plain name"), ("x" * 300, "must be at most 100 bytes"), ("..", "must not be '.', '..'"),
 ])
@@ -82,12 +82,13 @@ def test_run_names_cannot_escape_the_runs_directory(name, needle, tmp_path, monk
     work = tmp_path / "a" / "b" / "work"
     work.mkdir(parents=True)
     monkeypatch.chdir(work)
+    if name == "<absolute>":
+        name = str(tmp_path / "elsewhere" / "x")
     cfg = write_cfg(work, name=name)
     rc, err = cli("run", str(cfg), "--no-progress", "--runs-dir", "runs")
     assert rc == 2 and f"fedmosaic: error: name: {needle}" in error_line(err)
     # refused before anything was created, anywhere
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["a", "b", "cfg.yaml", "work"]
-    assert not Path("/abs").exists()
 
 
 def test_a_plain_name_makes_a_run_directory_inside_runs(tmp_path, monkeypatch):
@@ -115,7 +116,7 @@ def _read_only_dir(path: Path):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)],
                       capture_output=True).returncode:
         pytest.skip("running as root without permission to mount a read-only tmpfs")
-    return lambda: subprocess.run(["umount", str(path)], check=True)
+    return lambda: subprocess.run(["umount", "-l", str(path)])
 
 
 def test_read_only_runs_directory(tmp_path):
@@ -171,7 +172,7 @@ def test_a_really_full_disk(tmp_path):
         assert cli("run", str(cfg), "--no-progress", "--out", str(tmp_path / "full"))[0] == 0
         assert metrics(out) == metrics(tmp_path / "full")
     finally:
-        subprocess.run(["umount", str(disk)], check=True)
+        subprocess.run(["umount", "-l", str(disk)])  # lazy: never leave a mount behind, even after a failure
 
 
 # ---- 4. resume survives damage ------------------------------------------------------------------------------

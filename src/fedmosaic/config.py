@@ -80,7 +80,8 @@ class ModelConfig(Schema):
     options: dict[str, Any] = Field(default_factory=dict)
     task_loss: Literal["ce", "hinge"] = "ce"
     heterogeneous: list[ArchConfig] | None = Field(
-        None, min_length=1, description="several architectures, assigned to clients round-robin by share (model-heterogeneous FL)"
+        None, min_length=1,
+        description="several architectures, assigned to clients round-robin by share (model-heterogeneous FL)"
     )
 
 
@@ -104,11 +105,14 @@ class TrainConfig(Schema):
 
 class EngineConfig(Schema):
     backend: Literal["vectorized", "sequential"] = "vectorized"
-    chunk_size: int = Field(128, ge=1, le=MAX_COUNT, description="clients trained at once on the vectorized path (bounds memory)")
+    chunk_size: int = Field(128, ge=1, le=MAX_COUNT,
+                            description="clients trained at once on the vectorized path (bounds memory)")
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
     compile: bool = Field(False, description="torch.compile the mapped gradient step (vectorized backend only)")
-    fuse_steps: int = Field(8, ge=1, le=1024, description="with compile: local steps per compiled call (fewer Python round trips)")
-    preload_mb: int = Field(2048, ge=0, le=MAX_COUNT, description="normalise the data once up front if it fits in this many MiB")
+    fuse_steps: int = Field(8, ge=1, le=1024,
+                            description="with compile: local steps per compiled call (fewer Python round trips)")
+    preload_mb: int = Field(2048, ge=0, le=MAX_COUNT,
+                            description="normalise the data once up front if it fits in this many MiB")
     threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads (default: torch's choice)")
 
     @field_validator("device")
@@ -146,7 +150,8 @@ class RunConfig(Schema):
     eval: EvalConfig = Field(default_factory=EvalConfig)
     checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT)
     compare: list[AlgorithmConfig] | None = Field(
-        None, min_length=1, description="run these algorithms on the same partition, cohorts and batches and compare them"
+        None, min_length=1,
+        description="run these algorithms on the same partition, cohorts and batches and compare them"
     )
 
     @field_validator("name")
@@ -284,7 +289,8 @@ def validate(raw: dict, where: str = "config") -> RunConfig:
         if algo is None:
             near = difflib.get_close_matches(a.name, list(ALGORITHMS), n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ConfigError(f"{where_}.name: unknown {short_repr(a.name)}; {hint}allowed: {', '.join(sorted(ALGORITHMS))}")
+            raise ConfigError(f"{where_}.name: unknown {short_repr(a.name)}; {hint}"
+                              f"allowed: {', '.join(sorted(ALGORITHMS))}")
         try:
             algo.Config.model_validate(a.params())
         except ValidationError as e:

@@ -101,14 +101,28 @@ def test_views_not_copies_and_client_ranges():
     (["--dataset", "mnist", "--clients", "10", "--scheme", "label_k", "--k", "11"], "k"),
     (["--dataset", "imagenet21k", "--clients", "10"], "unknown dataset 'imagenet21k'"),
     (["--dataset", "mnist", "--clients", "10", "--scheme", "voronoi"], "partition.scheme: unknown 'voronoi'"),
-    (["--dataset", "digits", "--clients", "5000", "--scheme", "iid"], "n_clients"),
+    (["--dataset", "digits", "--clients", "5000", "--scheme", "iid"], "--clients: 5000 clients"),
     (["--dataset", "digits", "--clients", "500", "--scheme", "shards", "--shards", "10"], "shards"),
+    (["--dataset", "digits", "--scheme", "dirichlet"], "--clients: required for partition scheme 'dirichlet'"),
+    (["--dataset", "digits", "--clients", "0"], "argument --clients: must be an integer >= 1 (got '0')"),
+    (["--dataset", "digits", "--clients", "5", "--seed", "-1"], "argument --seed: must be an integer >= 0"),
+    (["--dataset", "digits", "--clients", "5", "--test-frac", "nan"], "argument --test-frac: must be a number in"),
+    (["--dataset", "digits", "--clients", "5", "--classes", "a,b"], "--classes 'a,b': expected class ids"),
+    (["--dataset", "digits", "--clients", "5", "--alpha", "inf"], "partition.alpha: must be a finite number"),
+    (["--dataset", "digits", "--clients", "5", "--bogus"], "unrecognized arguments: --bogus"),
 ])
 def test_partition_errors_are_one_line(args, needle, tmp_path, capsys):
     assert main(["partition", *args, "--out", str(tmp_path / "x")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and needle in err and "Traceback" not in err
     assert not (tmp_path / "x").exists()
+
+
+def test_partition_out_that_is_a_file(tmp_path, capsys):
+    taken = tmp_path / "taken"
+    taken.write_text("user data")
+    assert main(["partition", "--dataset", "digits", "--clients", "3", "--out", str(taken)]) == 2
+    assert "exists and is not a directory" in capsys.readouterr().err and taken.read_text() == "user data"
 
 
 def test_entry_point_reports_errors_without_traceback(tmp_path):

@@ -5,7 +5,6 @@ exception, never a hang (every example runs under a time limit, so a hang fails 
 
 from __future__ import annotations
 
-import contextlib
 import re
 import signal
 import warnings
@@ -20,27 +19,15 @@ from fedmosaic.data.partition import dirichlet as dirichlet_module
 from fedmosaic.data.partition.base import largest_remainder
 from fedmosaic.errors import ConfigError
 
+import fedtest
+
 pytestmark = pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
 
 TIME_LIMIT_S = 5.0
 
 
-class Hang(Exception):
-    """Raised by the alarm when one example runs longer than TIME_LIMIT_S."""
-
-
-@contextlib.contextmanager
 def time_limit(seconds: float = TIME_LIMIT_S):
-    def on_alarm(signum, frame):
-        raise Hang(f"no result within {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    return fedtest.time_limit(seconds)
 
 
 def rng(seed=0):

@@ -108,8 +108,6 @@ def _report(args) -> None:
     from ..reports.compare import from_runs, table
     from ..reports.plots import learning_curves
 
-    if args.rounds is not None and args.rounds < 1:
-        raise FedMosaicError(f"--rounds: must be at least 1 (got {args.rounds})")
     plot = Path(args.plot) if args.plot else None
     if plot is not None and plot.exists():
         raise FedMosaicError(f"--plot {plot} already exists; choose another file")
@@ -139,10 +137,13 @@ def _partition(args) -> None:
             raise FedMosaicError(f"-p {item!r}: expected key=value, e.g. -p alpha=0.1")
         key, value = item.split("=", 1)
         params[key] = parse_value(value)
-    classes = tuple(int(c) for c in args.classes.split(",")) if args.classes else None
+    try:
+        classes = tuple(int(c) for c in args.classes.split(",")) if args.classes else None
+    except ValueError:
+        raise FedMosaicError(f"--classes {args.classes!r}: expected class ids separated by commas, e.g. 36,37,38")
     spec = PartitionSpec(args.dataset, args.clients, params, args.pool, args.test_frac, args.val_frac, args.seed,
                          classes)
-    fd = build(spec)
+    fd = build(spec, clients_field="--clients")
     s = fd.summary()
     out = Path(args.out) if args.out else Path("partitions") / f"{args.dataset}-{args.scheme}-{fd.hash[:10]}"
     fd.save(out)
@@ -200,6 +201,25 @@ def _data_download(args) -> None:
     print(f"{ds.name}: {len(ds.y_train)} train, {0 if ds.y_test is None else len(ds.y_test)} test")
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        if not text.lstrip("-").isdigit() or int(text) < low:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {low} (got {text!r})")
+        return int(text)
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1) (got {text!r})")
+    return value
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message):  # one line instead of argparse's usage block
         self.exit(2, f"fedmosaic: error: {_one_line(message)} (see `{self.prog} --help`)\n")
@@ -229,14 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
 
     rp = sub.add_parser("report", help="table (and learning curves) of existing run directories, finished or not")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
-    rp.add_argument("--rounds", type=int, help="compare over the first N rounds of each run")
+    rp.add_argument("--rounds", type=_at_least(1), help="compare over the first N rounds of each run")
     rp.add_argument("--plot", metavar="PNG", help="write the learning curves there (must not exist yet)")
     rp.add_argument("--title", help="title of the plot")
     rp.set_defaults(fn=_report)
 
     pt = sub.add_parser("partition", help="partition a dataset over clients, print a summary, save it with a PNG")
     pt.add_argument("--dataset", required=True)
-    pt.add_argument("--clients", type=int, default=None, help="number of clients (some schemes fix it)")
+    pt.add_argument("--clients", type=_at_least(1), default=None, help="number of clients (some schemes fix it)")
     pt.add_argument("--scheme", default="dirichlet")
     pt.add_argument("--alpha", type=float)
     pt.add_argument("--shards", type=int, help="shards per client (scheme shards)")
@@ -244,9 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--min-size", type=int)
     pt.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE", help="any scheme parameter")
     pt.add_argument("--pool", choices=("train", "all"), default="train")
-    pt.add_argument("--test-frac", type=float, default=0.0, help="per-client test fraction (stratified)")
-    pt.add_argument("--val-frac", type=float, default=0.0)
-    pt.add_argument("--seed", type=int, default=0)
+    pt.add_argument("--test-frac", type=_fraction, default=0.0, help="per-client test fraction (stratified)")
+    pt.add_argument("--val-frac", type=_fraction, default=0.0)
+    pt.add_argument("--seed", type=_at_least(0), default=0)
     pt.add_argument("--classes", help="keep only these class ids, e.g. 36,37,...,45 (FEMNIST a-j)")
     pt.add_argument("--out", help="directory for manifest.json, partition.npz and partition.png")
     pt.set_defaults(fn=_partition)

@@ -129,6 +129,8 @@ class FederatedData:
     def save(self, directory: str | Path) -> Path:
         """Write manifest.json and partition.npz; refuses to replace a different partition already there."""
         d = Path(directory)
+        if d.exists() and not d.is_dir():
+            raise FedMosaicError(f"{d} exists and is not a directory; choose another --out")
         old = d / "manifest.json"
         if old.exists():
             existing = json.loads(old.read_text()).get("hash")
@@ -167,8 +169,20 @@ class FederatedData:
         return fd
 
 
-def build(spec: PartitionSpec, dataset: ArrayDataset | None = None, cache: bool = True) -> FederatedData:
-    """The partition for ``spec``: from the cache when it was made before, else computed (and cached)."""
+def build(spec: PartitionSpec, dataset: ArrayDataset | None = None, cache: bool = True,
+          clients_field: str = "data.clients") -> FederatedData:
+    """The partition for ``spec``: from the cache when it was made before, else computed (and cached).
+
+    ``clients_field`` is how the caller names the client count in errors (the schemes call it ``n_clients``)."""
+    try:
+        return _build(spec, dataset, cache)
+    except ConfigError as e:
+        if str(e).startswith("n_clients:"):
+            raise ConfigError(clients_field + str(e).removeprefix("n_clients")) from None
+        raise
+
+
+def _build(spec: PartitionSpec, dataset: ArrayDataset | None, cache: bool) -> FederatedData:
     spec.canonical()  # validates the scheme before any data is read
     ds = dataset if dataset is not None else spec.load()
     cdir = partition_cache_dir() / f"{spec.dataset.lower()}-{spec.key()[:16]}"

@@ -282,8 +282,9 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
                     last = _save_checkpoint(out, fed, t - 1) if t > 0 else None
                 lr = cfg.train.optimizer.lr_at(t)
                 where = f"after round {t - 1}, whose state is saved" if last else "in the first round"
+                smaller = float(f"{cfg.train.optimizer.lr / 10:.3g}")
                 raise RunError(f"{e} (learning rate {lr:g}); stopped {where}",
-                               amend=f"train.optimizer.lr={yaml_scalar(float(f'{cfg.train.optimizer.lr / 10:.3g}'))}") from None
+                               amend=f"train.optimizer.lr={yaml_scalar(smaller)}") from None
             rec["time_round_s"] = time.perf_counter() - t0
             if (t + 1) % cfg.eval.every == 0 or t == rounds - 1:
                 t1 = time.perf_counter()

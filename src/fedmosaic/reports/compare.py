@@ -44,7 +44,8 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
         if out.exists() and not out.is_dir():
             raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
         if not resume and out.exists() and any(out.iterdir()):
-            raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
+            raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose "
+                                 "another --out")
         changes = {}
         if resume:  # the variants check their own configs; this checks (and records) the comparison's
             changes = config_changes(load_config(out / "comparison.yaml"), cfg, out / "comparison.yaml", amend)
