@@ -32,8 +32,8 @@ def test_quickstart_preset_runs_and_writes_table_and_curves(tmp_path, capsys):
     ("train.rounds=0", "train.rounds: must be greater than or equal to 1 (got 0)"),
     ("train.optimiser.lr=0.1", "train.optimiser: unknown field"),
     ("engine.backend=gpu", "engine.backend: must be 'vectorized' or 'sequential'"),
-    ("engine.device=gpu", "engine.device: must be 'auto', 'cpu' or a CUDA device such as 'cuda:0' (got 'gpu')"),
-    ("engine.device=meta", "engine.device: must be 'auto', 'cpu' or a CUDA device such as 'cuda:0' (got 'meta')"),
+    ("engine.device=gpu", "engine.device: must be 'auto', 'cpu', 'mps' or a CUDA device such as 'cuda:0' (got 'gpu')"),
+    ("engine.device=meta", "engine.device: must be 'auto', 'cpu', 'mps' or a CUDA device such as 'cuda:0' (got 'meta')"),
     ("train.optimiser.lr=0.1", "train.optimiser: unknown field; did you mean 'optimizer'?"),
     ("algorithm.name=fedsgd", "algorithm.name: unknown 'fedsgd'"),
     ("compare=[{name: fedprox, mu: -1}]", "compare.0.mu: must be greater than or equal to 0"),
@@ -55,7 +55,6 @@ def test_quickstart_preset_runs_and_writes_table_and_curves(tmp_path, capsys):
     ("algorithm.name=fedavgg", "algorithm.name: unknown 'fedavgg'; did you mean 'fedavg'?"),
     ("=5", "--set '=5': empty key"),
     ("train..rounds=1", "--set 'train..rounds=1': empty part in the key"),
-    ("engine.device=mps", "engine.device: must be 'auto', 'cpu' or a CUDA device such as 'cuda:0' (got 'mps')"),
     ("model.name=cnn4", "model 'cnn4': input (1, 8, 8) is too small for this CNN"),
     ("model.options={hidden: 0}", "hidden: must be a width >= 1"),
     ("model.options={hidden: 1000000000}", "parameters; model.options) needs about 279.4 GiB, more than the"),
@@ -69,10 +68,13 @@ def test_config_errors_are_one_line(override, needle, tmp_path, capsys):
     assert needle in err and err.count("\n") == 0, err
 
 
-def test_a_device_that_is_not_there_is_a_one_line_error(tmp_path, capsys):
+@pytest.mark.parametrize("which", ["cuda", "mps"])
+def test_a_device_that_is_not_there_is_a_one_line_error(which, tmp_path, capsys):
     import torch
 
-    missing = f"cuda:{torch.cuda.device_count()}"  # one past the last GPU (cuda:0 on a CPU-only machine)
+    if which == "mps" and torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    missing = f"cuda:{torch.cuda.device_count()}" if which == "cuda" else "mps"  # one past the last GPU
     assert main(["run", "--no-progress", "--out", str(tmp_path / "r"), "--set", f"engine.device={missing}"]) == 2
     err = capsys.readouterr().err.strip()
     assert f"engine.device: '{missing}' is not available" in err and "\n" not in err

@@ -285,3 +285,16 @@ def test_signals_name_the_real_run_directory(sig, code, tmp_path):
     # what the message says works: the run continues from its last checkpoint
     rc, _ = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", f"train.rounds={done + 1}")
     assert rc == 0 and len(read_metrics(out)) == done + 1
+
+
+def test_amend_with_a_damaged_meta_json_and_report_of_it(tmp_path):
+    out = _cut(tmp_path, 1)
+    (out / "meta.json").write_text('{"truncated": ')
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "train.optimizer.lr=0.01")
+    assert rc == 0 and "meta.json is missing or damaged" in err
+    assert (out / "meta.json.corrupt").read_text() == '{"truncated": '  # kept, not overwritten
+    assert json.loads((out / "meta.json").read_text())["amendments"][0]["changes"] == {
+        "train.optimizer.lr": [0.05, 0.01]}
+    (out / "meta.json").write_text("[]")
+    rc, err = cli("report", str(out))
+    assert rc == 0 and "meta.json is missing or damaged" in err

@@ -107,7 +107,7 @@ class EngineConfig(Schema):
     backend: Literal["vectorized", "sequential"] = "vectorized"
     chunk_size: int = Field(128, ge=1, le=MAX_COUNT,
                             description="clients trained at once on the vectorized path (bounds memory)")
-    device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1', ...")
+    device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1', 'mps'")
     compile: bool = Field(False, description="torch.compile the mapped gradient step (vectorized backend only)")
     fuse_steps: int = Field(8, ge=1, le=1024,
                             description="with compile: local steps per compiled call (fewer Python round trips)")
@@ -125,8 +125,8 @@ class EngineConfig(Schema):
                 kind = torch.device(v).type
             except (RuntimeError, ValueError):
                 kind = None
-            if kind not in ("cpu", "cuda"):  # meta, mps, xla...: nothing the engine can train on
-                raise ValueError(f"must be 'auto', 'cpu' or a CUDA device such as 'cuda:0' (got {v!r})") from None
+            if kind not in ("cpu", "cuda", "mps"):  # meta, xla, ...: nothing the engine can train on
+                raise ValueError(f"must be 'auto', 'cpu', 'mps' or a CUDA device such as 'cuda:0' (got {v!r})")
         return v
 
 

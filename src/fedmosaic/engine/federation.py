@@ -63,7 +63,11 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dev = torch.device(name)
-    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+    if dev.type == "cuda":
+        there = torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
+    else:
+        there = dev.type != "mps" or torch.backends.mps.is_available()
+    if not there:
         raise ConfigError(f"engine.device: {name!r} is not available on this machine (use 'auto' or 'cpu')")
     return dev
 
@@ -104,8 +108,8 @@ class Federation:
         self.cfg = cfg
         if cfg.engine.threads:
             torch.set_num_threads(cfg.engine.threads)
+        self.device = dev = resolve_device(cfg.engine.device)  # before any data is read
         self.fd = fd if fd is not None else build(data_spec(cfg))
-        self.device = dev = resolve_device(cfg.engine.device)
         self.vectorize = cfg.engine.backend == "vectorized"
         normalize = make_normalizer(cfg.data.normalize, self.fd.x["train"], dev)
         arrays = [self.fd.x[s] for s in ("train", "val", "test")]

@@ -56,7 +56,7 @@ def _save_checkpoint(out: Path, fed: Federation, round_done: int) -> Path:
 
 def checkpoints(out: Path) -> list[Path]:
     """The run's checkpoints, oldest first."""
-    return sorted((out / "checkpoints").glob("round_*.pt"))
+    return sorted(p for p in (out / "checkpoints").glob("round_*.pt") if p.stem[6:].isdigit())
 
 
 def latest_checkpoint(out: Path) -> Path | None:
@@ -260,7 +260,13 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
 
 
 def _amend(out: Path, cfg: RunConfig, changes: dict, start: int) -> None:
-    meta = json.loads((out / "meta.json").read_text())
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        if (out / "meta.json").exists():
+            (out / "meta.json").rename(out / "meta.json.corrupt")
+        warnings.warn(f"{out}/meta.json is missing or damaged; a new one records the amendment", stacklevel=2)
+        meta = {}
     meta.setdefault("amendments", []).append(
         {"from_round": start, "changes": changes, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
     atomic_write(out / "meta.json", json.dumps(meta, indent=2).encode())

@@ -94,8 +94,11 @@ def from_runs(dirs: list[Path], upto: int | None = None) -> tuple[list[dict], di
         name = cfg.name if cfg.name not in curves else str(d)
         summaries.append({**summarize(records, cfg), "name": name})
         curves[name] = records
-        meta = d / "meta.json"
-        hashes[name] = json.loads(meta.read_text()).get("data_hash") if meta.is_file() else None
+        try:
+            hashes[name] = json.loads((d / "meta.json").read_text()).get("data_hash")
+        except (OSError, ValueError, AttributeError):
+            hashes[name] = None
+            notes.append(f"{d}/meta.json is missing or damaged: cannot tell which partition the run used")
     if len(set(hashes.values())) > 1:
         notes.append("the runs use different partitions (data hashes differ): " +
                      ", ".join(f"{n} {str(h)[:10]}" for n, h in hashes.items()))
