@@ -44,7 +44,7 @@ GARBAGE_FILES = [
     b"train: !!binary aGVsbG8=\n", b"name: 2020-01-01\n", b"{" * 5000, b"[" * 100_000, b"train: &a {rounds: *a}\n",
     b"a: &a [1,1,1,1,1,1,1,1,1,1]\nb: &b [*a,*a,*a,*a,*a,*a,*a,*a,*a,*a]\nc: &c [*b,*b,*b,*b,*b,*b,*b,*b,*b,*b]\n"
     b"d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: &e [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d]\nf: [*e,*e,*e,*e,*e,*e,*e,*e]\n",
-    b"name: \"\\ud800\"\n", b"x: 1\n" * 300_000,
+    b"name: \"\\ud800\"\n", b"x: 1\n" * 300_000, b"train: {rounds: " + b"9" * 5000 + b"}\n",
 ]
 
 
@@ -93,7 +93,7 @@ def _set_line(rnd: random.Random, known: list[str]) -> str:
     key = ".".join(rnd.choice(KEYS + ["train", "data", "model", "engine", "eval", "algorithm"])
                    for _ in range(rnd.randint(1, 3)))
     value = rnd.choice(["1", "0", "-1", "true", "1.5", ".inf", ".nan", "[]", "{}", "[1, 2", "abc", "", "null",
-                        "{scheme: iid}", "x" * 200, "../x", "1e3", "0x10", "~", "'quoted'", "[" * 2000])
+                        "{scheme: iid}", "x" * 200, "../x", "1e3", "0x10", "~", "'quoted'", "[" * 2000, "9" * 5000])
     return rnd.choice([f"{key}={value}", key, f"={value}", f"{key}=={value}"])
 
 

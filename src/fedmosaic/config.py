@@ -218,7 +218,10 @@ def yaml_scalar(value) -> str:
 
 
 def short_repr(value: Any, limit: int = 60) -> str:
-    text = repr(value)
+    try:
+        text = repr(value)
+    except ValueError:  # an integer of more than 4,300 digits
+        text = f"<an integer of {value.bit_length()} bits>"
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -311,6 +314,8 @@ def parse_value(text: str) -> Any:
         return text
     except RecursionError:
         raise ConfigError(f"--set value {short_repr(text)}: nested too deeply") from None
+    except ValueError:  # Python refuses to read integers of more than 4,300 digits
+        raise ConfigError(f"--set value {short_repr(text)}: a number too long to read") from None
 
 
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
@@ -349,6 +354,8 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: invalid YAML" + (f" near line {line + 1}" if line is not None else "")) from None
     except RecursionError:
         raise ConfigError(f"{path}: nested too deeply to be a config") from None
+    except ValueError:  # Python refuses to read integers of more than 4,300 digits
+        raise ConfigError(f"{path}: holds a number too long to read") from None
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
