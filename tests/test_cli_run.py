@@ -52,6 +52,8 @@ def test_quickstart_preset_runs_and_writes_table_and_curves(tmp_path, capsys):
     ("compare=[]", "compare: must not be empty"),
     ("train.clients_per_round=21", "train.clients_per_round: must be <= data.clients = 20 (got 21)"),
     ("trian.rounds=3", "trian: unknown field; did you mean 'train'?"),
+    ("algorithm={name: fedprox, muu: 1}", "algorithm.muu: unknown field; did you mean 'mu'?"),
+    ("data.partition.aplha=0.1", "data.partition.aplha: unknown parameter; did you mean 'alpha'?"),
     ("algorithm.name=fedavgg", "algorithm.name: unknown 'fedavgg'; did you mean 'fedavg'?"),
     ("=5", "--set '=5': empty key"),
     ("train..rounds=1", "--set 'train..rounds=1': empty part in the key"),

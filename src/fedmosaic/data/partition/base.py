@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import math
 import re
 
@@ -269,7 +270,8 @@ def validation_error_message(err: ValidationError, prefix: str, allowed_fields: 
         elif e["type"] in _TEMPLATES:
             text = _TEMPLATES[e["type"]].format(**ctx)
         elif e["type"] == "extra_forbidden":
-            text = f"unknown parameter; allowed: {', '.join(allowed_fields)}"
+            near = difflib.get_close_matches(str(e["loc"][-1]), allowed_fields, n=1, cutoff=0.6)
+            text = f"unknown parameter; {f'did you mean {near[0]!r}? ' if near else ''}allowed: {', '.join(allowed_fields)}"
         elif e["type"] == "literal_error":
             text = f"must be {ctx.get('expected')}"
         else:
