@@ -18,6 +18,7 @@ import torch
 import yaml
 
 from fedmosaic.cli.main import main
+from fedmosaic.errors import FedMosaicError
 from fedmosaic.engine.runner import TIMING_KEYS, read_metrics
 
 SMALL = {
@@ -125,6 +126,10 @@ def test_read_only_runs_directory(tmp_path):
     try:
         rc, err = cli("run", str(write_cfg(tmp_path)), "--no-progress", "--runs-dir", str(ro))
         line = error_line(err)
+        assert rc == 2 and "cannot create a run directory in" in line and ("Read-only" in line or "Permission" in line)
+        # an explicit --out there too
+        rc, err = cli("run", str(write_cfg(tmp_path)), "--no-progress", "--out", str(ro / "r"))
+        line = error_line(err)
         assert rc == 2 and "cannot write the run directory" in line and ("Read-only" in line or "Permission" in line)
     finally:
         undo()
@@ -143,11 +148,11 @@ def _fail_checkpoint_at(monkeypatch, round_idx: int):
 
 
 def test_full_disk_is_one_line_and_the_run_resumes(tmp_path, monkeypatch, reference):
-    out = tmp_path / "r"
+    out = tmp_path / "my runs" / "r"  # the printed command must survive a space
     _fail_checkpoint_at(monkeypatch, 2)
     rc, err = cli("run", str(write_cfg(tmp_path)), "--no-progress", "--out", str(out))
     line = error_line(err)
-    assert rc == 2 and "No space left on device" in line and f"fedmosaic run --resume {out}" in line
+    assert rc == 2 and "No space left on device" in line and f"fedmosaic run --resume '{out}'" in line
     assert not list(out.rglob("*.tmp"))  # the partial checkpoint did not stay
     monkeypatch.undo()  # space freed
     assert cli("run", "--no-progress", "--resume", str(out))[0] == 0
@@ -243,7 +248,8 @@ def test_divergence_then_resume_with_a_smaller_learning_rate(tmp_path):
     assert rc == 2 and "add --amend" in error_line(err)
     # what shaped the finished rounds cannot be amended
     rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "model.options.hidden=9")
-    assert rc == 2 and "model.options.hidden cannot change" in error_line(err)
+    line = error_line(err)
+    assert rc == 2 and "model.options.hidden differs" in line and "cannot change in the middle of a run" in line
     assert cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "train.optimizer.lr=0.01")[0] == 0
     assert [r["round"] for r in read_metrics(out)] == [0, 1, 2, 3]
     assert [r["lr"] for r in read_metrics(out)] == [0.05, 0.05, 0.01, 0.01]
@@ -298,3 +304,89 @@ def test_amend_with_a_damaged_meta_json_and_report_of_it(tmp_path):
     (out / "meta.json").write_text("[]")
     rc, err = cli("report", str(out))
     assert rc == 0 and "meta.json is missing or damaged" in err
+
+
+def test_runs_started_together_get_their_own_directories(tmp_path):
+    from fedmosaic.engine.runner import claim, new_run_dir
+
+    made = [new_run_dir(tmp_path / "runs", "same") for _ in range(3)]  # within one second: same time stamp
+    assert len(set(made)) == 3 and all(p.is_dir() for p in made)
+    claim(made[0] / "config.yaml", "first")
+    with pytest.raises(FedMosaicError, match="taken by another run meanwhile"):
+        claim(made[0] / "config.yaml", "second")  # two runs given the same --out
+    assert (made[0] / "config.yaml").read_text() == "first"
+
+
+def test_a_failed_start_leaves_no_reserved_directory(tmp_path):
+    rc, err = cli("run", str(write_cfg(tmp_path, model={"name": "cnn4"})), "--no-progress", "--runs-dir",
+                  str(tmp_path / "runs"))
+    assert rc == 2 and "too small" in error_line(err)
+    assert not any((tmp_path / "runs").iterdir())
+
+
+def test_resume_without_checkpoints_keeps_the_metrics_it_recomputes(tmp_path, reference):
+    out = _cut(tmp_path, 2)
+    before = (out / "metrics.jsonl").read_text()
+    for ck in (out / "checkpoints").iterdir():
+        ck.unlink()
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0 and "have metrics but no usable checkpoint" in err
+    [backup] = out.glob("metrics.jsonl.*.bak")
+    assert backup.read_text() == before
+    assert metrics(out) == reference
+
+
+def test_amend_cannot_cut_finished_rounds(tmp_path):
+    out = _cut(tmp_path, 2)
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "train.rounds=2")
+    assert rc == 2 and "train.rounds must be >= the 3 rounds already finished" in error_line(err)
+    assert yaml.safe_load((out / "config.yaml").read_text())["train"]["rounds"] == 4
+
+
+def test_metrics_lines_that_summaries_cannot_read_count_as_damaged(tmp_path, reference):
+    out = _cut(tmp_path, 2)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    (out / "metrics.jsonl").write_text("\n".join([lines[0], '{"round": 1}', lines[2]]) + "\n")
+    rc, err = cli("report", str(out))
+    assert rc == 0 and "line 2 is damaged" in err
+    assert cli("run", "--no-progress", "--resume", str(out))[0] == 0
+    assert metrics(out) == reference
+
+
+def test_a_checkpoint_of_another_run_is_set_aside(tmp_path, reference):
+    from fedmosaic.config import load_config
+    from fedmosaic.engine.runner import run
+
+    out = _cut(tmp_path, 2)
+    other = tmp_path / "other"
+    run(load_config(write_cfg(tmp_path, seed=2)), other, progress=False, stop_after=2)
+    (out / "checkpoints" / "round_00002.pt").write_bytes((other / "checkpoints" / "round_00002.pt").read_bytes())
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0 and "written by another run" in err
+    assert metrics(out) == reference
+
+
+def test_report_of_a_comparison_directory_lists_its_variants(tmp_path, capsys):
+    out = tmp_path / "cmp"
+    assert cli("run", str(write_cfg(tmp_path, train__rounds=1)), "--no-progress", "--out", str(out),
+               "--set", "compare=[{name: fedavg}, {name: fedprox, mu: 0.1}]")[0] == 0
+    capsys.readouterr()
+    assert main(["report", str(out)]) == 0
+    rows = [ln.split()[0] for ln in capsys.readouterr().out.splitlines()[2:]]
+    assert rows == ["fedavg", "fedprox(mu=0.1)"]
+
+
+def test_interrupting_any_command_is_one_line(monkeypatch, capsys):
+    import fedmosaic.cli.main as cli_main
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_main, "_partition", interrupted)
+    assert main(["partition", "--dataset", "digits", "--clients", "3"]) == 130
+    assert capsys.readouterr().err == "fedmosaic: error: interrupted by SIGINT; nothing is left half-written\n"
+
+
+def test_empty_data_dir_is_an_error(capsys):
+    assert main(["--data-dir", "", "data", "list"]) == 2
+    assert capsys.readouterr().err == "fedmosaic: error: --data-dir: must name at least one folder\n"

@@ -358,7 +358,8 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: holds a number too long to read") from None
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+def load_config(path: str | Path | None, overrides: list[str] = (), updates: dict | None = None) -> RunConfig:
+    """The config in ``path`` (None: the defaults), with ``--set`` ``overrides`` and then top-level ``updates``."""
     raw: dict = {}
     if path is not None:
         p = Path(path)
@@ -369,7 +370,9 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig
             raise ConfigError(f"{p}: the file is empty (or only comments); a config needs at least one section")
         if not isinstance(raw, dict):
             raise ConfigError(f"{p}: the top level must be a mapping of sections (data, model, algorithm, train, ...)")
-    return validate(apply_overrides(raw, list(overrides)), str(path) if path is not None else "config")
+    raw = apply_overrides(raw, list(overrides))
+    raw.update(updates or {})
+    return validate(raw, str(path) if path is not None else "config")
 
 
 def dump(cfg: RunConfig) -> str:

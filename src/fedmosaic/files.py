@@ -25,8 +25,12 @@ def _umask() -> int:
 FILE_MODE = 0o666 & ~_umask()
 
 
-def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], object], *, suffix: str = TEMP_SUFFIX) -> Path:
-    """Write ``data`` (bytes, or a function that writes to a binary file) to ``path`` atomically."""
+def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], object], *, suffix: str = TEMP_SUFFIX,
+                 exclusive: bool = False) -> Path:
+    """Write ``data`` (bytes, or a function that writes to a binary file) to ``path`` atomically.
+
+    ``exclusive``: never replace an existing ``path`` (FileExistsError instead): of two processes that claim the
+    same file at once, exactly one wins."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
     try:
@@ -36,7 +40,11 @@ def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], object], *
                 f.write(data)
             else:
                 data(f)
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)  # fails if path exists, atomically
+            os.unlink(tmp)
+        else:
+            os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

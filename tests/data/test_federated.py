@@ -125,6 +125,27 @@ def test_partition_out_that_is_a_file(tmp_path, capsys):
     assert "exists and is not a directory" in capsys.readouterr().err and taken.read_text() == "user data"
 
 
+def test_partition_out_never_overwrites_what_it_did_not_write(tmp_path, capsys):
+    args = ["partition", "--dataset", "digits", "--clients", "3", "--out"]
+    for name, content, needle in [("manifest.json", "garbage", "holds an unreadable manifest.json"),
+                                  ("partition.npz", "mine", "holds a partition.npz without a manifest.json"),
+                                  ("partition.png", "mine", "partition.png already exists")]:
+        d = tmp_path / name
+        d.mkdir()
+        (d / name).write_text(content)
+        assert main([*args, str(d)]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and err.count("\n") == 1, err
+        assert [p.name for p in d.iterdir()] == [name] and (d / name).read_text() == content
+    # the same partition again: a missing file is written again, the rest is kept
+    d = tmp_path / "same"
+    assert main([*args, str(d)]) == 0
+    (d / "partition.npz").unlink()
+    png = (d / "partition.png").stat().st_mtime_ns
+    assert main([*args, str(d)]) == 0
+    assert (d / "partition.npz").exists() and (d / "partition.png").stat().st_mtime_ns == png
+
+
 def test_entry_point_reports_errors_without_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fedmosaic.cli.main", "partition", "--dataset", "mnist",
                         "--clients", "10", "--scheme", "dirichlet", "--alpha", "0"],

@@ -168,7 +168,19 @@ def test_unreadable_file_is_named_not_a_traceback(data, capsys):
     sums.write_text(sums.read_text() + f"{'0' * 64}  ./usps/extra\n")
     status, _, err = verify(data, capsys)
     assert status == 1
-    assert f"fedmosaic: UNREADABLE {data / 'usps' / 'extra'} (Is a directory)" in err
+    assert f"fedmosaic: UNREADABLE {data / 'usps' / 'extra'} (not a regular file)" in err
+
+
+def test_a_fifo_does_not_block_verification(data, capsys):
+    """Opening a FIFO for reading blocks until a writer comes: it is refused before it is opened."""
+    import os
+
+    fifo = data / "usps" / "pipe"
+    os.mkfifo(fifo)
+    sums = data / "SHA256SUMS"
+    sums.write_text(sums.read_text() + f"{'0' * 64}  ./usps/pipe\n")
+    status, _, err = verify(data, capsys)
+    assert status == 1 and f"fedmosaic: UNREADABLE {fifo} (not a regular file)" in err
 
 
 def test_registry_pin_is_checked(tmp_path, monkeypatch, capsys):

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import logging
 import os
+import re
+import shlex
 import signal
 import sys
 import warnings
@@ -34,15 +37,35 @@ def _config_path(source: str) -> Path:
     return found
 
 
-def _algorithm_spec(text: str) -> str:
-    """``fedprox:mu=0.1,foo=2`` → a YAML flow mapping ``{name: fedprox, mu: 0.1, foo: 2}``."""
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?inf|nan")
+
+
+def _scalar(text: str):
+    """A ``--algorithms`` value: an integer, a float, true/false, or else the text itself (for the schema to judge).
+    Deliberately not YAML, which reads ``1:2`` as 62 and ``0x10`` as 16."""
+    if re.fullmatch(r"[-+]?\d{1,18}", text):
+        return int(text)
+    if _NUMBER.fullmatch(text.lower()):
+        return float(text)
+    return {"true": True, "false": False}.get(text, text)
+
+
+def _algorithm_spec(text: str) -> dict:
+    """``fedprox:mu=0.1,foo=2`` → ``{"name": "fedprox", "mu": 0.1, "foo": 2}``."""
     name, _, params = text.partition(":")
-    items = [f"name: {name}"] + [p.replace("=", ": ", 1) for p in params.split(",") if p]
-    return "{" + ", ".join(items) + "}"
+    spec: dict = {"name": name}
+    for item in filter(None, params.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise FedMosaicError(f"--algorithms {text!r}: expected NAME[:KEY=VALUE,...], e.g. fedprox:mu=0.1")
+        if key.strip() in spec:
+            raise FedMosaicError(f"--algorithms {text!r}: {key.strip()!r} is given twice")
+        spec[key.strip()] = _scalar(value.strip())
+    return spec
 
 
 class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where the run is, so that it unwinds like Ctrl-C."""
+    """SIGTERM, raised where the command is, so that it unwinds (temporary files removed) like Ctrl-C."""
 
 
 @contextlib.contextmanager
@@ -61,14 +84,18 @@ def _sigterm_unwinds():
         signal.signal(signal.SIGTERM, previous)
 
 
+def _interrupted(e: KeyboardInterrupt, what: str) -> Stopped:
+    sig = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
+    return Stopped(f"interrupted by {sig.name}; {what}", 128 + sig)
+
+
 def _run(args) -> None:
     from ..config import load_config
     from ..engine.runner import new_run_dir
     from ..reports.compare import run_all, table
 
-    overrides = list(args.set)
-    if getattr(args, "algorithms", None):
-        overrides.append("compare=[" + ", ".join(_algorithm_spec(a) for a in args.algorithms) + "]")
+    algorithms = getattr(args, "algorithms", None)
+    updates = {"compare": [_algorithm_spec(a) for a in algorithms]} if algorithms else None
     if args.amend and not args.resume:
         raise FedMosaicError("--amend: only with --resume RUN_DIR (it changes a run that exists)")
     if args.resume:
@@ -78,28 +105,31 @@ def _run(args) -> None:
         saved = [out / f for f in ("comparison.yaml", "config.yaml") if (out / f).is_file()]
         if not saved:
             raise FedMosaicError(f"--resume: {out} is not a run directory (no config.yaml or comparison.yaml)")
-        cfg = load_config(saved[0], overrides)
+        cfg = load_config(saved[0], args.set, updates)
     else:
-        cfg = load_config(_config_path(args.config or "quickstart"), overrides)
-        out = Path(args.out) if args.out else new_run_dir(args.runs_dir, cfg.name)
-    resume_cmd = f"fedmosaic run --resume {out}"
+        cfg = load_config(_config_path(args.config or "quickstart"), args.set, updates)
+    # a new directory is created (reserved) right away, so that runs started together never share one
+    out = Path(args.resume or args.out or new_run_dir(args.runs_dir, cfg.name))
+    reserved = not (args.resume or args.out)
+    resume_cmd = f"fedmosaic run --resume {shlex.quote(str(out))}"
+    started = lambda: any((out / f).exists() for f in ("config.yaml", "comparison.yaml"))  # noqa: E731
     try:
-        with _sigterm_unwinds():
-            summaries = run_all(cfg, out, resume=bool(args.resume), amend=args.amend, progress=not args.no_progress)
+        summaries = run_all(cfg, out, resume=bool(args.resume), amend=args.amend, progress=not args.no_progress)
     except KeyboardInterrupt as e:
-        sig = signal.SIGTERM if isinstance(e, _Terminated) else signal.SIGINT
-        started = any((out / f).exists() for f in ("config.yaml", "comparison.yaml"))
-        raise Stopped(f"interrupted by {sig.name}; " + (
-            f"finished rounds are saved in {out}: continue with `{resume_cmd}`" if started
-            else "the run had not started, nothing was written"), 128 + sig) from None
+        what = (f"finished rounds are saved in {out}: continue with `{resume_cmd}`" if started()
+                else "the run had not started, nothing was written")
+        raise _interrupted(e, what) from None
     except RunError as e:
         fix = f" --amend --set {e.amend}" if e.amend else ""
         raise FedMosaicError(f"{e}; continue with `{resume_cmd}{fix}`") from None
     except Exception as e:
         problem = environment_error(e)
-        if problem is None or not (out / "config.yaml").exists() and not (out / "comparison.yaml").exists():
+        if problem is None or not started():
             raise
         raise FedMosaicError(f"{problem}; finished rounds are saved in {out}: continue with `{resume_cmd}`") from e
+    finally:
+        if reserved and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()  # failed before writing anything: leave no empty run directory
     print(table(summaries))
     print(f"\nrun directory: {out}\nlearning curves: {out / 'learning_curves.png'}")
 
@@ -145,11 +175,16 @@ def _partition(args) -> None:
                          classes)
     fd = build(spec, clients_field="--clients")
     s = fd.summary()
-    out = Path(args.out) if args.out else Path("partitions") / f"{args.dataset}-{args.scheme}-{fd.hash[:10]}"
+    scheme = params["scheme"]
+    out = Path(args.out) if args.out else Path("partitions") / f"{args.dataset}-{scheme}-{fd.hash[:10]}"
+    png = out / "partition.png"
+    if png.exists() and not (out / "manifest.json").exists():
+        raise FedMosaicError(f"{png} already exists and is not part of a partition; choose another --out")
     fd.save(out)
-    described = ", ".join(f"{k}={v}" for k, v in params.items() if k != "scheme")
-    png = partition_bubbles(s["counts"], out / "partition.png",
-                            title=f"{args.dataset} · {args.scheme}({described}) · {s['clients']} clients · seed {args.seed}")
+    if not png.exists():  # the same partition saved before keeps its plot
+        described = ", ".join(f"{k}={v}" for k, v in params.items() if k != "scheme")
+        partition_bubbles(s["counts"], png, title=f"{args.dataset} · {scheme}({described}) · {s['clients']} clients "
+                          f"· seed {args.seed}")
     ent = s["entropy_mean_nats"]
     print(f"dataset      {args.dataset} ({fd.num_classes} classes)  scheme {params}  seed {args.seed}")
     print(f"clients      {s['clients']}")
@@ -160,7 +195,7 @@ def _partition(args) -> None:
     if fd.ptr["test"][-1]:
         print(f"client test  {int(fd.ptr['test'][-1])} samples")
     print(f"hash         {fd.hash}")
-    print(f"saved        {out}/  (manifest.json, partition.npz, {png.name})")
+    print(f"saved        {out}/  (manifest.json, partition.npz, partition.png)")
 
 
 def _data_list(args) -> int:
@@ -293,6 +328,13 @@ def _show_warning(message, category, filename, lineno, file=None, line=None):
     print(f"fedmosaic: warning: {_one_line(message)}", file=sys.stderr)
 
 
+class _StderrLog(logging.Handler):
+    """fedmosaic's log warnings as one ``fedmosaic: warning:`` line each (sys.stderr looked up at each record)."""
+
+    def emit(self, record):
+        print(f"fedmosaic: {record.levelname.lower()}: {_one_line(record.getMessage())}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
@@ -303,21 +345,29 @@ def main(argv: list[str] | None = None) -> int:
         return int(e.code or 0) if isinstance(e.code, int) else 2
     from ..paths import set_data_dirs
 
-    if args.data_dir:
+    if args.data_dir is not None:
+        if not args.data_dir.strip(os.pathsep + " "):
+            print("fedmosaic: error: --data-dir: must name at least one folder", file=sys.stderr)
+            return 2
         set_data_dirs(args.data_dir)
     debug = bool(os.environ.get("FEDMOSAIC_TRACEBACK"))
+    logging.getLogger("matplotlib").setLevel(logging.ERROR)  # e.g. an unwritable ~/.config: not the user's problem
+    log, handler = logging.getLogger("fedmosaic"), _StderrLog(logging.WARNING)
+    log.addHandler(handler)
     with warnings.catch_warnings():
         warnings.showwarning = _show_warning
         try:
-            status = args.fn(args)
+            with _sigterm_unwinds():
+                status = args.fn(args)
         except FedMosaicError as e:
             if debug:
                 raise
             print(f"fedmosaic: error: {_one_line(e)}", file=sys.stderr)
             return e.exit_code
-        except KeyboardInterrupt:
-            print("fedmosaic: interrupted", file=sys.stderr)
-            return 130
+        except KeyboardInterrupt as e:
+            stopped = _interrupted(e, "nothing is left half-written")
+            print(f"fedmosaic: error: {stopped}", file=sys.stderr)
+            return stopped.exit_code
         except Exception as e:
             if debug:
                 raise
@@ -328,6 +378,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"fedmosaic: internal error: {_one_line(f'{type(e).__name__}: {e}')} -- this is a bug in "
                   "fedmosaic; please report it with the command (FEDMOSAIC_TRACEBACK=1 shows where)", file=sys.stderr)
             return 3
+        finally:
+            log.removeHandler(handler)
     return status or 0
 
 

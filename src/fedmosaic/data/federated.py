@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, FedMosaicError
-from ..files import atomic_write
+from ..files import atomic_write, remove_temp_files
 from ..paths import partition_cache_dir
 from .base import ArrayDataset, select_classes
 from .partition import Natural, client_split, parse_partition, summary
@@ -127,24 +127,35 @@ class FederatedData:
         }
 
     def save(self, directory: str | Path) -> Path:
-        """Write manifest.json and partition.npz; refuses to replace a different partition already there."""
+        """Write partition.npz, then manifest.json (which marks the partition complete).
+
+        A directory that already holds this partition is completed (a missing file is written again); one that
+        holds another partition, an unreadable manifest or a partition.npz of unknown origin is refused.
+        """
         d = Path(directory)
         if d.exists() and not d.is_dir():
             raise FedMosaicError(f"{d} exists and is not a directory; choose another --out")
-        old = d / "manifest.json"
-        if old.exists():
-            existing = json.loads(old.read_text()).get("hash")
-            if existing == self.hash:
-                return d
-            raise FedMosaicError(
-                f"{d} already holds a different partition (hash {str(existing)[:12]}); choose another --out"
-            )
+        manifest = d / "manifest.json"
+        if manifest.exists():
+            try:
+                existing = json.loads(manifest.read_text()).get("hash")
+            except (OSError, ValueError, AttributeError):
+                raise FedMosaicError(f"{d} holds an unreadable manifest.json; choose another --out") from None
+            if existing != self.hash:
+                raise FedMosaicError(
+                    f"{d} already holds a different partition (hash {str(existing)[:12]}); choose another --out"
+                )
+        elif (d / "partition.npz").exists():
+            raise FedMosaicError(f"{d} holds a partition.npz without a manifest.json; choose another --out")
         d.mkdir(parents=True, exist_ok=True)
+        remove_temp_files(d)
         arrays = {f"src_{s}": self.src[s] for s in SPLITS} | {f"ptr_{s}": self.ptr[s] for s in SPLITS}
         if self.global_src is not None:
             arrays["global_src"] = self.global_src
-        atomic_write(d / "partition.npz", lambda f: np.savez(f, **arrays))
-        atomic_write(d / "manifest.json", json.dumps(self.manifest(), indent=2).encode())
+        if not (d / "partition.npz").exists():
+            atomic_write(d / "partition.npz", lambda f: np.savez(f, **arrays))
+        if not manifest.exists():
+            atomic_write(manifest, json.dumps(self.manifest(), indent=2).encode())
         return d
 
     @classmethod

@@ -22,6 +22,7 @@ reported as differing from its pin (a repackaged copy, or damaged) and counted a
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import posixpath
@@ -213,6 +214,8 @@ def _layout_files(folder: Path, files: Iterable[str]) -> list[Path]:
 
 def _sha256(path: Path, advance: Callable[[int], object]) -> str:
     digest = hashlib.sha256()
+    if path.exists() and not path.is_file():  # a FIFO or a device would block or never end
+        raise OSError(errno.EINVAL, "not a regular file", str(path))
     with open(path, "rb") as fh:
         while chunk := fh.read(CHUNK):
             digest.update(chunk)

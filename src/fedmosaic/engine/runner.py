@@ -33,12 +33,21 @@ AMENDABLE = ("train.rounds", "train.optimizer.lr", "train.optimizer.lr_decay", "
 
 
 def new_run_dir(root: str | Path, name: str) -> Path:
+    """A new, empty directory ``<root>/<name>-<time>[-i]``, created here so that runs started at the same moment
+    each get their own."""
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path(root) / f"{name}-{stamp}"
     path, i = base, 1
-    while path.exists():
-        path, i = base.with_name(f"{base.name}-{i}"), i + 1
-    return path
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                path, i = base.with_name(f"{base.name}-{i}"), i + 1
+    except OSError as e:
+        raise FedMosaicError(f"cannot create a run directory in {root}: {e.strerror or e}") from None
 
 
 def _save_checkpoint(out: Path, fed: Federation, round_done: int) -> Path:
@@ -47,11 +56,16 @@ def _save_checkpoint(out: Path, fed: Federation, round_done: int) -> Path:
     # serialised in memory first: torch's zip writer turns a failed file write (a full disk) into an opaque
     # RuntimeError, while a plain write raises the OSError that says what happened
     buf = io.BytesIO()
-    torch.save({"round": round_done, **fed.state_dict()}, buf)
+    torch.save({"round": round_done, "run": _identity(fed), **fed.state_dict()}, buf)
     path = atomic_write(ck / f"round_{round_done:05d}.pt", buf.getvalue())
     for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
         old.unlink()
     return path
+
+
+def _identity(fed: Federation) -> dict:
+    """What makes a checkpoint belong to a run beyond its tensor layout: the seed and the partition."""
+    return {"seed": fed.cfg.seed, "data_hash": fed.fd.hash}
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -77,7 +91,7 @@ def read_metrics(out: Path) -> list[dict]:
             rec = json.loads(line)
         except ValueError:
             rec = None
-        if not isinstance(rec, dict) or rec.get("round") != len(records):
+        if not _well_formed(rec, len(records), records[0] if records else None):
             rest = len(lines) - i - 1
             warnings.warn(f"{p}: line {i + 1} is damaged or out of order (a crash while writing?); dropped it"
                           + (f" and the {rest} after it" if rest else "") + f"; rounds from {len(records)} on "
@@ -85,6 +99,25 @@ def read_metrics(out: Path) -> list[dict]:
             break
         records.append(rec)
     return records
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _well_formed(rec, round_idx: int, first: dict | None) -> bool:
+    """A metrics line as the runner writes it: the right round, and the numbers summaries read."""
+    if not isinstance(rec, dict) or rec.get("round") != round_idx:
+        return False
+    if not all(_number(rec.get(k)) for k in ("train_loss", "bytes_up", "bytes_down")):
+        return False
+    for key in ("global", "global_clients", "global_val", "personal"):
+        if key in rec and not (isinstance(rec[key], dict) and _number(rec[key].get("acc"))):
+            return False
+    if "personal" in rec and not _number(rec["personal"].get("acc_worst10")):
+        return False
+    classes = [r["global"].get("class_acc") for r in (first, rec) if r is not None and "global" in r]
+    return all(isinstance(c, list) and all(map(_number, c)) and len(c) == len(classes[0]) for c in classes)
 
 
 def _layout(tree, at: str = ""):
@@ -112,6 +145,8 @@ def _load_checkpoint(path: Path, fed: Federation) -> int:
     mine = fed.state_dict()
     if any(list(_layout(state.get(k))) != list(_layout(mine[k])) for k in ("server", "stores")):
         raise ValueError("written for a different model or algorithm")
+    if state.get("run", _identity(fed)) != _identity(fed):  # checkpoints from before 0.1.1 carry no identity
+        raise ValueError("written by another run (seed or partition differ)")
     fed.load_state_dict(state)
     return state["round"]
 
@@ -138,6 +173,11 @@ def _restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
     else:
         if records:
             warnings.warn(f"{out}: no usable checkpoint; starting again from round 0", stacklevel=2)
+    if len(records) - start > fed.cfg.checkpoint_every:  # more than a crash since the last checkpoint can explain
+        backup = out / f"metrics.jsonl.{datetime.now():%Y%m%d-%H%M%S}.bak"
+        atomic_write(backup, (out / "metrics.jsonl").read_bytes())
+        warnings.warn(f"{out}: rounds {start}-{len(records) - 1} have metrics but no usable checkpoint; they will "
+                      f"be recomputed (the metrics as they were are kept in {backup.name})", stacklevel=2)
     records = records[:start]
     atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
     return start, records
@@ -159,13 +199,14 @@ def config_changes(saved: RunConfig, cfg: RunConfig, where: Path, amend: bool) -
     if not changes:
         return {}
     shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:3])
+    fixed = [k for k in changes if not any(k == a or k.startswith(a + ".") for a in AMENDABLE)]
+    if fixed:
+        raise FedMosaicError(f"--resume: {fixed[0]} differs from {where} ({shown}) and cannot change in the middle "
+                             f"of a run (the rounds already done depend on it); what may change with --amend: "
+                             f"{', '.join(AMENDABLE)}")
     if not amend:
         raise FedMosaicError(f"--resume: the config differs from the one saved in {where} ({shown}); add --amend "
                              "to change it from the next round on")
-    fixed = [k for k in changes if not any(k == a or k.startswith(a + ".") for a in AMENDABLE)]
-    if fixed:
-        raise FedMosaicError(f"--amend: {fixed[0]} cannot change in the middle of a run (the rounds already done "
-                             f"depend on it); what may change: {', '.join(AMENDABLE)}")
     return changes
 
 
@@ -226,6 +267,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
     if out.exists() and not out.is_dir():
         raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
     changes: dict = {}
+    if (out / "checkpoints").exists() and not (out / "checkpoints").is_dir():
+        raise FedMosaicError(f"{out / 'checkpoints'} is not a directory; move it aside")
     if resume:
         if not (out / "config.yaml").is_file():
             raise FedMosaicError(f"--resume: {out} is not a run directory (no config.yaml)")
@@ -238,17 +281,21 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         out.mkdir(parents=True, exist_ok=True)
         if resume:
             start, records = _restore(out, fed)
+            if cfg.train.rounds < start:
+                raise FedMosaicError(f"--amend: train.rounds must be >= the {start} rounds already finished in {out} "
+                                     f"(got {cfg.train.rounds})")
             if changes:
                 _amend(out, cfg, changes, start)
         else:
             start, records = 0, []
-            atomic_write(out / "config.yaml", dump(cfg).encode())
+            claim(out / "config.yaml", dump(cfg))
             atomic_write(out / "meta.json", json.dumps(_meta(cfg, fed), indent=2).encode())
     except OSError as e:
-        if created and not resume and out.is_dir():  # nothing of value yet: leave no half-made run directory
-            for p in out.iterdir():
-                p.unlink()
-            out.rmdir()
+        if not resume and out.is_dir():  # nothing of value yet: leave no half-made run directory
+            for name in ("config.yaml", "meta.json"):  # ours: config.yaml was claimed exclusively
+                (out / name).unlink(missing_ok=True)
+            if created and not any(out.iterdir()):
+                out.rmdir()
         raise FedMosaicError(f"cannot write the run directory {out}: {e.strerror or e}") from None
     try:
         summary = _rounds(cfg, out, fed, start, records, progress, stop_after)
@@ -257,6 +304,14 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         raise RunError(f"cannot write {e.filename or out}: {e.strerror or e}; {out} keeps rounds 0-{done - 1}"
                        if done else f"cannot write {e.filename or out}: {e.strerror or e}") from None
     return summary
+
+
+def claim(path: Path, text: str) -> None:
+    """Write a new run's config, refusing if another run wrote one there meanwhile (two runs, one --out)."""
+    try:
+        atomic_write(path, text.encode(), exclusive=True)
+    except FileExistsError:
+        raise FedMosaicError(f"{path.parent} was taken by another run meanwhile; choose another --out") from None
 
 
 def _amend(out: Path, cfg: RunConfig, changes: dict, start: int) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import RunConfig, dump, load_config
 from ..data.federated import build
 from ..engine.federation import data_spec
-from ..engine.runner import config_changes, read_metrics, run, summarize
+from ..engine.runner import claim, config_changes, read_metrics, run, summarize
 from ..errors import FedMosaicError
 from ..files import atomic_write
 from .plots import learning_curves
@@ -53,7 +53,9 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
         created = not out.exists()
         try:
             out.mkdir(parents=True, exist_ok=True)
-            if not resume or changes:
+            if not resume:
+                claim(out / "comparison.yaml", dump(cfg))
+            elif changes:
                 atomic_write(out / "comparison.yaml", dump(cfg).encode())
         except OSError as e:
             raise FedMosaicError(f"cannot write the run directory {out}: {e.strerror or e}") from None
@@ -66,9 +68,10 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
                 curves[v.name] = read_metrics(sub)
         except FedMosaicError:
             # a config error before any variant ran: leave no half-made comparison directory behind
-            if created and [p.name for p in out.iterdir()] == ["comparison.yaml"]:
+            if not resume and [p.name for p in out.iterdir()] == ["comparison.yaml"]:
                 (out / "comparison.yaml").unlink()
-                out.rmdir()
+                if created:
+                    out.rmdir()
             raise
     atomic_write(out / "comparison.json", json.dumps(summaries, indent=2).encode())
     learning_curves(curves, out / "learning_curves.png", title=f"{cfg.name}: {cfg.data.dataset}")
@@ -80,6 +83,10 @@ def from_runs(dirs: list[Path], upto: int | None = None) -> tuple[list[dict], di
     rounds when given, so that runs stopped at different rounds are compared at the same one. Also returns
     warnings: runs on different partitions, or shorter than ``upto``, are not a like-for-like comparison."""
     summaries, curves, hashes, notes = [], {}, {}, []
+    # a comparison directory stands for its variants
+    dirs = [v for d in dirs for v in (sorted(p.parent for p in d.glob("*/config.yaml"))
+                                      if (d / "comparison.yaml").is_file() and not (d / "config.yaml").is_file()
+                                      else [d])]
     for d in dirs:
         if not (d / "config.yaml").is_file():
             raise FedMosaicError(f"{d} is not a run directory (no config.yaml)")
