@@ -276,7 +276,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
     elif out.exists() and any(out.iterdir()):
         raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
     fed = Federation(cfg, fd)  # before creating anything: a config or data error leaves no empty run directory
-    created = not out.exists()
+    created, claimed = not out.exists(), False
     try:
         out.mkdir(parents=True, exist_ok=True)
         if resume:
@@ -289,13 +289,13 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         else:
             start, records = 0, []
             claim(out / "config.yaml", dump(cfg))
+            claimed = True
             atomic_write(out / "meta.json", json.dumps(_meta(cfg, fed), indent=2).encode())
     except OSError as e:
-        if not resume and out.is_dir():  # nothing of value yet: leave no half-made run directory
-            for name in ("config.yaml", "meta.json"):  # ours: config.yaml was claimed exclusively
-                (out / name).unlink(missing_ok=True)
-            if created and not any(out.iterdir()):
-                out.rmdir()
+        if claimed:  # nothing of value yet: leave no half-made run directory
+            (out / "config.yaml").unlink(missing_ok=True)
+        if created and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
         raise FedMosaicError(f"cannot write the run directory {out}: {e.strerror or e}") from None
     try:
         summary = _rounds(cfg, out, fed, start, records, progress, stop_after)
