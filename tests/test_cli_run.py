@@ -174,3 +174,29 @@ def test_preset_file_is_valid():
 
     for name in preset_names():
         load_config(preset_path(name))
+
+
+def test_list_shows_every_algorithm_with_its_hyper_parameters(capsys):
+    from fedmosaic.algorithms import ALGORITHMS
+    from fedmosaic.models import MODELS
+    from fedmosaic.presets import preset_names
+
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for name, algo in ALGORITHMS.items():
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"  {name} "))
+        block = []
+        for line in lines[at + 1:]:  # the indented lines under the algorithm's name
+            if not line.startswith("    "):
+                break
+            block.append(line.strip())
+        listed = [b.split(":")[0] for b in block if b != "(no hyper-parameters)"]
+        assert listed == list(algo.Config.model_fields), name
+    assert "mu: float = 0.1  (>= 0)" in out and "tau: float = 1.0  (> 0)" in out
+    assert all(f"\n  {m} " in out for m in MODELS) and "options: hidden=100" in out
+    assert all(f"\n  {p} " in out for p in preset_names())
+    assert "digits" in out and "built-in" in out
+    assert main(["list", "algorithm"]) == 2
+    assert capsys.readouterr().err.strip() == ("fedmosaic: error: list: unknown section 'algorithm'; allowed: "
+                                               "algorithms, models, presets, datasets")

@@ -229,6 +229,15 @@ def _data_verify() -> int:
     return 1 if report.failed else 0
 
 
+def _list(args) -> None:
+    from ..reports.catalog import SECTIONS, catalog
+
+    unknown = [w for w in args.what if w not in SECTIONS]
+    if unknown:
+        raise FedMosaicError(f"list: unknown section {unknown[0]!r}; allowed: {', '.join(SECTIONS)}")
+    print(catalog(args.what or list(SECTIONS)))
+
+
 def _data_download(args) -> None:
     from ..data.registry import load_dataset
 
@@ -305,6 +314,11 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--classes", help="keep only these class ids, e.g. 36,37,...,45 (FEMNIST a-j)")
     pt.add_argument("--out", help="directory for manifest.json, partition.npz and partition.png")
     pt.set_defaults(fn=_partition)
+
+    ls = sub.add_parser("list", help="what can be named in a config: algorithms (with every hyper-parameter), models, "
+                        "presets, datasets")
+    ls.add_argument("what", nargs="*", help="only these sections: algorithms, models, presets, datasets (default: all)")
+    ls.set_defaults(fn=_list)
 
     d = sub.add_parser("data", help="datasets: list what is found, download")
     dsub = d.add_subparsers(dest="data_command", required=True)

@@ -1,0 +1,100 @@
+"""What a user can name in a config, read from the registries themselves (so it cannot go stale): algorithms with
+every hyper-parameter, its type, default and range; models with their options; presets; datasets."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+
+from pydantic.fields import FieldInfo
+
+SECTIONS = ("algorithms", "models", "presets", "datasets")
+
+
+def _summary(obj) -> str:
+    """The first paragraph of a docstring, on one line."""
+    return " ".join((inspect.getdoc(obj) or "").split("\n\n")[0].split())
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is typing.Literal:
+        return " | ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _range(info: FieldInfo) -> str:
+    bounds = []
+    for m in info.metadata:
+        for attr, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<")):
+            if getattr(m, attr, None) is not None:
+                bounds.append(f"{sign} {getattr(m, attr):g}")
+    return ", ".join(bounds)
+
+
+def field_lines(model) -> list[str]:
+    """``name: type = default  (range)  description`` for every field of a pydantic model."""
+    lines = []
+    for name, info in model.model_fields.items():
+        rng = _range(info)
+        lines.append(f"{name}: {_type_name(info.annotation)} = {info.get_default(call_default_factory=True)!r}"
+                     + (f"  ({rng})" if rng else "") + (f"  {info.description}" if info.description else ""))
+    return lines
+
+
+def algorithms() -> list[str]:
+    from ..algorithms import ALGORITHMS
+
+    out = []
+    for name in sorted(ALGORITHMS):
+        algo = ALGORITHMS[name]
+        doc = _summary(inspect.getmodule(algo))
+        kind = "global model" if algo.global_model else "no global model (architectures may differ)"
+        out.append(f"{name:10s} {kind}. {doc}")
+        out += [f"    {line}" for line in field_lines(algo.Config)] or ["    (no hyper-parameters)"]
+    return out
+
+
+def models() -> list[str]:
+    from ..models import MODELS
+
+    out = []
+    for name in sorted(MODELS):
+        factory = MODELS[name]
+        target = factory.__init__ if inspect.isclass(factory) else factory
+        params = list(inspect.signature(target).parameters.values())
+        options = [p for p in params if p.name not in ("self", "input_shape", "num_classes")
+                   and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        shown = ", ".join(f"{p.name}={p.default!r}" if p.default is not p.empty else p.name for p in options)
+        doc = _summary(factory)
+        out.append(f"{name:12s} options: {shown or '-':24s} {doc}")
+    return out
+
+
+def presets() -> list[str]:
+    from ..presets import preset_names, preset_path
+
+    out = []
+    for name in preset_names():
+        first = preset_path(name).read_text().splitlines()[:1]
+        about = first[0].lstrip("# ").strip() if first and first[0].startswith("#") else ""
+        out.append(f"{name:28s} {about}")
+    return out
+
+
+def datasets() -> list[str]:
+    from ..data.registry import REGISTRY, _ensure_loaded, find_layout
+
+    _ensure_loaded()
+    out = []
+    for name in sorted({s.name for s in REGISTRY.values()}):
+        spec = REGISTRY[name]
+        where = "built-in" if spec.builtin else ("found" if find_layout(spec) else "missing")
+        out.append(f"{name:18s} {where:8s} {spec.description}")
+    return out
+
+
+def catalog(sections: list[str]) -> str:
+    parts = []
+    for section in sections:
+        parts.append(f"{section}:\n" + "\n".join(f"  {line}" for line in globals()[section]()))
+    return "\n\n".join(parts)
