@@ -26,6 +26,21 @@ def test_crop_flip_cutout_match_a_hand_made_example():
     assert hole.sum() == 4 and hole[1:3, 0:2].all()  # rows cy-1..cy, cols cx-1..cx
 
 
+def test_crop_pads_with_black_not_with_the_mean():
+    """FedNTD crops before normalising: the padding is black, i.e. (0 - mean) / std once normalised."""
+    from fedmosaic.engine.transforms import make_normalizer
+
+    raw = np.full((2, 3, 4, 4), 200, dtype=np.uint8)
+    raw[1] = 50
+    norm = make_normalizer("channel", raw, "cpu")
+    fill = augment.black(norm, (3, 4, 4), "cpu")
+    assert torch.allclose(fill.flatten(), (0 - norm.mean.flatten()) / norm.std.flatten())
+    x = norm(torch.as_tensor(raw[:1]))
+    out = augment.apply(AugmentConfig(crop_padding=1), x, torch.tensor([[0, 0, 0, 0, 0]]), fill)
+    assert torch.allclose(out[0, :, 0, :], fill[:, 0, :].expand(3, 4))  # the padded top row
+    assert torch.allclose(out[0, :, 1:, 1:], x[0, :, :3, :3])  # the image, shifted
+
+
 def test_draws_depend_on_client_not_on_cohort():
     cfg = AugmentConfig(crop_padding=4, flip=True, cutout=16)
     a = augment.draw(cfg, np.array([3, 7]), np.array([9, 5]), 8, (3, 32, 32), seed=1, round_idx=2)

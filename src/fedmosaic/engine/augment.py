@@ -3,7 +3,9 @@
 The random parameters of every (client, step, sample) are drawn up front from a generator seeded by (run seed,
 round, client) — like the batch order — so augmentation is identical on every backend and chunk size, and the ops
 themselves are plain indexing on the gathered batch (they run on any stack of clients at once). They are applied
-after normalisation, so padding and cutout fill with the normalised value 0 (the data mean), as FedNTD's cutout does.
+after normalisation: the crop pads with black — the normalised value of a 0 pixel, ``fill`` — as torchvision's
+RandomCrop does before Normalize in FedNTD's pipeline, while cutout fills with 0 after normalisation (the data mean),
+as FedNTD's Cutout does after Normalize.
 """
 
 from __future__ import annotations
@@ -40,6 +42,12 @@ class AugmentConfig(Schema):
             raise ConfigError(f"data.augment.cutout: must be <= the image side {max(h, w)} (got {self.cutout})")
 
 
+def black(normalize, input_shape, device) -> torch.Tensor:
+    """Per channel [C, 1, 1], the normalised value of a black (0) pixel: the crop's padding. With per-pixel
+    normalisation the padding lies outside the image, so it takes the channel's mean of those values."""
+    return normalize(torch.zeros(1, *input_shape, device=device))[0].mean((-2, -1), keepdim=True)
+
+
 def draw(cfg: AugmentConfig, clients: np.ndarray, steps: np.ndarray, batch: int, shape, seed: int, round_idx: int):
     """Per client, step and sample: (crop dy, crop dx, flip, cutout cy, cutout cx), as int64 [S, n, B, 5].
 
@@ -53,8 +61,10 @@ def draw(cfg: AugmentConfig, clients: np.ndarray, steps: np.ndarray, batch: int,
     return torch.as_tensor(out.transpose(1, 0, 2, 3).copy())
 
 
-def apply(cfg: AugmentConfig, x: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """Augment images ``x`` [..., C, H, W] with ``params`` [..., 5] from :func:`draw` (leading axes match)."""
+def apply(cfg: AugmentConfig, x: torch.Tensor, params: torch.Tensor, fill: torch.Tensor | float = 0.0) -> torch.Tensor:
+    """Augment images ``x`` [..., C, H, W] with ``params`` [..., 5] from :func:`draw` (leading axes match).
+
+    ``fill``: the value of the crop's padding, a scalar or per channel [C, 1, 1] (black after normalisation)."""
     lead = x.shape[:-3]
     c, h, w = x.shape[-3:]
     x = x.reshape(-1, c, h, w)
@@ -64,7 +74,7 @@ def apply(cfg: AugmentConfig, x: torch.Tensor, params: torch.Tensor) -> torch.Te
     ys, xs = torch.arange(h, device=dev), torch.arange(w, device=dev)
     if cfg.crop_padding:
         pad = cfg.crop_padding
-        xp = torch.nn.functional.pad(x, (pad, pad, pad, pad))
+        xp = torch.nn.functional.pad(x - fill, (pad, pad, pad, pad)) + fill
         iy = (p[:, 0, None] + ys)[:, None, :, None]  # [n, 1, H, 1]
         ix = (p[:, 1, None] + xs)[:, None, None, :]  # [n, 1, 1, W]
         x = xp[torch.arange(n, device=dev)[:, None, None, None], torch.arange(c, device=dev)[None, :, None, None], iy, ix]

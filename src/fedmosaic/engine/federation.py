@@ -19,6 +19,7 @@ from ..data.federated import FederatedData, PartitionSpec, build
 from ..errors import ConfigError, CorruptDataError, FedMosaicError
 from ..models import build_model, parameter_count
 from . import evaluate as ev
+from .augment import black
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .seeding import INIT, rng, sample_cohort
 from .transforms import make_normalizer
@@ -136,6 +137,7 @@ class Federation:
         self.label_counts = self.fd.summary()["counts"]  # [K, C] train labels per client
         self.memory = memory_bytes(dev)
         self._check_data(cfg)
+        self.pad_fill = black(normalize, self.fd.dataset.input_shape, dev) if cfg.data.augment.crop_padding else 0.0
 
         algo_cls = ALGORITHMS[cfg.algorithm.name]
         self.algo = algo_cls(algo_cls.Config.model_validate(cfg.algorithm.params()))
@@ -157,7 +159,7 @@ class Federation:
                               "its clients train on the sequential path", stacklevel=2)
             g.trainer = LocalTrainer(self.algo, g.module, cfg.train.optimizer, cfg.model.task_loss, self.transform,
                                      vectorize, cfg.engine.chunk_size, cfg.engine.compile and vectorize,
-                                     cfg.engine.fuse_steps, cfg.data.augment)
+                                     cfg.engine.fuse_steps, cfg.data.augment, self.pad_fill)
         self.group_of = np.zeros(self.num_clients, dtype=np.int64)
         self.row_of = np.zeros(self.num_clients, dtype=np.int64)
         for g in self.groups:

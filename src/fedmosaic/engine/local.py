@@ -56,10 +56,11 @@ class LocalTrainer:
 
     def __init__(self, algo: Algorithm, module: torch.nn.Module, opt: optim.OptimizerConfig, task_loss: str,
                  transform, vectorize: bool = True, chunk_size: int = 128, compile: bool = False,
-                 fuse_steps: int = 1, augment: AugmentConfig | None = None):
+                 fuse_steps: int = 1, augment: AugmentConfig | None = None, pad_fill: torch.Tensor | float = 0.0):
         self.algo, self.module, self.opt, self.task_loss = algo, module, opt, task_loss
         self.transform = transform
         self.augment = augment if augment is not None and augment.active else None
+        self.pad_fill = pad_fill
         self.chunk_size = chunk_size
         self.compile = compile and vectorize
         self.fuse = fuse_steps if self.compile else 1
@@ -187,7 +188,7 @@ class LocalTrainer:
         r = plan[0][at]
         x = self.transform(data.x[r])
         if self.augment is not None:
-            x = augment.apply(self.augment, x, plan[2][at])
+            x = augment.apply(self.augment, x, plan[2][at], self.pad_fill)
         return x, data.y[r], plan[1][at]
 
     def _post_plan(self, rows, masks, batch):
