@@ -222,6 +222,40 @@ def test_fednova_equal_steps_plain_sgd_equals_fedavg(fd_iid):
     assert_trees_close(a.server["model"], b.server["model"], atol=1e-5, rtol=1.3e-6)  # torch.testing defaults
 
 
+def test_fednova_ccvr_shifts_gradients_by_the_previous_normalised_update(fd):
+    """ccvr keeps d_i / lr per client (d_i: the normalised update it uploaded) and subtracts it from every later
+    local gradient: with the task loss alone the step is -lr (g - d_i / lr)."""
+    from fedmosaic.algorithms.terms import GradientShift, LocalContext
+
+    fed = Federation(make_cfg({"name": "fednova", "ccvr": True}, rounds=1), fd)
+    calls = spy_aggregate(fed)
+    cohort = spy_cohorts(fed)
+    fed.round(0)
+    _, up, _ = calls[0]
+    g = fed.groups[0]
+    rows = torch.as_tensor(fed.row_of[cohort[0]])
+    lr = fed.cfg.train.optimizer.lr_at(0)
+    for name, d in up["d"].items():
+        torch.testing.assert_close(g.store["shift"][name][rows], d / lr)
+    untouched = np.setdiff1d(np.arange(fed.num_clients), cohort[0])
+    assert all(float(t[torch.as_tensor(fed.row_of[untouched])].abs().max()) == 0 for t in g.store["shift"].values())
+    # the term's gradient is exactly -shift and its value 0
+    w = {"w": torch.randn(3, requires_grad=True)}
+    shift = {"w": torch.tensor([1.0, -2.0, 0.5])}
+    ctx = LocalContext(None, {"model": w}, {"shift": shift}, {}, None, None, None)
+    value = GradientShift("shift")(ctx)
+    (grad,) = torch.autograd.grad(value, [w["w"]])
+    assert float(value) == 0 and torch.equal(grad, -shift["w"])
+
+
+def test_fednova_ccvr_off_is_unchanged_and_on_differs(fd):
+    a = train(make_cfg({"name": "fednova"}), fd)
+    b = train(make_cfg({"name": "fednova", "ccvr": False}), fd)
+    c = train(make_cfg({"name": "fednova", "ccvr": True}), fd)
+    assert_trees_close(a.server["model"], b.server["model"], exact=True)
+    assert not torch.allclose(leaves(a.server["model"])[0], leaves(c.server["model"])[0], atol=1e-6)
+
+
 def test_fednova_aggregation_matches_formula(fd):
     """Ragged step counts and momentum: w^{t+1} = w^t - (sum p_i a_i) sum p_i (w^t - w_i) / a_i, by hand."""
     fed = Federation(make_cfg({"name": "fednova"}, rounds=1), fd)
@@ -342,7 +376,8 @@ def test_fedcurv_server_sums_track_latest_client_statistics(fd):
 
 
 @pytest.mark.parametrize("algo", [{"name": "fedntd", "beta": 1.0, "tau": 2.0}, {"name": "fedcurv", "lam": 10.0},
-                                  {"name": "scaffold"}, {"name": "fednova"}, {"name": "moon", "mu": 1.0},
+                                  {"name": "scaffold"}, {"name": "fednova"}, {"name": "fednova", "ccvr": True},
+                                  {"name": "moon", "mu": 1.0},
                                   {"name": "fedavgm", "beta": 0.9}])
 def test_vectorized_equals_sequential(fd, algo):
     ref = train(make_cfg(algo, backend="sequential"), fd)

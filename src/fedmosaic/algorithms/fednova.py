@@ -5,14 +5,21 @@ Client i reports its normalised update d_i = (w^t - w_i) / a_i, with a_i the loc
 the effective step count tau_eff = sum_i p_i a_i along the averaged direction:
 w^{t+1} = w^t - tau_eff * sum_i p_i d_i, with p_i = n_i / sum_j n_j over the cohort. With equal step counts and plain
 SGD this is FedAvg (up to rounding).
+
+``ccvr`` (off by default) is the variant the FedNTD authors ran as "FedNova": every local gradient of client i is
+corrected by subtracting the client's normalised update from its previous participation divided by that round's
+learning rate, d_i^prev / lr (zero before its first round); the server side is unchanged.
 """
 
 from __future__ import annotations
 
 import torch
 
+from pydantic import Field
+
 from ..engine.tree import tmap, weighted_mean
-from .base import Algorithm, register_algorithm
+from .base import AlgoConfig, Algorithm, register_algorithm
+from .terms import GradientShift, TaskLoss
 
 
 def local_step_normaliser(steps: torch.Tensor, optimizer) -> torch.Tensor:
@@ -31,14 +38,29 @@ def local_step_normaliser(steps: torch.Tensor, optimizer) -> torch.Tensor:
     return (steps - inner * (1 - rho**steps) / (1 - rho)) / (1 - rho)
 
 
+class FedNovaConfig(AlgoConfig):
+    ccvr: bool = Field(False, description="FedNTD's variant: subtract the client's previous normalised update / lr "
+                       "from every local gradient")
+
+
 @register_algorithm
 class FedNova(Algorithm):
     name = "fednova"
+    Config = FedNovaConfig
+
+    def init_client(self, server, init_params):
+        return {"shift": tmap(torch.zeros_like, init_params)} if self.cfg.ccvr else {}
+
+    def terms(self):
+        return [TaskLoss(), GradientShift("shift")] if self.cfg.ccvr else [TaskLoss()]
 
     def finish(self, params, state, payload, stats):
         a = local_step_normaliser(stats["steps"], self.optimizer)
         # a >= 1 whenever a step was taken; a client without steps did not move (d = 0)
         d = tmap(lambda g, w: (g - w) / a.clamp(min=1), payload["global"], params["model"])
+        if self.cfg.ccvr:  # a client without steps keeps its correction
+            state = {"shift": tmap(lambda s, di: torch.where(stats["steps"] > 0, di / stats["lr"], s),
+                                   state["shift"], d)}
         return {"d": d, "a": a}, state
 
     def aggregate(self, server, uploads, weights, round_idx):

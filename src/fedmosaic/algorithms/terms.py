@@ -174,9 +174,25 @@ class ControlVariate:
     client: str = "c"
 
     def __call__(self, ctx: LocalContext) -> torch.Tensor:
-        w = leaves(ctx.params[self.slot])
         c, ci = leaves(ctx.payload[self.server]), leaves(ctx.state[self.client])
-        return sum(((a - b).detach() * (wi - wi.detach())).sum() for wi, a, b in zip(w, c, ci, strict=True))
+        return _shift(leaves(ctx.params[self.slot]), [a - b for a, b in zip(c, ci, strict=True)])
+
+
+def _shift(w: list, direction: list) -> torch.Tensor:
+    """<direction, w - stopgrad(w)>: exactly 0, with gradient ``direction`` (added to every local gradient)."""
+    return sum((d.detach() * (wi - wi.detach())).sum() for wi, d in zip(w, direction, strict=True))
+
+
+@dataclass(frozen=True)
+class GradientShift:
+    """Subtracts ``ctx.state[key]`` from every local gradient of ``slot`` (value 0, like :class:`ControlVariate`):
+    FedNova's ``ccvr`` variant."""
+
+    key: str
+    slot: str = "model"
+
+    def __call__(self, ctx: LocalContext) -> torch.Tensor:
+        return _shift(leaves(ctx.params[self.slot]), [-s for s in leaves(ctx.state[self.key])])
 
 
 @dataclass(frozen=True)
