@@ -209,6 +209,34 @@ def test_evaluation_reports_clients_and_classes(fd):
     assert p["acc_std"] >= 0
 
 
+def test_client_summary_by_hand():
+    from fedmosaic.engine.evaluate import client_summary
+
+    # 12 clients with test data (plus one without): accuracies 0.0, 0.1, ..., 1.1 capped below
+    sizes = np.array([10] * 12 + [0])
+    correct = np.array([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 10, 0])
+    s = client_summary(correct, sizes)
+    acc = np.array([0, .1, .2, .3, .4, .5, .6, .7, .8, .9, 1, 1])
+    assert s["clients"] == 12
+    assert s["acc"] == pytest.approx(65 / 120)  # all test samples pooled
+    assert s["acc_mean"] == pytest.approx(acc.mean()) and s["acc_std"] == pytest.approx(acc.std())
+    assert s["acc_worst10"] == pytest.approx(0.05) and s["acc_best10"] == pytest.approx(1.0)  # 2 of 12 clients
+
+
+def test_personal_summary_and_table_say_which_mean(fd, tmp_path):
+    from fedmosaic.reports.compare import table
+
+    summary = run(make_cfg(algorithm={"name": "ditto"}, train__rounds=2), tmp_path / "r", progress=False, fd=fd)
+    last = read_metrics(tmp_path / "r")[-1]["personal"]
+    assert summary["personal_acc_final"] == last["acc"]
+    assert summary["personal_acc_unweighted_final"] == last["acc_mean"]
+    assert summary["personal_acc_best10_final"] == last["acc_best10"] >= last["acc_mean"] >= last["acc_worst10"]
+    header = table([summary]).splitlines()[0]
+    for column in ("global on clients (weighted)", "personal (weighted)", "personal (unweighted)", "std",
+                   "worst 10%", "best 10%"):
+        assert column in header
+
+
 def test_compiled_fused_steps_equal_eager(fd):
     """torch.compile with padded cohort buckets and fused steps gives the eager numbers."""
     algo = {"name": "fedprox", "mu": 0.1}

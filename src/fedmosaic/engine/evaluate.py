@@ -14,17 +14,19 @@ EVAL_BATCH = 4096  # bounds activation memory for CNNs (32x28x28 floats per samp
 
 
 def client_summary(correct_per_client: np.ndarray, sizes: np.ndarray) -> dict:
-    """Weighted mean (by test size), mean, std and the mean of the worst 10% of clients, over clients with data."""
+    """Over the clients with test data: the sample-weighted mean accuracy (``acc``: all their test samples pooled),
+    the unweighted mean over clients, its std, and the means of the worst and the best 10% of clients."""
     has = sizes > 0
     if not has.any():
         return {}
-    acc = correct_per_client[has] / sizes[has]
-    worst = np.sort(acc)[: max(1, int(np.ceil(0.1 * len(acc))))]
+    acc = np.sort(correct_per_client[has] / sizes[has])
+    tenth = max(1, int(np.ceil(0.1 * len(acc))))
     return {
         "acc": float(correct_per_client[has].sum() / sizes[has].sum()),
         "acc_mean": float(acc.mean()),
         "acc_std": float(acc.std()),
-        "acc_worst10": float(worst.mean()),
+        "acc_worst10": float(acc[:tenth].mean()),
+        "acc_best10": float(acc[-tenth:].mean()),
         "clients": int(has.sum()),
     }
 

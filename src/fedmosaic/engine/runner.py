@@ -219,8 +219,12 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
         if accs:
             out[f"{key}_acc_final"] = accs[-1]
             out[f"{key}_acc_mean"] = float(np.mean(accs))
-    if ev and "personal" in ev[-1]:
-        out["personal_acc_worst10_final"] = ev[-1]["personal"]["acc_worst10"]
+    for key in ("global_clients", "personal"):  # across clients, in the last evaluated round
+        last = ev[-1].get(key) if ev else None
+        for stat, name in (("acc_mean", "unweighted"), ("acc_std", "std"), ("acc_worst10", "worst10"),
+                           ("acc_best10", "best10")):
+            if last is not None and stat in last:
+                out[f"{key}_acc_{name}_final"] = last[stat]
     val = [r for r in ev if "global_val" in r and "global" in r]
     if val:
         best = max(val, key=lambda r: r["global_val"]["acc"])  # first round with the best validation accuracy
