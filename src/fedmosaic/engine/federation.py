@@ -177,7 +177,7 @@ class Federation:
         # a batch larger than the largest client is all padding: cap it (same results, no giant batch plans)
         self.batch = int(max(1, min(tc.batch_size, sizes.max(initial=1))))
         # the batch plan of one chunk: per client, step and slot an index (numpy and torch), a mask, augmentation
-        n = min(cfg.engine.chunk_size, tc.clients_per_round)
+        self.chunk = n = min(cfg.engine.chunk_size, tc.clients_per_round)  # clients trained at once
         steps = tc.local_epochs * -(-int(sizes.max(initial=1)) // self.batch)
         per_slot = 8 + 1 + 8 + 4 + (40 if cfg.data.augment.active else 0)
         check_fits(n * steps * self.batch * per_slot, self.memory, self.device,
@@ -186,8 +186,7 @@ class Federation:
 
     def _check_training_memory(self, g: Group, state_bytes: int) -> None:
         """Every client's persistent state, plus the cohort chunk's parameters, gradients and optimiser state."""
-        params = nbytes(g.init)
-        n = min(self.cfg.engine.chunk_size, self.cfg.train.clients_per_round)
+        params, n = nbytes(g.init), self.chunk
         need = state_bytes * len(g.clients) + params * (4 + 5 * n)
         check_fits(need, self.memory, self.device,
                    f"training {g.module.__class__.__name__} ({params // 4:,} parameters; {len(g.clients)} client "

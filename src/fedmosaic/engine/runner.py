@@ -268,8 +268,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
     in ``meta.json`` under ``amendments``.
     """
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
+    check_out(out, resume)
     changes: dict = {}
     if (out / "checkpoints").exists() and not (out / "checkpoints").is_dir():
         raise FedMosaicError(f"{out / 'checkpoints'} is not a directory; move it aside")
@@ -277,8 +276,6 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         if not (out / "config.yaml").is_file():
             raise FedMosaicError(f"--resume: {out} is not a run directory (no config.yaml)")
         changes = config_changes(load_config(out / "config.yaml"), cfg, out / "config.yaml", amend)
-    elif out.exists() and any(out.iterdir()):
-        raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
     fed = Federation(cfg, fd)  # before creating anything: a config or data error leaves no empty run directory
     created, claimed = not out.exists(), False
     try:
@@ -308,6 +305,14 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         raise RunError(f"cannot write {e.filename or out}: {e.strerror or e}; {out} keeps rounds 0-{done - 1}"
                        if done else f"cannot write {e.filename or out}: {e.strerror or e}") from None
     return summary
+
+
+def check_out(out: Path, resume: bool) -> None:
+    """A run (or comparison) directory is a directory, and a new run's is empty: nothing is ever overwritten."""
+    if out.exists() and not out.is_dir():
+        raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
+    if not resume and out.exists() and any(out.iterdir()):
+        raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
 
 
 def claim(path: Path, text: str) -> None:

@@ -82,11 +82,10 @@ def presets() -> list[str]:
 
 
 def datasets() -> list[str]:
-    from ..data.registry import REGISTRY, _ensure_loaded, find_layout
+    from ..data.registry import REGISTRY, dataset_names, find_layout
 
-    _ensure_loaded()
     out = []
-    for name in sorted({s.name for s in REGISTRY.values()}):
+    for name in dataset_names():
         spec = REGISTRY[name]
         where = "built-in" if spec.builtin else ("found" if find_layout(spec) else "missing")
         out.append(f"{name:18s} {where:8s} {spec.description}")

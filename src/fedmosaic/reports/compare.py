@@ -9,7 +9,7 @@ from pathlib import Path
 from ..config import RunConfig, dump, load_config
 from ..data.federated import build
 from ..engine.federation import data_spec
-from ..engine.runner import claim, config_changes, read_metrics, run, summarize
+from ..engine.runner import check_out, claim, config_changes, read_metrics, run, summarize
 from ..errors import FedMosaicError
 from ..files import atomic_write
 from .plots import learning_curves
@@ -44,11 +44,7 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
         summaries = [run(cfg, out, resume=resume, amend=amend, progress=progress)]
         curves = {cfg.name: read_metrics(out)}
     else:
-        if out.exists() and not out.is_dir():
-            raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
-        if not resume and out.exists() and any(out.iterdir()):
-            raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose "
-                                 "another --out")
+        check_out(out, resume)
         changes = {}
         if resume:  # the variants check their own configs; this checks (and records) the comparison's
             changes = config_changes(load_config(out / "comparison.yaml"), cfg, out / "comparison.yaml", amend)
