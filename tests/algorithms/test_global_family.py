@@ -70,9 +70,9 @@ def spy_aggregate(fed):
     calls = []
     orig = fed.algo.aggregate
 
-    def spy(server, uploads, weights, t):
+    def spy(server, uploads, weights, t, signals):
         calls.append((tmap(torch.clone, server), tmap(torch.clone, uploads), weights.clone()))
-        return orig(server, uploads, weights, t)
+        return orig(server, uploads, weights, t, signals)
 
     fed.algo.aggregate = spy
     return calls
@@ -341,9 +341,10 @@ def test_fedcurv_server_sums_track_latest_client_statistics(fd):
     seen = []
     orig = tr._finish
 
-    def spy(params, states, payload, stats):
+    def spy(params, states, *payload_and_stats):
+        stats = payload_and_stats[-1]
         seen.append((tmap(torch.clone, stats["grad_sq"]["model"]), tmap(torch.clone, params["model"])))
-        return orig(params, states, payload, stats)
+        return orig(params, states, *payload_and_stats)
 
     tr._finish = spy
     latest_u, latest_v = {}, {}

@@ -1,6 +1,8 @@
 """Algorithms, registered by name with their hyper-parameters as typed config."""
 
 from . import (  # noqa: F401  (registration)
+    apfl_pd,
+    central,
     ditto,
     fedavg,
     fedavgm,
@@ -10,7 +12,10 @@ from . import (  # noqa: F401  (registration)
     fedproto,
     fedprox,
     local,
+    meta,
     moon,
+    pfedme,
+    pfedsrb,
     scaffold,
 )
 from .base import ALGORITHMS, AlgoConfig, Algorithm, register_algorithm

@@ -1,9 +1,14 @@
-"""The algorithm boundary. An algorithm declares state, payload, local objective, upload and aggregation;
-the engine owns rounds, cohorts, batches, optimisers and where local training runs.
+"""The algorithm boundary. An algorithm declares state, payload, the round program (phases, objectives, probes),
+upload and aggregation; the engine owns rounds, cohorts, batches, optimisers and where local training runs.
 
-Client-side hooks (``init_client``, ``local_init``, ``local_step``'s objective, ``finish``) are written for ONE client
-and must be pure tensor functions: the engine maps them over the cohort with ``torch.func.vmap`` (fast path) or a
-Python loop (sequential path), with identical results. Server-side hooks see the whole cohort's uploads stacked.
+Client-side hooks (``init_client``, ``local_init``, the objectives, ``accumulate``, the program's ``before``/
+``after`` updates, ``finish``, ``personal_params``) are written for ONE client and must be pure tensor functions:
+the engine maps them over the cohort with ``torch.func.vmap`` (fast path) or a Python loop (sequential path), with
+identical results. Server-side hooks see the whole cohort's uploads stacked.
+
+Slots: ``local_init`` returns the trainable trees by name (``{"model": ...}``, Ditto's ``{"model", "personal"}``);
+terms and program steps name the slots they use, and the engine checks those names against ``local_init`` before
+the first round.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+from ..engine.program import Phase, Probe, Setting, Signals
 from ..engine.tree import weighted_mean
 from ..schema import Schema
 from .terms import LocalContext, TaskLoss
@@ -25,22 +31,30 @@ class Algorithm:
     Config: ClassVar[type[AlgoConfig]] = AlgoConfig
     #: True when the server keeps one model that every client trains (so all clients need one architecture).
     global_model: ClassVar[bool] = True
-    #: After local training, the engine evaluates minibatch gradients at the final local parameters on this many
-    #: samples (the client's first batches) and passes their mean square to ``finish`` as ``stats["grad_sq"]``.
-    post_grad_samples: ClassVar[int] = 0
+    #: True when clients have models of their own (``personal_params`` or ``finetune``): personalized metrics.
+    personalized: ClassVar[bool] = False
+    #: True: the engine pools every client's train samples and deals them out again at random (sizes kept).
+    pooled: ClassVar[bool] = False
 
-    def __init__(self, cfg: AlgoConfig | None = None):
+    def __init__(self, cfg: AlgoConfig | None = None, setting: Setting | None = None):
         self.cfg = cfg if cfg is not None else self.Config()
-        self.num_classes = 0
-        self.feature_dim = 0
-        self.num_clients = 0
-        self.optimizer = None
+        self.setting = setting if setting is not None else Setting()
 
-    def bind(self, num_classes: int, feature_dim: int, num_clients: int, optimizer) -> None:
-        """Told by the engine before ``init_server``: the class count, the models' feature size, the number of
-        clients in the federation and the local optimiser's config (FedNova and SCAFFOLD need its momentum)."""
-        self.num_classes, self.feature_dim = num_classes, feature_dim
-        self.num_clients, self.optimizer = num_clients, optimizer
+    @property
+    def num_classes(self) -> int:
+        return self.setting.num_classes
+
+    @property
+    def feature_dim(self) -> int:
+        return self.setting.feature_dim
+
+    @property
+    def num_clients(self) -> int:
+        return self.setting.num_clients
+
+    @property
+    def optimizer(self):
+        return self.setting.optimizer
 
     # ---- server side -------------------------------------------------------------------------------
     def init_server(self, init_params: list[dict]) -> dict:
@@ -51,9 +65,34 @@ class Algorithm:
         """The payload every cohort client receives this round."""
         return {"global": server["model"]}
 
-    def aggregate(self, server: dict, uploads: dict, weights: torch.Tensor, round_idx: int) -> dict:
-        """New server state from the cohort's stacked uploads; ``weights`` are the clients' train sizes."""
+    def client_payload(self, server: dict, clients: torch.Tensor) -> dict:
+        """What the server sends each of ``clients`` alone (stacked in their order); it reaches the client hooks as
+        ``payload["own"]``, next to its id ``cid``."""
+        return {}
+
+    def aggregate(self, server: dict, uploads: dict, weights: torch.Tensor, round_idx: int,
+                  signals: Signals) -> dict:
+        """New server state from the cohort's stacked uploads; ``weights`` are the clients' train sizes,
+        ``signals`` their mean training losses and step counts."""
         return {**server, "model": weighted_mean(uploads["model"], weights)}
+
+    def round_lr(self, server: dict, round_idx: int, lr: float) -> float:
+        """The local learning rate of round ``round_idx`` (``lr``: the configured schedule's)."""
+        return lr
+
+    # ---- the round program -------------------------------------------------------------------------
+    def program(self, server: dict, round_idx: int) -> list[Phase]:
+        """What a client does this round: one phase over its train split with :meth:`loss` (the default)."""
+        return [Phase()]
+
+    def probes(self, server: dict, round_idx: int) -> list[Probe]:
+        """Gradient passes whose results reach :meth:`finish` as ``stats[probe.name]``."""
+        return []
+
+    def finetune(self) -> list[Phase] | None:
+        """Phases each client runs from ``local_init`` before its personal model is evaluated (nothing uploaded,
+        nothing kept): Per-FedAvg's adaptation step, FedAvg + fine-tuning. None: no fine-tuning."""
+        return None
 
     # ---- client side (one client; vmapped) ----------------------------------------------------------
     def init_client(self, server: dict, init_params: dict) -> dict:
@@ -72,8 +111,8 @@ class Algorithm:
         return sum(term(ctx) for term in self.terms())
 
     def post_grad_loss(self, ctx: LocalContext) -> torch.Tensor:
-        """The loss whose minibatch gradients ``stats["grad_sq"]`` squares: the task loss alone (FedCurv's Fisher
-        is measured on the data term, not on the whole objective with its penalties)."""
+        """The default objective of probes: the task loss alone (FedCurv's Fisher is measured on the data term,
+        not on the whole objective with its penalties)."""
         return TaskLoss()(ctx)
 
     def accumulate(self, ctx: LocalContext) -> dict:
@@ -84,7 +123,7 @@ class Algorithm:
         """After local training: (upload, new persistent state).
 
         ``stats`` (per client): ``n`` train samples, ``steps`` local steps taken, ``lr``, ``acc`` (the sums of
-        :meth:`accumulate`) and, when ``post_grad_samples`` is set, ``grad_sq``.
+        :meth:`accumulate`) and one entry per probe.
         """
         return {"model": params["model"]}, state
 
@@ -92,9 +131,15 @@ class Algorithm:
     def global_params(self, server: dict) -> dict | None:
         return server.get("model")
 
-    def personal_params(self, state: dict) -> dict | None:
-        """A client's personalized model (one client; vmapped), or None if the algorithm has none."""
+    def personal_params(self, state: dict, server: dict) -> dict | None:
+        """A client's personalized model from its state and the server's (one client; vmapped), or None if the
+        algorithm has none. Only asked when ``personalized`` is set and there is no ``finetune``."""
         return None
+
+    def report(self, server: dict, store: dict) -> dict:
+        """Extra metrics from the server and the stacked client store of one architecture group (e.g. the sparsity
+        of personal parts); reported with every evaluation."""
+        return {}
 
     def eval_logits(self, z: torch.Tensor, logits: torch.Tensor, server: dict) -> torch.Tensor:
         """Scores used for prediction at evaluation time (FedProto may use prototype distances instead)."""

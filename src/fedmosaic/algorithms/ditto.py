@@ -17,6 +17,7 @@ class DittoConfig(AlgoConfig):
 @register_algorithm
 class Ditto(Algorithm):
     name = "ditto"
+    personalized = True
     Config = DittoConfig
 
     def init_client(self, server, init_params):
@@ -31,5 +32,5 @@ class Ditto(Algorithm):
     def finish(self, params, state, payload, stats):
         return {"model": params["model"]}, {"personal": params["personal"]}
 
-    def personal_params(self, state):
+    def personal_params(self, state, server):
         return state["personal"]

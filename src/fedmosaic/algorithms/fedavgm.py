@@ -26,7 +26,7 @@ class FedAvgM(Algorithm):
         model = init_params[0]
         return {"model": model, "v": tmap(torch.zeros_like, model)}
 
-    def aggregate(self, server, uploads, weights, round_idx):
+    def aggregate(self, server, uploads, weights, round_idx, signals):
         avg = weighted_mean(uploads["model"], weights)
         v = tmap(lambda m, w, a: self.cfg.beta * m + (w - a), server["v"], server["model"], avg)
         model = tmap(lambda w, m: w - self.cfg.server_lr * m, server["model"], v)

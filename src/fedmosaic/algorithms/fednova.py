@@ -63,7 +63,7 @@ class FedNova(Algorithm):
                                    state["shift"], d)}
         return {"d": d, "a": a}, state
 
-    def aggregate(self, server, uploads, weights, round_idx):
+    def aggregate(self, server, uploads, weights, round_idx, signals):
         p = weights / weights.sum()
         tau_eff = (p * uploads["a"]).sum()
         direction = weighted_mean(uploads["d"], weights)

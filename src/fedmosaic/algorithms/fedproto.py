@@ -25,6 +25,7 @@ class FedProtoConfig(AlgoConfig):
 @register_algorithm
 class FedProto(Algorithm):
     name = "fedproto"
+    personalized = True
     Config = FedProtoConfig
     global_model = False
 
@@ -36,7 +37,7 @@ class FedProto(Algorithm):
     def broadcast(self, server, round_idx):
         return {"protos": server["protos"], "has": server["has"]}
 
-    def aggregate(self, server, uploads, weights, round_idx):
+    def aggregate(self, server, uploads, weights, round_idx, signals):
         has = uploads["has"]  # [n, C]
         count = has.sum(0)
         protos = torch.einsum("nc,ncd->cd", has, uploads["protos"]) / count.clamp(min=1)[:, None]
@@ -62,7 +63,7 @@ class FedProto(Algorithm):
         protos = stats["acc"]["sum"] / count.clamp(min=1)[:, None]
         return {"protos": protos, "has": (count > 0).to(protos.dtype)}, {"model": params["model"]}
 
-    def personal_params(self, state):
+    def personal_params(self, state, server):
         return state["model"]
 
     def eval_logits(self, z, logits, server):

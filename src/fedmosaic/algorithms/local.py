@@ -7,6 +7,7 @@ from .base import Algorithm, register_algorithm
 @register_algorithm
 class Local(Algorithm):
     name = "local"
+    personalized = True
     global_model = False
 
     def init_server(self, init_params):
@@ -15,7 +16,7 @@ class Local(Algorithm):
     def broadcast(self, server, round_idx):
         return {}
 
-    def aggregate(self, server, uploads, weights, round_idx):
+    def aggregate(self, server, uploads, weights, round_idx, signals):
         return server
 
     def init_client(self, server, init_params):
@@ -27,5 +28,5 @@ class Local(Algorithm):
     def finish(self, params, state, payload, stats):
         return {}, {"model": params["model"]}
 
-    def personal_params(self, state):
+    def personal_params(self, state, server):
         return state["model"]

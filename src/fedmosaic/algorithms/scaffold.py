@@ -29,7 +29,7 @@ class Scaffold(Algorithm):
     def broadcast(self, server, round_idx):
         return {"global": server["model"], "c": server["c"]}
 
-    def aggregate(self, server, uploads, weights, round_idx):
+    def aggregate(self, server, uploads, weights, round_idx, signals):
         n = len(weights)
         c = tmap(lambda c, dc: c + (n / self.num_clients) * dc.mean(0), server["c"], uploads["dc"])
         return {**server, "model": weighted_mean(uploads["model"], weights), "c": c}

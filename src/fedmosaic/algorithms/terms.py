@@ -19,13 +19,15 @@ class LocalContext:
 
     ``params`` are the trainable trees by slot (e.g. ``{"model": ...}`` or Ditto's ``{"model", "personal"}``),
     ``state`` the client's persistent state, ``payload`` what the server broadcast. ``mask`` marks real samples in
-    a padded batch; every per-sample quantity must be reduced with :meth:`mean`.
+    a padded batch; every per-sample quantity must be reduced with :meth:`mean`. ``pair`` is the step's second
+    batch ``(x, y, mask)`` when the phase asks for one (Per-FedAvg's D', FedMeta's query batch), else None.
+    ``payload["own"]`` is what the server sent this client alone; it always holds the client's id ``cid``.
     """
 
-    def __init__(self, apply, params, state, payload, x, y, mask, task_loss: str = "ce"):
+    def __init__(self, apply, params, state, payload, x, y, mask, task_loss: str = "ce", pair=None):
         self.apply, self.params, self.state, self.payload = apply, params, state, payload
         self.x, self.y, self.mask = x, y, mask
-        self.task_loss = task_loss
+        self.task_loss, self.pair = task_loss, pair
         self._out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, slot: str = "model") -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,8 +36,15 @@ class LocalContext:
             self._out[slot] = self.apply(self.params[slot], self.x)
         return self._out[slot]
 
-    def mean(self, per_sample: torch.Tensor) -> torch.Tensor:
-        return (per_sample * self.mask).sum() / self.mask.sum().clamp(min=1)
+    def mean(self, per_sample: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        mask = self.mask if mask is None else mask
+        return (per_sample * mask).sum() / mask.sum().clamp(min=1)
+
+    def task_loss_of(self, params, x=None, y=None, mask=None) -> torch.Tensor:
+        """The task loss of the model with ``params`` on this batch (or on ``x, y, mask``)."""
+        x, y, mask = (self.x, self.y, self.mask) if x is None else (x, y, mask)
+        _, logits = self.apply(params, x)
+        return self.mean(per_sample_task_loss(self.task_loss, logits, y), mask)
 
 
 def per_sample_task_loss(kind: str, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,8 @@ def black(normalize, input_shape, device) -> torch.Tensor:
     return normalize(torch.zeros(1, *input_shape, device=device))[0].mean((-2, -1), keepdim=True)
 
 
-def draw(cfg: AugmentConfig, clients: np.ndarray, steps: np.ndarray, batch: int, shape, seed: int, round_idx: int):
+def draw(cfg: AugmentConfig, clients: np.ndarray, steps: np.ndarray, batch: int, shape, seed: int, round_idx: int,
+         keys: tuple[int, ...] = ()):
     """Per client, step and sample: (crop dy, crop dx, flip, cutout cy, cutout cx), as int64 [S, n, B, 5].
 
     Client i's draws cover its own ``steps[i]`` steps only, so they do not depend on who else is in the chunk.
@@ -57,7 +58,7 @@ def draw(cfg: AugmentConfig, clients: np.ndarray, steps: np.ndarray, batch: int,
     high = np.array([2 * cfg.crop_padding + 1, 2 * cfg.crop_padding + 1, 2 if cfg.flip else 1, h, w])
     out = np.zeros((len(clients), int(steps.max()) if len(clients) else 0, batch, 5), dtype=np.int64)
     for i, k in enumerate(clients):
-        out[i, : steps[i]] = rng(seed, AUGMENT, round_idx, k).integers(0, high, (steps[i], batch, 5))
+        out[i, : steps[i]] = rng(seed, AUGMENT, round_idx, k, *keys).integers(0, high, (steps[i], batch, 5))
     return torch.as_tensor(out.transpose(1, 0, 2, 3).copy())
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..algorithms import ALGORITHMS
+from ..algorithms import ALGORITHMS, Algorithm
 from ..config import RunConfig
 from ..data.federated import FederatedData, PartitionSpec, build
 from ..errors import ConfigError, CorruptDataError, FedMosaicError
@@ -21,7 +21,9 @@ from ..models import build_model, parameter_count
 from . import evaluate as ev
 from .augment import black
 from .local import ClientTensors, LocalTrainer, cat_trees
-from .seeding import INIT, rng, sample_cohort
+from .mapping import for_each_client
+from .program import Setting, Signals
+from .seeding import INIT, POOL, rng, sample_cohort
 from .transforms import make_normalizer
 from .tree import all_finite, nbytes, put, take, tmap, weighted_mean
 
@@ -104,6 +106,23 @@ def data_spec(cfg: RunConfig) -> PartitionSpec:
                          cfg.seed if d.seed is None else d.seed, None if d.classes is None else tuple(d.classes))
 
 
+def check_slots(algo, server: dict, state: dict, clients: np.ndarray) -> None:
+    """The slot names an algorithm's terms, program steps and probes use must be trees ``local_init`` returns:
+    a misspelt name is one line before the first round, not a KeyError deep inside a mapped function."""
+    ids = torch.as_tensor(clients)
+    own = {**tmap(lambda t: t[0], algo.client_payload(server, ids)), "cid": ids[0]}
+    slots = set(algo.local_init({**algo.broadcast(server, 0), "own": own}, state))
+    terms = algo.terms() if type(algo).loss is Algorithm.loss else []  # an own ``loss`` need not use terms
+    used = [(f"term {type(t).__name__}", t.slot) for t in terms if hasattr(t, "slot")]
+    for phase in [*algo.program(server, 0), *(algo.finetune() or [])]:
+        used += [("program step", s) for u in phase.updates for s in (u.slots or ())]
+    used += [(f"probe {p.name!r}", s) for p in algo.probes(server, 0) for s in (p.slots or ())]
+    for what, slot in used:
+        if slot not in slots:
+            raise ConfigError(f"algorithm {algo.name!r}: {what} uses slot {slot!r}, but local_init returns only "
+                              f"{sorted(slots)}")
+
+
 class Federation:
     def __init__(self, cfg: RunConfig, fd: FederatedData | None = None):
         self.cfg = cfg
@@ -139,13 +158,16 @@ class Federation:
         self._check_data(cfg)
         self.pad_fill = black(normalize, self.fd.dataset.input_shape, dev) if cfg.data.augment.crop_padding else 0.0
 
-        algo_cls = ALGORITHMS[cfg.algorithm.name]
-        self.algo = algo_cls(algo_cls.Config.model_validate(cfg.algorithm.params()))
         self.groups = self._build_groups(dev)
         dims = {g.module.feature_dim for g in self.groups}
         if len(dims) > 1:
             raise ConfigError(f"model.heterogeneous: all architectures must share one feature size (got {sorted(dims)})")
-        self.algo.bind(self.fd.num_classes, dims.pop(), self.fd.num_clients, cfg.train.optimizer)
+        algo_cls = ALGORITHMS[cfg.algorithm.name]
+        setting = Setting(self.fd.num_classes, dims.pop(), self.fd.num_clients, cfg.train.optimizer,
+                          cfg.train.local_epochs, self.batch)
+        self.algo = algo_cls(algo_cls.Config.model_validate(cfg.algorithm.params()), setting)
+        if self.algo.pooled:
+            self._pool_train_split()
         self.server = self.algo.init_server([g.init for g in self.groups])
         for g in self.groups:
             one = self.algo.init_client(self.server, g.init)
@@ -159,12 +181,20 @@ class Federation:
                               "its clients train on the sequential path", stacklevel=2)
             g.trainer = LocalTrainer(self.algo, g.module, cfg.train.optimizer, cfg.model.task_loss, self.transform,
                                      vectorize, cfg.engine.chunk_size, cfg.engine.compile and vectorize,
-                                     cfg.engine.fuse_steps, cfg.data.augment, self.pad_fill)
+                                     cfg.engine.fuse_steps, cfg.data.augment, self.pad_fill, cfg.train.local_epochs,
+                                     self.batch)
+            check_slots(self.algo, self.server, one, g.clients[:1])
         self.group_of = np.zeros(self.num_clients, dtype=np.int64)
         self.row_of = np.zeros(self.num_clients, dtype=np.int64)
         for g in self.groups:
             self.group_of[g.clients] = g.gid
             self.row_of[g.clients] = np.arange(len(g.clients))
+
+    def _pool_train_split(self) -> None:
+        """Deal the pooled train samples out again at random, each client keeping its count (``Algorithm.pooled``)."""
+        tr = self.split["train"]
+        perm = torch.as_tensor(rng(self.cfg.seed, POOL).permutation(len(tr.y)), device=self.device)
+        self.split["train"] = ClientTensors(tr.x[perm], tr.y[perm], tr.ptr)
 
     def _check_data(self, cfg: RunConfig) -> None:
         """What the config can only be checked against once the partition is known."""
@@ -216,53 +246,70 @@ class Federation:
 
     # ---- one round ---------------------------------------------------------------------------------
     def round(self, t: int) -> dict:
-        tc = self.cfg.train
-        cohort = sample_cohort(self.num_clients, tc.clients_per_round, self.cfg.seed, t)
+        """Round ``t``: the cohort trains (group by group), the server aggregates; returns the round's metrics."""
+        cohort = sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t)
         payload = self.algo.broadcast(self.server, t)
-        lr = tc.optimizer.lr_at(t)
-        uploads, weights, losses, steps, writes = [], [], [], [], []
-        for g in self.groups:
-            members = cohort[self.group_of[cohort] == g.gid]
-            if not len(members):
-                continue
-            rows = torch.as_tensor(self.row_of[members], device=self.device)
-            if self.algo.global_model:  # the cohort starts from the server's running statistics
-                bufs = g.global_buffers_like(len(members))
-            else:
-                bufs = take(g.buffers, rows)
-            g.module.train()
-            up, new_state, loss, st = g.trainer.train(
-                self.split["train"], members, payload, take(g.store, rows), bufs, epochs=tc.local_epochs,
-                batch=self.batch, lr=lr, seed=self.cfg.seed, round_idx=t,
-            )
-            uploads.append(up)
-            writes.append((g, rows, new_state, bufs))
-            weights.append(self.split["train"].sizes[members])
-            losses.append(loss)
-            steps.append(st)
-        loss = torch.cat(losses)
-        bad = ~torch.isfinite(loss)
-        if bad.any() or not all(all_finite(u) for u in uploads):
-            who = cohort[bad.cpu().numpy()] if bad.any() else cohort
-            raise NonFiniteLoss(f"round {t}: non-finite loss or update on clients {who.tolist()[:10]}")
-        for (g, rows, new_state, bufs), w in zip(writes, weights):
-            put((g.store, g.buffers), rows, (new_state, bufs))
-            if self.algo.global_model and g.global_buffers:
-                g.global_buffers = average_buffers(bufs, torch.as_tensor(w, dtype=torch.float32, device=self.device))
-        up = cat_trees(uploads)
-        w = torch.as_tensor(np.concatenate(weights), dtype=torch.float32, device=self.device)
+        lr = self.algo.round_lr(self.server, t, self.cfg.train.optimizer.lr_at(t))
+        trained = [self._train_group(g, members, payload, lr, t) for g, members in self._by_group(cohort)]
+        cohort = np.concatenate([members for _, members, *_ in trained])
+        loss = torch.cat([r[4] for r in trained])
+        self._check_finite(t, cohort, loss, [r[2] for r in trained])
+        for g, members, _, new_state, _, _, bufs in trained:
+            self._write_back(g, members, new_state, bufs)
+        up = cat_trees([r[2] for r in trained])
+        steps = np.concatenate([r[5] for r in trained])
+        weights = torch.as_tensor(self.split["train"].sizes[cohort], dtype=torch.float32, device=self.device)
         local = self._local_in_out(cohort, up) if self.cfg.eval.local_models else {}
-        self.server = self.algo.aggregate(self.server, up, w, t)
+        signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
+                          torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
+        self.server = self.algo.aggregate(self.server, up, weights, t, signals)
         return {
             **local,
             "round": t,
             "lr": lr,
             "train_loss": float(loss.mean()),
             "clients": len(cohort),
-            "local_steps_max": int(np.concatenate(steps).max()),
-            "bytes_down": (nbytes(payload) + self._buffer_bytes()) * len(cohort),
+            "local_steps_max": int(steps.max(initial=0)),
+            "bytes_down": (nbytes(payload) + self._buffer_bytes()) * len(cohort) + nbytes(self._own(cohort)[1]),
             "bytes_up": nbytes(up) + self._buffer_bytes() * len(cohort),
         }
+
+    def _by_group(self, cohort: np.ndarray):
+        for g in self.groups:
+            members = cohort[self.group_of[cohort] == g.gid]
+            if len(members):
+                yield g, members
+
+    def _own(self, clients: np.ndarray) -> tuple[dict, dict]:
+        """(the per-client payload of ``clients`` with their ids, the part the server really sends)."""
+        ids = torch.as_tensor(clients, device=self.device)
+        sent = self.algo.client_payload(self.server, ids)
+        return {**sent, "cid": ids}, sent
+
+    def _train_group(self, g: Group, members: np.ndarray, payload: dict, lr: float, t: int):
+        rows = torch.as_tensor(self.row_of[members], device=self.device)
+        # global-model algorithms start the cohort from the server's running statistics
+        bufs = g.global_buffers_like(len(members)) if self.algo.global_model else take(g.buffers, rows)
+        g.module.train()
+        up, new_state, loss, steps = g.trainer.train(
+            self.split["train"], members, payload, take(g.store, rows), bufs, own=self._own(members)[0],
+            program=self.algo.program(self.server, t), probes=self.algo.probes(self.server, t), lr=lr,
+            seed=self.cfg.seed, round_idx=t)
+        return g, members, up, new_state, loss, steps, bufs
+
+    @staticmethod
+    def _check_finite(t: int, cohort: np.ndarray, loss: torch.Tensor, uploads: list) -> None:
+        bad = ~torch.isfinite(loss)
+        if bad.any() or not all(all_finite(u) for u in uploads):
+            who = cohort[bad.cpu().numpy()] if bad.any() else cohort
+            raise NonFiniteLoss(f"round {t}: non-finite loss or update on clients {who.tolist()[:10]}")
+
+    def _write_back(self, g: Group, members: np.ndarray, new_state: dict, bufs: dict) -> None:
+        rows = torch.as_tensor(self.row_of[members], device=self.device)
+        put((g.store, g.buffers), rows, (new_state, bufs))
+        if self.algo.global_model and g.global_buffers:
+            w = torch.as_tensor(self.split["train"].sizes[members], dtype=torch.float32, device=self.device)
+            g.global_buffers = average_buffers(bufs, w)
 
     def _local_in_out(self, cohort: np.ndarray, uploads: dict) -> dict:
         """In-local / out-local accuracy of the cohort's freshly trained models (global-model algorithms)."""
@@ -281,7 +328,8 @@ class Federation:
         return nbytes(self.groups[0].global_buffers) if self.algo.global_model else 0
 
     # ---- evaluation --------------------------------------------------------------------------------
-    def evaluate(self) -> dict:
+    def evaluate(self, round_idx: int = 0) -> dict:
+        """Metrics after round ``round_idx`` (which also seeds any fine-tuning before evaluation)."""
         out: dict = {}
         ev_cfg = self.cfg.eval
         test = self.split["test"]
@@ -300,19 +348,29 @@ class Federation:
                 if (ev_cfg.client_test or key == "global_val") and len(split.y):
                     ok, _ = ev.score_samples(g0.apply, gp, split.x, split.y, self.transform, logits_fn, False)
                     out[key] = ev.client_summary(ev.per_client_correct(ok, split.ptr), split.sizes)
-        if ev_cfg.client_test and len(test.y):
+        if ev_cfg.client_test and len(test.y) and self.algo.personalized:
             correct = np.zeros(self.num_clients)
-            found = False
             for g in self.groups:
-                pp = self.algo.personal_params(g.store)
-                if pp is None:
-                    continue
-                found = True
-                correct[g.clients] = ev.personal_correct(g.apply, {**pp, **g.buffers}, test.x, test.y, test.ptr,
+                correct[g.clients] = ev.personal_correct(g.apply, self._personal(g, round_idx), test.x, test.y, test.ptr,
                                                          g.clients, self.transform, logits_fn, self.vectorize)
-            if found:
-                out["personal"] = ev.client_summary(correct, test.sizes)
+            out["personal"] = ev.client_summary(correct, test.sizes)
+        for g in self.groups:  # one group for every algorithm that reports anything so far
+            out.update(self.algo.report(self.server, g.store))
         return out
+
+    def _personal(self, g: Group, t: int) -> dict:
+        """Every client's personal model in group ``g`` (stacked, with its buffers): fine-tuned from ``local_init``
+        when the algorithm fine-tunes before evaluation, else ``personal_params`` of its state and the server's."""
+        phases = self.algo.finetune()
+        if phases is not None:
+            params = g.trainer.adapt(self.split["train"], g.clients, self.algo.broadcast(self.server, t),
+                                     self._own(g.clients)[0], g.store, g.buffers, program=phases,
+                                     lr=self.cfg.train.optimizer.lr_at(t), seed=self.cfg.seed, round_idx=t)
+            params = params["model"]
+        else:
+            params = for_each_client(lambda s: self.algo.personal_params(s, self.server), (0,),
+                                     self.vectorize)(g.store)
+        return {**params, **g.buffers}
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -1,5 +1,9 @@
 """Local training of a cohort: every client's steps run in lockstep through one mapped step function.
 
+A round is the algorithm's program (:mod:`.program`): phases, each with its batch plan (built by :meth:`_plan`) and
+run by one step runner (:meth:`_run_phase`), with per-client updates between phases and probes at the received or the
+final parameters.
+
 Ragged cohorts: a client's step count is E * ceil(n_k / B), so one large client sets the number of lockstep steps.
 Clients that have finished are *packed out*: the mapped step only sees the active clients (re-packed whenever the
 active set shrinks), so a finished client neither moves nor costs compute. Partial last batches are padded and
@@ -17,11 +21,11 @@ from torch.func import functional_call, grad
 
 from ..algorithms.base import Algorithm
 from ..algorithms.terms import LocalContext
-from . import optim
-from .mapping import for_each_client
-from . import augment
+from . import augment, optim
 from .augment import AugmentConfig
-from .seeding import batch_plan
+from .mapping import for_each_client
+from .program import Phase, Probe, Step, View
+from .seeding import FINETUNE, VIEWS, batch_plan, rng
 from .tree import leaves, put, take, tmap
 
 
@@ -42,90 +46,219 @@ def cat_trees(trees: list):
     return tmap(lambda *ts: torch.cat(ts), *trees)
 
 
+def view_offsets(view: View, n: int, seed: int, client: int, round_idx: int) -> np.ndarray:
+    """The offsets (inside the client's train range) of the samples ``view`` selects for ``client``."""
+    if view.part == "all":
+        return np.arange(n)
+    cut = min(n, int(np.ceil(view.frac * n)))
+    if view.part == "sample":
+        return np.sort(rng(seed, VIEWS, 1, round_idx, client).choice(n, size=cut, replace=False))
+    order = rng(seed, VIEWS, 0, client).permutation(n)
+    return np.sort(order[:cut] if view.part == "support" else order[cut:])
+
+
+def _sub(params: dict, slots) -> dict:
+    return params if slots is None else {k: params[k] for k in slots}
+
+
 class LocalTrainer:
     """Runs the local rounds of a cohort for one architecture.
 
     Per step: the per-client gradient function (objective = the algorithm's terms) is mapped over the active
     clients — ``vmap`` on the fast path, a Python loop on the sequential one — and the optimiser then updates the
-    stacked parameters of all of them in one in-place operation. With ``compile``, the mapped gradient function is
-    compiled with ``torch.compile``, and runs of ``fuse_steps`` steps during which no client finishes are compiled
-    as one call (gradients and updates), which removes most of the per-step Python overhead that dominates long
-    runs of tiny steps. The number of active clients is then padded to a power of two (padding rows are masked out
-    and discarded) so that a run compiles a handful of shapes rather than one per cohort size.
+    stacked parameters of all of them in one in-place operation. With ``compile``, the mapped gradient function of
+    the default phase is compiled with ``torch.compile``, and runs of ``fuse_steps`` steps during which no client
+    finishes are compiled as one call (gradients and updates), which removes most of the per-step Python overhead
+    that dominates long runs of tiny steps. The number of active clients is then padded to a power of two (padding
+    rows are masked out and discarded) so that a run compiles a handful of shapes rather than one per cohort size.
     """
 
     def __init__(self, algo: Algorithm, module: torch.nn.Module, opt: optim.OptimizerConfig, task_loss: str,
                  transform, vectorize: bool = True, chunk_size: int = 128, compile: bool = False,
-                 fuse_steps: int = 1, augment: AugmentConfig | None = None, pad_fill: torch.Tensor | float = 0.0):
+                 fuse_steps: int = 1, augment: AugmentConfig | None = None, pad_fill: torch.Tensor | float = 0.0,
+                 epochs: int = 1, batch: int = 1):
         self.algo, self.module, self.opt, self.task_loss = algo, module, opt, task_loss
         self.transform = transform
         self.augment = augment if augment is not None and augment.active else None
         self.pad_fill = pad_fill
         self.chunk_size = chunk_size
+        self.epochs, self.batch = epochs, batch
+        self.vectorize = vectorize
         self.compile = compile and vectorize
         self.fuse = fuse_steps if self.compile else 1
-        each = lambda fn, dims, fresh=False: for_each_client(fn, dims, vectorize, fresh)  # noqa: E731
-        self._init = each(self._local_init, (None, 0, 0), fresh=True)
-        dims = (0, 0, None, 0, 0, 0, 0)
-        self._map_grads = each(self._client_grads, dims)
-        self._map_post_grads = each(partial(self._client_grads, objective=algo.post_grad_loss), dims)
-        self._grads = self._map_grads
+        self._fns: dict = {}
+        # one client's hooks, mapped: (params or payload, state, shared payload, own payload)
+        self._init = self._each(lambda shared, own, state: algo.local_init({**shared, "own": own}, state),
+                                (None, 0, 0), fresh=True)
+        self._finish = self._each(lambda p, s, shared, own, st: algo.finish(p, s, {**shared, "own": own}, st),
+                                  (0, 0, None, 0, 0), fresh=True)
+        self._default = self._grad_fn(Step())
+        self._grads = self._default
         if self.compile:
             import torch._dynamo
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             self._fused = torch.compile(self._k_steps, dynamic=False)
-            self._grads = torch.compile(self._map_grads, dynamic=False)
-        self._finish = each(algo.finish, (0, 0, None, 0), fresh=True)
+            self._grads = torch.compile(self._default, dynamic=False)
+
+    def _each(self, fn, dims, fresh=False):
+        return for_each_client(fn, dims, self.vectorize, fresh)
 
     def apply(self, params, x, buffers=None):
         """(features, logits); ``buffers`` (BatchNorm running statistics) are the client's, updated in place."""
         return functional_call(self.module, {**params, **(buffers or {})}, (x,), {"with_features": True})
 
-    def _local_init(self, payload, state, cid):
-        # ``cid`` is unused here; it gives vmap a batched input when the algorithm keeps no client state
-        return self.algo.local_init(payload, state)
+    # ---- per-client functions -----------------------------------------------------------------------
+    def _grad_fn(self, step: Step, objective=None, with_acc: bool = True):
+        """The mapped gradient function of one update (cached): grads of its slots, loss, accumulated stats."""
+        key = (step, objective, with_acc)
+        if key not in self._fns:
+            fn = partial(self._client_grads, objective=objective or step.objective or self.algo.loss,
+                         slots=step.slots, with_acc=with_acc)
+            self._fns[key] = self._each(fn, (0, 0, None, 0, 0, 0, 0, 0, 0))
+        return self._fns[key]
 
-    def _client_grads(self, params, state, payload, x, y, mask, buffers, objective=None):
-        objective = objective or self.algo.loss
+    def _client_grads(self, params, state, shared, own, x, y, mask, pair, buffers, objective, slots, with_acc):
+        payload = {**shared, "own": own}
+        held = {k: tmap(torch.detach, v) for k, v in params.items() if slots is not None and k not in slots}
 
         def f(p, b):  # buffers are an argument, not captured: torch.func allows in-place updates of inputs only
-            ctx = LocalContext(partial(self.apply, buffers=b), p, state, payload, x, y, mask, self.task_loss)
+            ctx = LocalContext(partial(self.apply, buffers=b), {**held, **p}, state, payload, x, y, mask,
+                               self.task_loss, pair or None)
             loss = objective(ctx)
-            return loss, (loss.detach(), tmap(torch.detach, self.algo.accumulate(ctx)))
+            acc = tmap(torch.detach, self.algo.accumulate(ctx)) if with_acc else {}
+            return loss, (loss.detach(), acc)
 
-        grads, (loss, acc) = grad(f, has_aux=True)(params, buffers)
+        grads, (loss, acc) = grad(f, has_aux=True)(_sub(params, slots), buffers)
         return grads, loss, acc
 
-    def train(self, data: ClientTensors, clients: np.ndarray, payload: dict, states, buffers, *, epochs: int,
-              batch: int, lr: float, seed: int, round_idx: int):
-        """Train ``clients`` (their persistent ``states`` and model ``buffers`` stacked in the same order; the
-        buffers — BatchNorm running statistics — are updated in place).
+    # ---- a cohort's round -----------------------------------------------------------------------------
+    def train(self, data: ClientTensors, clients: np.ndarray, payload: dict, states, buffers, *, lr: float,
+              seed: int, round_idx: int, own: dict | None = None, program: list[Phase] | None = None,
+              probes: list[Probe] = (), epochs: int | None = None, batch: int | None = None):
+        """Train ``clients`` (their per-client payload ``own``, persistent ``states`` and model ``buffers`` stacked in
+        the same order; the buffers — BatchNorm running statistics — are updated in place). ``program`` defaults to
+        one phase of ``epochs`` (default: the trainer's) with ``batch``.
 
         Returns (uploads, new_states, mean_loss[n], steps[n]) stacked in the order of ``clients``.
         """
-        outs = []
-        for lo in range(0, len(clients), self.chunk_size):
-            sl = slice(lo, lo + self.chunk_size)
-            outs.append(self._train_chunk(data, clients[sl], payload, tmap(lambda t: t[sl], states),
-                                          tmap(lambda t: t[sl], buffers), epochs, batch, lr, seed, round_idx))
+        program = program or [Phase(epochs=epochs, batch=batch)]
+        if own is None:
+            own = {"cid": torch.as_tensor(clients, device=data.x.device)}
+        outs = [self._train_chunk(data, clients[sl], payload, *self._rows((own, states, buffers), sl), program,
+                                  probes, lr, seed, round_idx, ())
+                for sl in self._chunks(len(clients))]
         uploads, new_states, losses, steps = zip(*outs)
         return cat_trees(list(uploads)), cat_trees(list(new_states)), torch.cat(losses), np.concatenate(steps)
 
-    def _train_chunk(self, data, clients, payload, states, buffers, epochs, batch, lr, seed, round_idx):
+    def adapt(self, data: ClientTensors, clients: np.ndarray, payload: dict, own: dict, states, buffers, *,
+              program: list[Phase], lr: float, seed: int, round_idx: int) -> dict:
+        """The trainable trees after running ``program`` from ``local_init`` — nothing uploaded, no state kept, the
+        buffers untouched (fine-tuning before evaluation). Its batches are drawn apart from training's."""
+        outs = []
+        for sl in self._chunks(len(clients)):
+            o, s, b = self._rows((own, states, tmap(torch.clone, buffers)), sl)
+            params = self._init(payload, o, s)
+            for p, phase in enumerate(program):
+                params, s, *_ = self._phase(data, clients[sl], params, s, payload, o, b, phase, p, lr, seed,
+                                            round_idx, (FINETUNE,))
+            outs.append(params)
+        return cat_trees(outs)
+
+    def _chunks(self, n: int):
+        return [slice(lo, lo + self.chunk_size) for lo in range(0, n, self.chunk_size)]
+
+    @staticmethod
+    def _rows(trees, sl):
+        return tmap(lambda t: t[sl], trees)
+
+    def _train_chunk(self, data, clients, payload, own, states, buffers, program, probes, lr, seed, round_idx, keys):
         n, dev = len(clients), data.x.device
-        positions, valid, steps = batch_plan(data.sizes, clients, epochs, batch, seed, round_idx)
-        params = self._init(payload, states, torch.arange(n, device=dev))
-        start = data.ptr[clients][:, None, None]
-        # per step and client: the rows of its batch (padding points at a real row and is masked out), and the
-        # augmentation draws. Step-major, so that a step's slice is contiguous (torch.compile guards on strides).
-        rows = torch.as_tensor(np.where(valid, start + positions, start).transpose(1, 0, 2).copy(), device=dev)
-        masks = torch.as_tensor(valid.transpose(1, 0, 2).copy(), dtype=torch.float32, device=dev)
-        plan = [rows, masks]
+        params = self._init(payload, own, states)
+        loss_sum, step_sum, acc_sum = torch.zeros(n, device=dev), np.zeros(n, dtype=np.int64), {}
+        stats, first = {}, None
+        for p, phase in enumerate(program):
+            params, states, plan, loss, steps, acc = self._phase(
+                data, clients, params, states, payload, own, buffers, phase, p, lr, seed, round_idx, keys,
+                probes=[pr for pr in probes if pr.at == "received"] if p == 0 else [], stats=stats)
+            first = first or plan
+            loss_sum += loss
+            step_sum += steps
+            acc_sum = acc if not acc_sum else tmap(torch.add, acc_sum, acc)
+        for pr in probes:
+            if pr.at == "final":
+                stats[pr.name] = self._probe(data, first, params, states, payload, own, buffers, pr)
+        stats.update({
+            "n": torch.as_tensor(data.sizes[clients], dtype=torch.float32, device=dev),
+            "steps": torch.as_tensor(step_sum, dtype=torch.float32, device=dev),
+            "lr": torch.full((n,), float(lr), device=dev),
+            "acc": acc_sum,
+        })
+        uploads, new_states = self._finish(params, states, payload, own, stats)
+        mean_loss = loss_sum / torch.as_tensor(np.maximum(step_sum, 1), dtype=torch.float32, device=dev)
+        return uploads, new_states, mean_loss, step_sum
+
+    # ---- one phase ---------------------------------------------------------------------------------------
+    def _plan(self, data, clients, phase: Phase, p: int, seed: int, round_idx: int, keys: tuple) -> dict:
+        """The phase's batches as device tensors, step-major (a step's slice is contiguous: torch.compile guards
+        on strides): ``rows``/``mask`` [S, n, B], augmentation ``draws``, the paired batch's ``rows2``/``mask2``,
+        and per client ``steps`` and ``per_epoch`` (numpy)."""
+        dev, batch = data.x.device, phase.batch or self.batch
+        sizes, start = data.sizes[clients], data.ptr[clients]
+        keys = keys + ((p,) if p else ())  # the first phase of training keeps the single-phase batch order
+        epochs = phase.epochs or self.epochs
+
+        def rows_of(view, extra, steps):
+            offs = None if view.part == "all" else [view_offsets(view, int(n), seed, int(k), round_idx)
+                                                    for n, k in zip(sizes, clients, strict=True)]
+            counts = sizes if offs is None else np.array([len(o) for o in offs], dtype=np.int64)
+            pos, valid, st = batch_plan(counts, clients, epochs, batch, seed, round_idx, keys + extra, steps)
+            if offs is not None:
+                for i, o in enumerate(offs):
+                    pos[i] = o[pos[i]] if len(o) else 0
+            rows = np.where(valid, start[:, None, None] + pos, start[:, None, None]).transpose(1, 0, 2).copy()
+            mask = valid.transpose(1, 0, 2).copy()
+            return (torch.as_tensor(rows, device=dev), torch.as_tensor(mask, dtype=torch.float32, device=dev),
+                    st, -(-counts // batch))
+
+        rows, mask, steps, per_epoch = rows_of(phase.view, (), phase.steps)
+        plan = {"rows": rows, "mask": mask, "steps": steps, "per_epoch": per_epoch, "batch": batch}
+        if phase.pair is not None:
+            plan["rows2"], plan["mask2"], *_ = rows_of(phase.pair, (1,), steps)
         if self.augment is not None:
-            draws = augment.draw(self.augment, clients, steps, batch, data.x.shape[1:], seed, round_idx)
-            plan.append(draws.to(dev))
-        post = self._post_plan(rows, masks, batch)
+            plan["draws"] = augment.draw(self.augment, clients, steps, batch, data.x.shape[1:], seed, round_idx,
+                                         keys).to(dev)
+        return plan
+
+    def _phase(self, data, clients, params, states, payload, own, buffers, phase, p, lr, seed, round_idx, keys,
+               probes=(), stats=None):
+        """Hooks, probes at the received parameters (first phase), the phase's steps."""
+        if phase.before is not None:
+            params, states = self._hook(phase.before)(params, states, payload, own)
+        plan = self._plan(data, clients, phase, p, seed, round_idx, keys)
+        for pr in probes:
+            stats[pr.name] = self._probe(data, plan, params, states, payload, own, buffers, pr)
+        loss, acc = self._run_phase(data, plan, params, states, payload, own, buffers, phase, lr)
+        if phase.after is not None:
+            params, states = self._hook(phase.after)(params, states, payload, own)
+        return params, states, plan, loss, plan["steps"], acc
+
+    def _hook(self, fn):
+        key = ("hook", fn)
+        if key not in self._fns:
+            self._fns[key] = self._each(lambda p, s, shared, own: fn(p, s, {**shared, "own": own}), (0, 0, None, 0),
+                                        fresh=True)
+        return self._fns[key]
+
+    def _run_phase(self, data, plan, params, states, payload, own, buffers, phase: Phase, lr):
+        """The step runner: every step of the plan for the active clients, in lockstep; ``params`` and ``buffers``
+        are updated in place. Returns the per-client sum of the first update's losses and of accumulated stats."""
+        n, dev, steps = len(plan["steps"]), data.x.device, plan["steps"]
+        fast = self.compile and phase.plain
+        updates = list(dict.fromkeys(phase.updates))  # equal updates share one optimiser state
+        fns = [self._grad_fn(u, with_acc=i == 0) if not (fast and i == 0) else self._grads
+               for i, u in enumerate(phase.updates)]
+        tensors = {k: v for k, v in plan.items() if isinstance(v, torch.Tensor)}
         loss_sum = torch.zeros(n, device=dev)
         acc_sum = None
         # ``packed`` holds the active clients' rows of everything indexed by client (first ``real`` rows; when
@@ -133,38 +266,46 @@ class LocalTrainer:
         # While every client is active and no padding is needed, it is the full trees themselves.
         active = np.arange(n)
         ia, real = torch.as_tensor(active, device=dev), n
-        packed = (params, optim.init_state(self.opt, leaves(params)), states, buffers)
+        opt = [optim.init_state(self.opt, leaves(_sub(params, u.slots))) for u in updates]
+        packed = (params, opt, states, buffers, own)
         finish_at = set(steps.tolist())
         S = int(steps.max()) if n else 0
         block0 = fused_until = 0  # steps block0..fused_until-1 run in fused blocks of ``self.fuse``
         s0 = 0  # plan tensors start at step s0
         for s in range(S):
-            if s in finish_at or (s == 0 and self.compile and n & (n - 1)):
+            if s in finish_at or (s == 0 and fast and n & (n - 1)):
                 now = np.flatnonzero(steps > s)
                 if packed[0] is not params:  # write the finished clients' rows back
                     put((params, buffers), ia, tmap(lambda t: t[:real], (packed[0], packed[3])))
                 keep = np.searchsorted(active, now)
-                if self.compile:
+                if fast:
                     keep = np.concatenate([keep, np.full((1 << (len(keep) - 1).bit_length()) - len(keep), keep[0])])
                 keep = torch.as_tensor(keep, device=dev)
                 packed = tuple(take(t, keep) for t in packed)
                 # only the steps still to come: repacking then costs O(what remains), not O(the whole plan)
-                plan = [t[s - s0 :].index_select(1, keep) for t in plan]
-                plan[1][:, len(now) :] = 0  # padding rows never count
+                tensors = {k: t[s - s0 :].index_select(1, keep) for k, t in tensors.items()}
+                for k in ("mask", "mask2"):
+                    if k in tensors:
+                        tensors[k][:, len(now) :] = 0  # padding rows never count
                 active, ia, real, s0 = now, torch.as_tensor(now, device=dev), len(now), s
-            if self.fuse > 1 and s >= fused_until:
+            if self.fuse > 1 and fast and s >= fused_until:
                 nxt = min([f for f in finish_at if f > s], default=S)
                 block0, fused_until = s, s + (nxt - s) // self.fuse * self.fuse
-            if s < fused_until:  # K steps in one compiled call: the active set cannot change inside them
+            p_, o_, st_, b_, own_ = packed
+            if fast and s < fused_until:  # K steps in one compiled call: the active set cannot change inside them
                 if (s - block0) % self.fuse:
                     continue  # already taken by the fused call that started at an earlier step
-                x, y, m = self._batch(data, plan, slice(s - s0, s - s0 + self.fuse))
-                loss, acc = self._fused(*packed[:3], payload, x, y, m, packed[3], torch.tensor(lr, device=dev),
-                                       torch.tensor(s, device=dev))
+                x, y, m, *_ = self._batch(data, tensors, slice(s - s0, s - s0 + self.fuse))
+                loss, acc = self._fused(p_, o_[0], st_, payload, own_, x, y, m, b_, torch.tensor(lr, device=dev),
+                                        torch.tensor(s, device=dev))
             else:
-                x, y, m = self._batch(data, plan, s - s0)
-                grads, loss, acc = self._grads(packed[0], packed[2], payload, x, y, m, packed[3])
-                optim.update_(self.opt, leaves(packed[0]), leaves(grads), packed[1], lr, s)
+                batch = self._batch(data, tensors, s - s0)
+                for i, u in enumerate(phase.updates):
+                    grads, l_, a_ = fns[i](p_, st_, payload, own_, *batch, b_)
+                    optim.update_(self.opt, leaves(_sub(p_, u.slots)), leaves(grads), o_[updates.index(u)],
+                                  lr if u.lr is None else u.lr, s)
+                    if i == 0:
+                        loss, acc = l_, a_
             loss_sum.index_add_(0, ia, loss[:real])
             if acc:
                 if acc_sum is None:
@@ -172,51 +313,51 @@ class LocalTrainer:
                 tmap(lambda a, b: a.index_add_(0, ia, b[:real]), acc_sum, acc)
         if packed[0] is not params:
             put((params, buffers), ia, tmap(lambda t: t[:real], (packed[0], packed[3])))
-        stats = {
-            **self._post_grads(data, post, params, states, payload, buffers),
-            "n": torch.as_tensor(data.sizes[clients], dtype=torch.float32, device=dev),
-            "steps": torch.as_tensor(steps, dtype=torch.float32, device=dev),
-            "lr": torch.full((n,), float(lr), device=dev),
-            "acc": acc_sum if acc_sum is not None else {},
-        }
-        uploads, new_states = self._finish(params, states, payload, stats)
-        mean_loss = loss_sum / torch.as_tensor(np.maximum(steps, 1), dtype=torch.float32, device=dev)
-        return uploads, new_states, mean_loss, steps
+        return loss_sum, acc_sum if acc_sum is not None else {}
 
     def _batch(self, data, plan, at):
-        """Inputs, labels and mask of the step(s) ``at`` of the packed plan, transformed and augmented."""
-        r = plan[0][at]
+        """Inputs, labels and mask of the step(s) ``at`` and the paired batch's (or ()), transformed and
+        augmented."""
+        r = plan["rows"][at]
         x = self.transform(data.x[r])
         if self.augment is not None:
-            x = augment.apply(self.augment, x, plan[2][at], self.pad_fill)
-        return x, data.y[r], plan[1][at]
+            x = augment.apply(self.augment, x, plan["draws"][at], self.pad_fill)
+        if "rows2" not in plan:
+            return x, data.y[r], plan["mask"][at], ()
+        r2 = plan["rows2"][at]
+        return x, data.y[r], plan["mask"][at], (self.transform(data.x[r2]), data.y[r2], plan["mask2"][at])
 
-    def _post_plan(self, rows, masks, batch):
-        """The first batches of the plan, kept for the algorithm's post-training gradients (e.g. FedCurv)."""
-        m = -(-self.algo.post_grad_samples // batch)
-        return (rows[:m].clone(), masks[:m].clone()) if m else None
-
-    def _post_grads(self, data, post, params, states, payload, buffers) -> dict:
-        """Mean over those batches of the squared minibatch gradient at the final local parameters."""
-        if post is None or not len(post[0]):
-            return {}
-        total, count = None, torch.zeros(len(post[1][0]), device=data.x.device)
-        for r, m in zip(*post):
+    def _probe(self, data, plan, params, states, payload, own, buffers, probe: Probe):
+        """Per client: the mean squared minibatch gradient (``grad_sq``) or the gradient of the mean loss
+        (``grad``) over its first batches of ``plan``."""
+        if probe.samples is not None:
+            m = -(-probe.samples // plan["batch"])
+            masks = plan["mask"][:m]
+        else:  # one pass: each client's first epoch
+            m = int(plan["per_epoch"].max(initial=0))
+            first = torch.as_tensor(np.arange(m)[:, None] < plan["per_epoch"][None, :], device=data.x.device)
+            masks = plan["mask"][:m] * first[..., None]
+        fn = self._grad_fn(Step(probe.slots), probe.objective or self.algo.post_grad_loss, with_acc=False)
+        total, count = None, torch.zeros(len(plan["steps"]), device=data.x.device)
+        for r, mk in zip(plan["rows"][:m], masks):
             # on copies of the buffers: these extra forward passes must not move the running statistics
-            grads, _, _ = self._map_post_grads(params, states, payload, self.transform(data.x[r]), data.y[r], m,
-                                               tmap(torch.clone, buffers))
-            has = (m.sum(1) > 0).to(m.dtype)
-            sq = tmap(lambda g: g * g * has.view(-1, *([1] * (g.dim() - 1))), grads)
-            total = sq if total is None else tmap(torch.add, total, sq)
-            count += has
-        return {"grad_sq": tmap(lambda t: t / count.clamp(min=1).view(-1, *([1] * (t.dim() - 1))), total)}
+            grads, _, _ = fn(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
+                             tmap(torch.clone, buffers))
+            w = (mk.sum(1) > 0).to(mk.dtype) if probe.kind == "grad_sq" else mk.sum(1)
+            part = tmap(lambda g: (g * g if probe.kind == "grad_sq" else g) * w.view(-1, *([1] * (g.dim() - 1))),
+                        grads)
+            total = part if total is None else tmap(torch.add, total, part)
+            count += w
+        if total is None:
+            return tmap(torch.zeros_like, _sub(params, probe.slots))
+        return tmap(lambda t: t / count.clamp(min=1).view(-1, *([1] * (t.dim() - 1))), total)
 
-    def _k_steps(self, params, opt_state, state, payload, xs, ys, ms, buffers, lr, step):
+    def _k_steps(self, params, opt_state, state, payload, own, xs, ys, ms, buffers, lr, step):
         """``len(xs)`` consecutive steps of the packed clients (compiled as one graph; updates in place)."""
         loss_sum, acc_sum = 0, None
         flat = leaves(params)
         for k in range(len(xs)):
-            grads, loss, acc = self._map_grads(params, state, payload, xs[k], ys[k], ms[k], buffers)
+            grads, loss, acc = self._default(params, state, payload, own, xs[k], ys[k], ms[k], (), buffers)
             optim.update_(self.opt, flat, leaves(grads), opt_state, lr, step + k)
             loss_sum = loss_sum + loss
             acc_sum = acc if acc_sum is None else tmap(torch.add, acc_sum, acc)

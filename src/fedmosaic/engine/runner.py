@@ -358,7 +358,7 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
             rec["time_round_s"] = time.perf_counter() - t0
             if (t + 1) % cfg.eval.every == 0 or t == rounds - 1:
                 t1 = time.perf_counter()
-                rec.update(fed.evaluate())
+                rec.update(fed.evaluate(t))
                 rec["time_eval_s"] = time.perf_counter() - t1
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-COHORT, BATCHES, INIT, AUGMENT = 1, 2, 3, 4
+COHORT, BATCHES, INIT, AUGMENT, VIEWS, FINETUNE, POOL = 1, 2, 3, 4, 5, 6, 7
 
 
 def rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
@@ -18,30 +18,38 @@ def sample_cohort(num_clients: int, per_round: int, seed: int, round_idx: int) -
     return np.sort(rng(seed, COHORT, round_idx).choice(num_clients, size=m, replace=False))
 
 
-def batch_plan(sizes: np.ndarray, clients: np.ndarray, epochs: int, batch: int, seed: int, round_idx: int):
+def batch_plan(counts: np.ndarray, clients: np.ndarray, epochs: int, batch: int, seed: int, round_idx: int,
+               keys: tuple[int, ...] = (), steps: int | np.ndarray | None = None):
     """Local batch schedule of each client: a fresh permutation per epoch, cut into batches (last one partial).
 
-    Returns ``positions [n, S, B]`` (offsets inside the client's train range), ``valid [n, S, B]`` and ``steps [n]``;
+    ``counts[i]``: the samples client ``clients[i]`` draws from (its train split, or a view of it); ``keys`` tell
+    apart the several schedules a client may have in one round (phases, paired batches); the first phase's schedule
+    has none. With ``steps`` (one count, or one per client), a client takes exactly that many steps (as many epochs as needed,
+    cut there); a client with nothing to draw from takes none.
+    Returns ``positions [n, S, B]`` (offsets into what the client draws from), ``valid [n, S, B]`` and ``steps [n]``;
     S is the longest client's step count, shorter clients are padded (their extra steps never run).
     """
     n = len(clients)
-    per_epoch = -(-sizes[clients] // batch)  # ceil
-    steps = per_epoch * epochs
-    S = int(steps.max()) if n else 0
+    counts = np.asarray(counts, dtype=np.int64)
+    per_epoch = -(-counts // batch)  # ceil
+    n_steps = per_epoch * epochs if steps is None else np.where(counts > 0, steps, 0)
+    S = int(n_steps.max()) if n else 0
     positions = np.zeros((n, S, batch), dtype=np.int64)
     valid = np.zeros((n, S, batch), dtype=bool)
     for i, k in enumerate(clients):
-        nk = int(sizes[k])
+        nk = int(counts[i])
         if nk == 0:
             continue
-        g = rng(seed, BATCHES, round_idx, k)
-        order = np.concatenate([g.permutation(nk) for _ in range(epochs)])
-        # pad each epoch to a whole number of batches so batches never straddle epochs
+        g = rng(seed, BATCHES, round_idx, k, *keys)
         pe = int(per_epoch[i])
-        padded = np.zeros((epochs, pe * batch), dtype=np.int64)
-        mask = np.zeros((epochs, pe * batch), dtype=bool)
-        padded[:, :nk] = order.reshape(epochs, nk)
+        m = int(n_steps[i])
+        reps = epochs if steps is None else max(1, -(-m // pe))
+        order = np.concatenate([g.permutation(nk) for _ in range(reps)])
+        # pad each epoch to a whole number of batches so batches never straddle epochs
+        padded = np.zeros((reps, pe * batch), dtype=np.int64)
+        mask = np.zeros((reps, pe * batch), dtype=bool)
+        padded[:, :nk] = order.reshape(reps, nk)
         mask[:, :nk] = True
-        positions[i, : pe * epochs] = padded.reshape(-1, batch)
-        valid[i, : pe * epochs] = mask.reshape(-1, batch)
-    return positions, valid, steps
+        positions[i, :m] = padded.reshape(-1, batch)[:m]
+        valid[i, :m] = mask.reshape(-1, batch)[:m]
+    return positions, valid, n_steps

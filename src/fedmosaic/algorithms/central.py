@@ -1,0 +1,15 @@
+"""The "IID centralized" reference of the APFL paper: every client's train samples pooled, reshuffled and dealt out
+again (each client keeps its number of samples), then FedAvg with one local epoch — what FedAvg reaches when the
+data are not heterogeneous. Test splits stay the clients' own."""
+
+from ..engine.program import Phase
+from .base import Algorithm, register_algorithm
+
+
+@register_algorithm
+class Central(Algorithm):
+    name = "central"
+    pooled = True
+
+    def program(self, server, round_idx):
+        return [Phase(epochs=1)]

@@ -1,0 +1,104 @@
+"""Meta-learning personalization: Per-FedAvg (first-order MAML, Fallah et al. 2020) and FedMeta (MAML, Chen et al.
+2018), plus FedAvg with fine-tuning. All three train a global model and personalize it right before evaluation with
+a few local steps on the client's *train* data (the round program's fine-tuning phase: nothing uploaded, nothing
+kept, never any test data).
+
+Per-FedAvg (FO): each step takes two batches D, D' of the client's train split; w' = w − alpha ∇f(w; D) and the step
+is w ← w − beta ∇f(w'; D') (first order: the inner gradient is treated as a constant). Personal model: one alpha
+step on a train batch.
+
+FedMeta (MAML): each client's train split is cut once into support (``support`` = 80%) and query (20%) parts; a step
+takes a support batch S and a query batch Q and follows the full second-order MAML gradient of f(w − alpha ∇f(w; S);
+Q) with the meta learning rate (``train.optimizer.lr``, 0.01 in the APFL paper). Personal model: ``adapt_steps``
+alpha steps on train batches.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from torch.func import grad
+
+from ..engine.program import Phase, Step, View
+from .base import AlgoConfig, Algorithm, register_algorithm
+from .terms import LocalContext
+
+
+def _adapted(ctx: LocalContext, w: dict, alpha: float, first_order: bool) -> dict:
+    """w − alpha ∇f(w) on the step's first batch (the inner gradient detached when first order)."""
+    g = grad(lambda p: ctx.task_loss_of(p))(w)
+    return {k: w[k] - alpha * (g[k].detach() if first_order else g[k]) for k in w}
+
+
+class FineTuned(Algorithm):
+    """A global model, personalized before evaluation by ``adapt_steps`` steps at ``adapt_lr`` on train batches."""
+
+    personalized = True
+
+    def adapt_lr(self) -> float | None:
+        return None
+
+    def finetune(self):
+        return [Phase(steps=self.cfg.adapt_steps, updates=(Step(lr=self.adapt_lr()),))]
+
+
+class PerFedAvgConfig(AlgoConfig):
+    alpha: float = Field(0.005, gt=0, description="inner (personalization) step size")
+    beta: float | None = Field(0.001, gt=0, description="outer step size (None: train.optimizer.lr)")
+    adapt_steps: int = Field(1, ge=1, le=10_000, description="alpha steps on train batches before evaluation")
+
+
+@register_algorithm
+class PerFedAvg(FineTuned):
+    name = "perfedavg"
+    Config = PerFedAvgConfig
+
+    def loss(self, ctx: LocalContext) -> torch.Tensor:
+        x2, y2, m2 = ctx.pair
+        return ctx.task_loss_of(_adapted(ctx, ctx.params["model"], self.cfg.alpha, True), x2, y2, m2)
+
+    def program(self, server, round_idx):
+        return [Phase(pair=View(), updates=(Step(lr=self.cfg.beta),))]
+
+    def finetune(self):
+        return [Phase(steps=self.cfg.adapt_steps, updates=(Step(objective=self.task_loss, lr=self.cfg.alpha),))]
+
+    @staticmethod
+    def task_loss(ctx: LocalContext) -> torch.Tensor:
+        return ctx.task_loss_of(ctx.params["model"])
+
+
+class FedMetaConfig(AlgoConfig):
+    alpha: float = Field(0.01, gt=0, description="inner step size on the support batch")
+    support: float = Field(0.8, gt=0, lt=1, description="fraction of each client's train split in its support set")
+    adapt_steps: int = Field(1, ge=1, le=10_000, description="alpha steps on train batches before evaluation")
+
+
+@register_algorithm
+class FedMeta(FineTuned):
+    name = "fedmeta"
+    Config = FedMetaConfig
+
+    def loss(self, ctx: LocalContext) -> torch.Tensor:
+        xq, yq, mq = ctx.pair
+        return ctx.task_loss_of(_adapted(ctx, ctx.params["model"], self.cfg.alpha, False), xq, yq, mq)
+
+    def program(self, server, round_idx):
+        return [Phase(view=View("support", self.cfg.support), pair=View("query", self.cfg.support))]
+
+    def finetune(self):
+        return [Phase(steps=self.cfg.adapt_steps, updates=(Step(objective=PerFedAvg.task_loss, lr=self.cfg.alpha),))]
+
+
+class FedAvgFTConfig(AlgoConfig):
+    adapt_steps: int = Field(10, ge=1, le=10_000, description="local SGD steps on train batches before evaluation")
+    adapt_lr: float | None = Field(None, gt=0, description="their learning rate (None: the round's)")
+
+
+@register_algorithm
+class FedAvgFT(FineTuned):
+    name = "fedavg_ft"
+    Config = FedAvgFTConfig
+
+    def adapt_lr(self):
+        return self.cfg.adapt_lr

@@ -1,0 +1,113 @@
+"""Round programs: what an algorithm declares a client does in one round, as data the engine executes.
+
+A round of a client is a list of :class:`Phase` s. A phase draws batches from a :class:`View` of the client's train
+split (all of it, a support or query part, a fraction drawn afresh every round), for a number of epochs or a fixed
+number of steps, optionally with a second batch per step from another view (``pair``: Per-FedAvg's D', FedMeta's
+query batch). Every step runs its :class:`Step` s in order on that batch: each trains some slots with its own
+objective, learning rate and optimiser state (pFedMe: K steps on the personal model, then one on the local copy).
+Between phases a per-client update (``before``/``after``: pure tensor functions of one client, mapped over the cohort
+like everything else) may change the trainable trees and the client's state (pFedSRB's soft-threshold and dual
+update). :class:`Probe` s measure gradients over the client's data at the parameters it received or at its final
+ones, and hand per-client sums to ``finish`` (FedCurv's Fisher, APFL-PD's importance).
+
+The default program is one phase, one step, every slot, the algorithm's ``loss``: today's single-phase round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class View:
+    """Which of a client's train samples a phase draws from.
+
+    ``all``: every sample. ``support`` / ``query``: a fixed split of the client's samples (the first ``frac`` of a
+    permutation seeded by (run seed, client), the rest), the same in every round. ``sample``: a random ``frac`` of the
+    client's samples, drawn again every round (FedALA's s%)."""
+
+    part: Literal["all", "support", "query", "sample"] = "all"
+    frac: float = 1.0
+
+    def __post_init__(self):
+        if not 0 < self.frac <= 1:
+            raise ValueError(f"View.frac must be in (0, 1] (got {self.frac})")
+
+
+ALL = View()
+
+
+@dataclass(frozen=True)
+class Step:
+    """One update inside a step: the ``slots`` it trains (None: all), its objective (None: the algorithm's
+    ``loss``) and its learning rate (None: the round's)."""
+
+    slots: tuple[str, ...] | None = None
+    objective: Callable | None = None
+    lr: float | None = None
+
+
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of local training. ``epochs`` (None: ``train.local_epochs``) passes over ``view`` or, when
+    ``steps`` is set, exactly that many steps (cycling through fresh permutations). ``batch`` (None:
+    ``train.batch_size``). ``before``/``after``: ``fn(params, state, payload) -> (params, state)`` for one client."""
+
+    epochs: int | None = None
+    steps: int | None = None
+    view: View = ALL
+    pair: View | None = None
+    batch: int | None = None
+    updates: tuple[Step, ...] = (Step(),)
+    before: Callable | None = None
+    after: Callable | None = None
+
+    @property
+    def plain(self) -> bool:
+        """The default phase shape, which the compiled fused path runs."""
+        return self.pair is None and self.updates == (Step(),) and self.view == ALL
+
+
+@dataclass(frozen=True)
+class Probe:
+    """Gradients of ``objective`` (None: the algorithm's ``post_grad_loss``) with respect to ``slots`` (None: all)
+    over the client's data, reaching ``finish`` as ``stats[name]`` (a tree by slot).
+
+    ``at``: the parameters the client received (after ``local_init``) or its final ones. ``kind``: ``grad_sq`` the
+    mean over minibatches of the squared minibatch gradient (a diagonal Fisher estimate), ``grad`` the gradient of the
+    mean loss over the samples. ``samples``: the client's first batches of the round holding that many samples, or
+    None for one pass over all of its samples."""
+
+    name: str
+    at: Literal["received", "final"] = "final"
+    kind: Literal["grad_sq", "grad"] = "grad_sq"
+    samples: int | None = None
+    objective: Callable | None = None
+    slots: tuple[str, ...] | None = None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What an algorithm knows about the run it is built for (given to its constructor)."""
+
+    num_classes: int = 10
+    feature_dim: int = 0
+    num_clients: int = 1
+    optimizer: object = None  # the local optimiser's config (FedNova and SCAFFOLD need its momentum)
+    local_epochs: int = 1
+    batch_size: int = 1
+
+
+@dataclass
+class Signals:
+    """What the server learns from a round besides the uploads: per cohort client its id, mean training loss and
+    number of local steps, and the round's learning rate."""
+
+    clients: torch.Tensor
+    loss: torch.Tensor
+    steps: torch.Tensor
+    lr: float

@@ -1,0 +1,337 @@
+"""The personalized family on the round program: reductions, hand-computed updates, vectorized ≡ sequential and
+resume ≡ uninterrupted for every method."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fedmosaic.algorithms import ALGORITHMS
+from fedmosaic.algorithms.apfl_pd import plateau_step
+from fedmosaic.algorithms.base import Algorithm
+from fedmosaic.algorithms.pfedsrb import soft_threshold
+from fedmosaic.algorithms.terms import LocalContext
+from fedmosaic.config import validate
+from fedmosaic.data.federated import PartitionSpec, compute
+from fedmosaic.engine.federation import Federation
+from fedmosaic.engine.local import view_offsets
+from fedmosaic.engine.program import Phase, Step, View
+from fedmosaic.engine.runner import read_metrics, run, TIMING_KEYS
+from fedmosaic.engine.tree import leaves, tmap
+from fedmosaic.errors import ConfigError
+from fedtest import assert_trees_close, train
+
+NEW = [
+    {"name": "apfl_pd", "z": 1, "refresh_first": 2},
+    {"name": "pfedsrb", "R": 2},
+    {"name": "pfedme", "K": 2},
+    {"name": "perfedavg"},
+    {"name": "fedmeta"},
+    {"name": "fedavg_ft", "adapt_steps": 3},
+    {"name": "central"},
+]
+
+
+def make_cfg(**over):
+    raw = {
+        "seed": 5,
+        "data": {"dataset": "blobs", "clients": 6, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5},
+                 "client_test": 0.25},
+        "model": {"name": "mlp", "options": {"hidden": 8}},
+        "train": {"rounds": 3, "clients_per_round": 4, "local_epochs": 1, "batch_size": 8,
+                  "optimizer": {"lr": 0.05}},
+        "checkpoint_every": 2,
+    }
+    for key, value in over.items():
+        node = raw
+        *path, last = key.split("__")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return validate(raw)
+
+
+@pytest.fixture(scope="module")
+def fd(blob_data):
+    spec = PartitionSpec("blobs", 6, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 5)
+    return compute(spec, blob_data)
+
+
+def strip_timing(records):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+# ---- every new method ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("algo", NEW, ids=lambda a: a["name"])
+def test_vectorized_equals_sequential(fd, algo):
+    ref = train(make_cfg(algorithm=algo, engine={"backend": "sequential"}), fd)
+    vec = train(make_cfg(algorithm=algo, engine={"chunk_size": 3}), fd)  # chunks: 4 clients a round
+    assert_trees_close(ref.server, vec.server)
+    if leaves(ref.groups[0].store):
+        assert_trees_close(ref.groups[0].store, vec.groups[0].store)
+    ev_ref, ev_vec = ref.evaluate(2), vec.evaluate(2)
+    assert ev_ref.keys() == ev_vec.keys()
+    assert ("personal" in ev_ref) == ALGORITHMS[algo["name"]].personalized
+    for key, value in ev_ref.items():
+        if isinstance(value, dict):
+            assert value["acc"] == pytest.approx(ev_vec[key]["acc"], abs=1e-6)
+        else:  # reported scalars (pFedSRB's sparsity)
+            assert value == pytest.approx(ev_vec[key], abs=1e-6)
+
+
+@pytest.mark.parametrize("algo", NEW, ids=lambda a: a["name"])
+def test_resume_equals_uninterrupted(fd, algo, tmp_path):
+    cfg = make_cfg(algorithm=algo, train__rounds=4)
+    run(cfg, tmp_path / "full", progress=False, fd=fd)
+    run(cfg, tmp_path / "cut", progress=False, fd=fd, stop_after=1)  # "killed" after round 1 (checkpoint at 1)
+    run(cfg, tmp_path / "cut", progress=False, fd=fd, resume=True)
+    assert strip_timing(read_metrics(tmp_path / "cut")) == strip_timing(read_metrics(tmp_path / "full"))
+    full = json.loads((tmp_path / "full" / "summary.json").read_text())
+    cut = json.loads((tmp_path / "cut" / "summary.json").read_text())
+    assert {k: v for k, v in full.items() if "time" not in k} == {k: v for k, v in cut.items() if "time" not in k}
+
+
+# ---- APFL-PD -----------------------------------------------------------------------------------------------
+def test_apfl_with_unit_masks_no_private_part_and_mu0_trains_as_fedavg(fd):
+    a = train(make_cfg(algorithm={"name": "fedavg"}, train__rounds=4), fd)
+    held = {"mask_init": 30.0, "init": "zero", "learn_mask": False, "learn_private": False}  # sigmoid(30) == 1.0f
+    b = train(make_cfg(algorithm={"name": "apfl_pd", "mu": 0.0, "z": 1, **held}, train__rounds=4), fd)
+    assert torch.sigmoid(torch.tensor(30.0)) == 1.0
+    assert_trees_close(a.server["model"], b.server["model"], exact=True)
+    assert int(b.groups[0].store["started"].sum()) > 0  # the decomposed path did run
+
+
+def test_apfl_decomposition_changes_training(fd):
+    a = train(make_cfg(algorithm={"name": "fedavg"}, train__rounds=3), fd)
+    b = train(make_cfg(algorithm={"name": "apfl_pd", "mu": 0.0, "z": 1}, train__rounds=3), fd)
+    assert not torch.allclose(leaves(a.server["model"])[0], leaves(b.server["model"])[0])
+
+
+def test_apfl_importance_update_matches_hand_computed_two_clients(fd):
+    """F after round 0 = lam * 0 + sum_k p_k (grad of client k's mean train loss at the model it received)^2."""
+    cfg = make_cfg(algorithm={"name": "apfl_pd", "refresh_first": 1, "lam": 0.5}, train__clients_per_round=2)
+    fed = Federation(cfg, fd)
+    received = tmap(torch.clone, fed.server["model"])
+    g = fed.groups[0]
+    cohort = np.sort(np.random.default_rng([cfg.seed, 1, 0]).choice(fed.num_clients, 2, replace=False))
+    fed.round(0)
+    tr = fed.split["train"]
+    expected, n_total = None, 0
+    for k in cohort:
+        x, y = tr.x[tr.ptr[k] : tr.ptr[k + 1]], tr.y[tr.ptr[k] : tr.ptr[k + 1]]
+        params = {n: t.clone().requires_grad_(True) for n, t in received.items()}
+        loss = F.cross_entropy(g.apply(params, x)[1], y)  # the mean over all of client k's samples
+        grads = torch.autograd.grad(loss, list(params.values()))
+        sq = {n: gr.detach() ** 2 * len(y) for n, gr in zip(params, grads)}
+        expected = sq if expected is None else tmap(torch.add, expected, sq)
+        n_total += len(y)
+    assert_trees_close(fed.server["F"], tmap(lambda t: t / n_total, expected), atol=1e-6, rtol=1e-4)
+    fed.round(1)  # refresh_first = 1 and no plateau yet: F stays
+    assert_trees_close(fed.server["F"], tmap(lambda t: t / n_total, expected), atol=1e-6, rtol=1e-4)
+
+
+def test_plateau_detector_fires_exactly_where_the_rule_says():
+    """Window 3, delta = (1, 0.5). A peak once the window mean exceeds the last plateau's mean + std (0 + 0 at
+    first); a refresh once, after a peak, the window mean < 1 and its std < 0.5."""
+    series = [3.0, 2.0, 1.5, 0.9, 0.6, 0.5, 0.45, 0.44, 2.0, 2.5, 0.4, 0.4, 0.4, 0.4]
+    det = {"losses": [], "peak": False, "mu_old": 0.0, "sigma_old": 0.0}
+    fired, peaks = [], []
+    for t, loss in enumerate(series):
+        det, refresh = plateau_step(det, loss, 3, 1.0, 0.5)
+        fired += [t] * refresh
+        peaks.append(det["peak"])
+    # t=2: first full window (mean 2.17 > 0): peak. Window means: t3 1.47, t4 1.0 (not < 1), t5 0.667 std 0.17
+    # -> refresh at 5 (mu_old 0.667, sigma_old 0.170). t6 0.517, t7 0.463: no peak. t8 (0.45, 0.44, 2.0) mean 0.963
+    # > 0.837: peak; t9 mean 1.647; t10 (2, 2.5, .4) 1.633; t11 (2.5, .4, .4) 1.1; t12 0.4 std 0 -> refresh at 12.
+    assert fired == [5, 12]
+    assert peaks[:2] == [False, False] and peaks[2] and not peaks[5] and not peaks[7] and peaks[8] and not peaks[12]
+
+
+def test_apfl_plateau_refresh_reaches_the_next_round(fd):
+    """A plateau flagged in round t makes the clients of round t + 1 send their gradients (bytes up double)."""
+    cfg = make_cfg(algorithm={"name": "apfl_pd", "refresh_first": 0, "window": 1, "delta_mu": 100.0,
+                              "delta_sigma": 100.0}, train__rounds=4)
+    fed = Federation(cfg, fd)
+    recs = [fed.round(t) for t in range(4)]
+    # round 0: window full, mean > 0: peak; round 1: plateau -> flag; round 2 sends gradients; round 3: peak again
+    assert [r["bytes_up"] for r in recs[:2]] == [recs[0]["bytes_up"]] * 2
+    assert recs[2]["bytes_up"] == 2 * recs[0]["bytes_up"]
+    assert float(fed.server["F"][next(iter(fed.server["F"]))].abs().sum()) > 0
+
+
+def test_apfl_personal_model_falls_back_to_global_before_decomposition(fd):
+    fed = train(make_cfg(algorithm={"name": "apfl_pd", "z": 10}, train__rounds=2), fd)
+    ev = fed.evaluate(1)
+    assert ev["personal"]["acc"] == pytest.approx(ev["global_clients"]["acc"])
+
+
+# ---- pFedSRB -----------------------------------------------------------------------------------------------
+def test_soft_threshold_and_dual_update_on_a_hand_example():
+    x = torch.tensor([-0.30, -0.01, 0.0, 0.015, 0.5])
+    assert torch.allclose(soft_threshold(x, 0.02), torch.tensor([-0.28, 0.0, 0.0, 0.0, 0.48]))
+    algo = ALGORITHMS["pfedsrb"](ALGORITHMS["pfedsrb"].Config(beta=0.02, rho=2.0))
+    w, W, u = {"a": torch.tensor([1.0, 0.2])}, {"a": torch.tensor([0.5, 0.2])}, {"a": torch.tensor([0.1, -0.005])}
+    state = {"S": {"a": torch.zeros(2)}, "u": u}
+    _, state = algo.s_step({"model": w}, state, {"global": W})
+    # S = soft(w - W + u, beta / rho = 0.01) = soft([0.6, -0.005]) = [0.59, 0]
+    assert torch.allclose(state["S"]["a"], torch.tensor([0.59, 0.0]))
+    _, state = algo.dual_step({"model": w}, state, {"global": W})
+    # u = u + w - S - W = [0.1 + 1 - 0.59 - 0.5, -0.005 + 0.2 - 0 - 0.2]
+    assert torch.allclose(state["u"]["a"], torch.tensor([0.01, -0.005]))
+
+
+def test_pfedsrb_with_s_held_at_zero_and_one_iteration_is_fedprox(fd):
+    a = train(make_cfg(algorithm={"name": "fedprox", "mu": 0.7}, train__rounds=2), fd)
+    b = train(make_cfg(algorithm={"name": "pfedsrb", "rho": 0.7, "R": 1, "learn_s": False}, train__rounds=2), fd)
+    assert_trees_close(a.server["model"], b.server["model"], atol=1e-6, rtol=1e-5)
+    assert all(float(t.abs().sum()) == 0 for t in leaves(b.groups[0].store["S"]))
+
+
+def test_pfedsrb_reports_a_sparse_personal_part(fd):
+    fed = train(make_cfg(algorithm={"name": "pfedsrb", "beta": 0.001, "R": 3}, train__rounds=2), fd)
+    ev = fed.evaluate(1)
+    nonzero = sum(int((t != 0).sum()) for t in leaves(fed.groups[0].store["S"]))
+    total = sum(t[0].numel() for t in leaves(fed.groups[0].store["S"])) * fed.num_clients
+    assert 0 < nonzero < total
+    assert ev["personal_nonzero"] == pytest.approx(nonzero / fed.num_clients)
+    assert ev["personal_sparsity"] == pytest.approx(1 - nonzero / total)
+
+
+# ---- pFedMe, Per-FedAvg, FedMeta, FedAvg + FT, central -----------------------------------------------
+def test_pfedme_without_moreau_pull_is_local_sgd_from_the_global_model(fd):
+    """lam = 0, K = 1: theta does plain SGD at personal_lr on the round's batches (FedAvg's upload at that lr) and
+    w_loc gets no gradient, so the server model does not move."""
+    fedavg = Federation(make_cfg(algorithm={"name": "fedavg"}, train__optimizer={"lr": 0.09}), fd)
+    pfedme = Federation(make_cfg(algorithm={"name": "pfedme", "lam": 0.0, "K": 1, "personal_lr": 0.09}), fd)
+    before = tmap(torch.clone, pfedme.server["model"])
+    uploads = []
+    orig = fedavg.algo.aggregate
+    fedavg.algo.aggregate = lambda s, up, *a: uploads.append(tmap(torch.clone, up)) or orig(s, up, *a)
+    rec = fedavg.round(0)
+    pfedme.round(0)
+    assert_trees_close(pfedme.server["model"], before, atol=1e-7, rtol=1e-6)  # a mean of equal copies
+    cohort = np.sort(np.random.default_rng([5, 1, 0]).choice(6, rec["clients"], replace=False))
+    rows = torch.as_tensor(pfedme.row_of[cohort])
+    assert_trees_close(tmap(lambda t: t[rows], pfedme.groups[0].store["theta"]), uploads[0]["model"],
+                       atol=1e-6, rtol=1e-5)
+
+
+def _ctx(fed, params, x, y, m, pair):
+    g = fed.groups[0]
+    return LocalContext(g.apply, {"model": params}, {}, {}, x, y, m, "ce", pair)
+
+
+@pytest.mark.parametrize("name", ["perfedavg", "fedmeta"])
+def test_meta_gradient_matches_hand_computed_maml(fd, name):
+    """Per-FedAvg: grad f(w - a * stopgrad(grad f(w; D)); D'). FedMeta: the same without stopgrad (second order)."""
+    fed = Federation(make_cfg(algorithm={"name": name, "alpha": 0.3}), fd)
+    tr = fed.split["train"]
+    x, y, x2, y2 = tr.x[:8], tr.y[:8], tr.x[8:16], tr.y[8:16]
+    m = torch.ones(8)
+    w = tmap(torch.clone, fed.server["model"])
+    got = torch.func.grad(lambda p: fed.algo.loss(_ctx(fed, p, x, y, m, (x2, y2, m))))(w)
+    p = {k: v.clone().requires_grad_(True) for k, v in w.items()}
+    inner = torch.autograd.grad(F.cross_entropy(fed.groups[0].apply(p, x)[1], y), list(p.values()),
+                                create_graph=name == "fedmeta")
+    adapted = {k: v - 0.3 * (gi if name == "fedmeta" else gi.detach()) for (k, v), gi in zip(p.items(), inner)}
+    outer = torch.autograd.grad(F.cross_entropy(fed.groups[0].apply(adapted, x2)[1], y2), list(p.values()))
+    assert_trees_close(got, dict(zip(p, outer)), atol=1e-6, rtol=1e-4)
+
+
+def test_first_order_and_second_order_meta_gradients_differ(fd):
+    fed = Federation(make_cfg(algorithm={"name": "fedmeta", "alpha": 0.3}), fd)
+    tr = fed.split["train"]
+    w, m = fed.server["model"], torch.ones(8)
+    ctx = lambda p: _ctx(fed, p, tr.x[:8], tr.y[:8], m, (tr.x[8:16], tr.y[8:16], m))  # noqa: E731
+    second = torch.func.grad(lambda p: fed.algo.loss(ctx(p)))(w)
+    first = torch.func.grad(lambda p: ALGORITHMS["perfedavg"](ALGORITHMS["perfedavg"].Config(alpha=0.3)).loss(ctx(p)))(w)
+    assert not torch.allclose(leaves(first)[0], leaves(second)[0])
+
+
+@pytest.mark.parametrize("name", ["perfedavg", "fedmeta", "fedavg_ft"])
+def test_fine_tuning_before_evaluation_never_reads_test_data(fd, name):
+    fed = train(make_cfg(algorithm={"name": name}), fd)
+    g = fed.groups[0]
+    before = fed._personal(g, 2)
+    test = fed.split["test"]
+    test.x.copy_(torch.randn_like(test.x) * 100)  # any use of the test inputs would change the personal models
+    test.y.copy_((test.y + 1) % fd.num_classes)
+    assert_trees_close(fed._personal(g, 2), before, exact=True)
+    assert not torch.allclose(leaves(before)[0], leaves(fed.server["model"])[0][None].expand_as(leaves(before)[0]))
+
+
+def test_fedavg_ft_trains_exactly_as_fedavg(fd):
+    a = train(make_cfg(algorithm={"name": "fedavg"}), fd)
+    b = train(make_cfg(algorithm={"name": "fedavg_ft"}), fd)
+    assert_trees_close(a.server["model"], b.server["model"], exact=True)
+
+
+def test_support_and_query_views_split_each_client(fd):
+    for n in (1, 5, 37):
+        s = view_offsets(View("support", 0.8), n, 1, 3, 0)
+        q = view_offsets(View("query", 0.8), n, 1, 3, 7)  # the same split in every round
+        assert len(s) == int(np.ceil(0.8 * n)) and len(s) + len(q) == n
+        assert sorted(np.concatenate([s, q]).tolist()) == list(range(n))
+    a, b = view_offsets(View("sample", 0.5), 20, 1, 3, 0), view_offsets(View("sample", 0.5), 20, 1, 3, 1)
+    assert len(a) == len(b) == 10 and set(a.tolist()) != set(b.tolist())  # drawn again every round
+
+
+def test_fedmeta_batches_come_from_support_and_query(fd):
+    fed = Federation(make_cfg(algorithm={"name": "fedmeta"}), fd)
+    g, tr = fed.groups[0], fed.split["train"]
+    k = 0
+    plan = g.trainer._plan(tr, np.array([k]), fed.algo.program(fed.server, 0)[0], 0, 5, 0, ())
+    s = set((tr.ptr[k] + view_offsets(View("support", 0.8), int(tr.sizes[k]), 5, k, 0)).tolist())
+    used = plan["rows"][plan["mask"] > 0].tolist()
+    used2 = plan["rows2"][plan["mask2"] > 0].tolist()
+    assert set(used) == s and not set(used2) & s and len(set(used2)) == tr.sizes[k] - len(s)
+
+
+def test_central_deals_the_pooled_train_samples_out_again(fd):
+    plain = Federation(make_cfg(algorithm={"name": "fedavg"}), fd)
+    pooled = Federation(make_cfg(algorithm={"name": "central"}), fd)
+    a, b = plain.split["train"], pooled.split["train"]
+    assert np.array_equal(a.sizes, b.sizes)
+    assert sorted(map(tuple, a.x.tolist())) == sorted(map(tuple, b.x.tolist()))
+    assert not torch.equal(a.y, b.y)
+    assert torch.equal(plain.split["test"].x, pooled.split["test"].x)
+
+
+# ---- the program's contracts -------------------------------------------------------------------------------
+def test_a_misspelt_slot_is_one_line_before_training(fd, monkeypatch):
+    class Typo(Algorithm):
+        name = "typo"
+
+        def program(self, server, round_idx):
+            return [Phase(updates=(Step(("modle",)),))]
+
+    monkeypatch.setitem(ALGORITHMS, "typo", Typo)
+    with pytest.raises(ConfigError, match="'modle', but local_init returns only \\['model'\\]"):
+        Federation(make_cfg(algorithm={"name": "typo"}), fd)
+
+
+def test_every_client_hook_sees_its_own_id(fd):
+    seen = []
+
+    class Ids(Algorithm):
+        name = "ids"
+
+        def finish(self, params, state, payload, stats):
+            return {"model": params["model"], "cid": payload["own"]["cid"].float()}, state
+
+        def aggregate(self, server, uploads, weights, round_idx, signals):
+            seen.append((uploads["cid"].long().tolist(), signals.clients.tolist(), signals.loss.shape))
+            return super().aggregate(server, uploads, weights, round_idx, signals)
+
+    ALGORITHMS["ids"] = Ids
+    try:
+        fed = Federation(make_cfg(algorithm={"name": "ids"}, engine={"chunk_size": 3}), fd)
+        fed.round(0)
+    finally:
+        del ALGORITHMS["ids"]
+    ids, clients, shape = seen[0]
+    assert ids == clients and len(ids) == 4 and shape == (4,)
