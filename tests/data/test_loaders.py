@@ -140,6 +140,34 @@ def test_cifar10_real_and_cache(shared, cache_dir, monkeypatch):
     assert np.array_equal(again.x_train, d.x_train) and np.array_equal(again.y_test, d.y_test)
 
 
+def test_cifar10_gray_real(shared):
+    # runs after test_cifar10_real_and_cache, so the decoded JPEGs come from the session cache
+    d, rgb = load_dataset("cifar10-gray"), load_dataset("cifar10")
+    check_images(d, (1, 32, 32), 50000, 10000, 10, ([5000] * 10, [1000] * 10))
+    assert d.name == "cifar10-gray" and d.classes == rgb.classes and "luma" in d.meta["greyscale"]
+    assert np.array_equal(d.y_train, rgb.y_train) and np.array_equal(d.y_test, rgb.y_test)
+    # bit-identical to PIL's RGB -> L conversion (ITU-R 601-2 luma), on a spread of real images
+    for i in (0, 1, 12345, 49999):
+        pil = np.asarray(Image.fromarray(rgb.x_train[i].transpose(1, 2, 0)).convert("L"))
+        assert np.array_equal(d.x_train[i, 0], pil)
+    pil = np.asarray(Image.fromarray(rgb.x_test[-1].transpose(1, 2, 0)).convert("L"))
+    assert np.array_equal(d.x_test[-1, 0], pil)
+    assert get_spec("cifar10-grey") is get_spec("cifar10-gray")
+    assert get_spec("cifar10-gray").variant_of == "cifar10"
+
+
+def test_luma_matches_pil_on_every_colour_corner():
+    from fedmosaic.data.datasets._variants import luma
+
+    vals = np.array([0, 1, 127, 128, 254, 255], dtype=np.uint8)
+    r, g, b = np.meshgrid(vals, vals, vals, indexing="ij")
+    img = np.stack([r, g, b], -1).reshape(1, -1, 3)  # HWC with H = 1
+    expected = np.asarray(Image.fromarray(img).convert("L"))
+    assert np.array_equal(luma(img.transpose(2, 0, 1)[None])[0, 0], expected)
+    with pytest.raises(ValueError, match="RGB"):
+        luma(np.zeros((2, 1, 4, 4), np.uint8))
+
+
 def test_cifar100_real(shared):
     d = load_dataset("cifar100")
     check_images(d, (3, 32, 32), 50000, 10000, 100, ([500] * 100, [100] * 100))
@@ -174,7 +202,7 @@ def test_registry_names_and_alias():
     get_spec("mnist")  # importing the loaders registers them
     assert set(dataset_names()) - {"blobs"} == {  # blobs: the test suite's own registered dataset
         "mnist", "fashion-mnist", "cifar10", "cifar100", "usps", "femnist", "office-caltech10", "vehicle",
-        "tiny-imagenet", "svhn", "digits", "cinic10",
+        "tiny-imagenet", "svhn", "digits", "cinic10", "cifar10-gray",
     }
     assert get_spec("FMNIST") is get_spec("fashion-mnist")
 
@@ -251,6 +279,8 @@ def test_cifar10_python_pickles(data_dir):
     assert d.x_train.shape == (10, 3, 32, 32) and d.classes == [f"c{i}" for i in range(10)]
     assert np.array_equal(d.x_train[2:4], data["data_batch_2"][0])
     assert d.y_test.tolist() == data["test_batch"][1]
+    grey = load_dataset("cifar10-gray")  # the variant reads every CIFAR-10 layout
+    assert grey.x_train.shape == (10, 1, 32, 32) and grey.y_test.tolist() == data["test_batch"][1]
 
 
 def test_cifar100_python_pickles(data_dir):

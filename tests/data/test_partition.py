@@ -162,6 +162,22 @@ def test_label_k_exact_classes(y60k):
         assert all(i % 10 in y60k[p] for i, p in enumerate(parts))
 
 
+@pytest.mark.parametrize("n_clients, k, n_classes", [(20, 10, 100), (20, 2, 10), (7, 3, 10), (3, 2, 10)])
+def test_label_k_balanced_deals_every_class(n_clients, k, n_classes):
+    # PFLlib's pathological split: 20 clients x 10 of CIFAR-100's classes hold every class twice, where the
+    # random draw leaves ~12 classes to nobody
+    y = rng(5).permutation(np.repeat(np.arange(n_classes), 600))
+    parts = LabelK(k=k, balanced=True).split(y, n_clients, rng())
+    assert all(len(np.unique(y[p])) == k for p in parts)
+    holders = np.bincount(np.concatenate([np.unique(y[p]) for p in parts]), minlength=n_classes)
+    assert holders.max() - holders.min() <= 1 and holders.sum() == n_clients * k
+    check_parts(parts, len(y), n_clients, full=n_clients * k >= n_classes)
+    assert same(parts, LabelK(k=k, balanced=True).split(y, n_clients, rng()))
+    if (n_clients, k) == (20, 10):
+        held_random = {int(c) for p in LabelK(k=k).split(y, n_clients, rng()) for c in np.unique(y[p])}
+        assert len(held_random) < n_classes  # what the option is for
+
+
 def test_label_k_drops_unheld_classes(y60k):
     parts = LabelK(k=1).split(y60k, 3, rng())
     check_parts(parts, len(y60k), 3, full=False)

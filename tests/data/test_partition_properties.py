@@ -73,6 +73,7 @@ VALID = {
     "max_retries": st.sampled_from([1, 2, 3, 5, 10, 30, 100]),
     "shards_per_client": st.integers(1, 4),
     "k": st.integers(1, 4),
+    "balanced": st.booleans(),
     "distribution": st.sampled_from(["lognormal", "power_law"]),
     "sigma": SMALL_FLOATS | st.sampled_from([1e-300, 20.0, 20]),
     "exponent": SMALL_FLOATS | st.sampled_from([0.05, 1e6]),

@@ -225,3 +225,5 @@ def test_shared_data_verifies(capsys):
     assert f"verify: SHA-256 against {SHARED_DATA / 'SHA256SUMS'}" in out
     for name in ("cifar10", "cifar100", "femnist", "mnist", "office-caltech10", "tiny-imagenet", "usps", "vehicle"):
         assert verdict(out, name).split()[1] == "ok", verdict(out, name)
+    # cifar10-gray reads CIFAR-10's files: they are verified once, under cifar10
+    assert not any(line.startswith("cifar10-gray ") for line in out.split("\nverify:", 1)[1].splitlines())

@@ -38,6 +38,9 @@ class DatasetSpec:
     downloads: tuple[Source, ...] = ()  # files of the *first* layout, for users with internet
     builtin: bool = False  # needs no files (e.g. scikit-learn digits)
     aliases: tuple[str, ...] = field(default=())
+    #: a dataset derived from another registered one's files (e.g. "cifar10" for greyscale CIFAR-10): its layouts
+    #: read that dataset's files, and ``data list --verify`` checks them under that dataset's name
+    variant_of: str | None = None
 
 
 REGISTRY: dict[str, DatasetSpec] = {}

@@ -5,6 +5,8 @@ differently named folders: the official python tarballs extract to ``cifar-10-ba
 ``cifar-100-python/`` (where Keras and torchvision put them too), the offline copies are ``cifar-10-jpeg/``
 and ``cifar-100/``, and image folders go in ``cifar10/`` or ``cifar100/`` (``train|test/<class>/*.png|jpg``;
 classes sorted by folder name, files by name).
+
+``cifar10-gray`` is CIFAR-10 read from the same files and converted to one greyscale channel (APFL's CIFAR-10).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ..registry import DatasetSpec, Layout, Source, register
 from ._cache import cached, from_arrays
 from ._images import hwc_to_chw, is_image, read_image_splits
 from ._io import abs_paths, archive_members, folder_members, load_npz, load_pickle, reading
+from ._variants import greyscale
 
 SIZE = (32, 32)
 CIFAR10_BATCHES = tuple(f"cifar-10-batches-py/{f}" for f in (
@@ -144,4 +147,14 @@ CINIC10 = register(DatasetSpec(
     layouts=(Layout("image-folders", ("cinic10/train/", "cinic10/test/"), partial(_read_folders, "cinic10")),),
     description="CINIC-10 (CIFAR-10 classes, CIFAR + downsampled ImageNet), 32x32 RGB; the official "
                 "train/ and test/ folders (valid/ is not used). Not available offline.",
+))
+
+CIFAR10_GRAY = register(DatasetSpec(
+    name="cifar10-gray",
+    folder=".",
+    layouts=tuple(Layout(lo.name, lo.files, greyscale(lo.read, "cifar10-gray")) for lo in CIFAR10.layouts),
+    description="CIFAR-10 as 1-channel greyscale 32x32 (ITU-R 601-2 luma, as PIL's convert('L')); APFL's CIFAR-10",
+    downloads=CIFAR10.downloads,
+    aliases=("cifar10-grey",),
+    variant_of="cifar10",
 ))

@@ -1,0 +1,48 @@
+"""Datasets derived from another registered dataset's files (same samples, transformed pixels)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from ..base import ArrayDataset
+
+# ITU-R 601-2 luma in PIL's fixed point: L = (19595 R + 38470 G + 7471 B + 2**15) >> 16, i.e.
+# 0.299 R + 0.587 G + 0.114 B rounded to the nearest integer; bit-identical to ``Image.convert("L")``.
+_LUMA = (19595, 38470, 7471)
+_CHUNK = 8192
+
+
+def luma(x: np.ndarray) -> np.ndarray:
+    """uint8 RGB images (N, 3, H, W) to uint8 greyscale (N, 1, H, W)."""
+    if x.dtype != np.uint8 or x.ndim != 4 or x.shape[1] != 3:
+        raise ValueError(f"expected uint8 RGB images (N, 3, H, W), got {x.dtype}{list(x.shape)}")
+    out = np.empty((len(x), 1, *x.shape[2:]), np.uint8)
+    for lo in range(0, len(x), _CHUNK):  # uint32 intermediates, one chunk at a time
+        c = x[lo : lo + _CHUNK].astype(np.uint32)
+        y = c[:, 0] * _LUMA[0] + c[:, 1] * _LUMA[1] + c[:, 2] * _LUMA[2] + (1 << 15)
+        out[lo : lo + _CHUNK, 0] = (y >> 16).astype(np.uint8)
+    return out
+
+
+def to_greyscale(ds: ArrayDataset, name: str) -> ArrayDataset:
+    return replace(
+        ds,
+        name=name,
+        x_train=luma(ds.x_train),
+        x_test=None if ds.x_test is None else luma(ds.x_test),
+        meta={**ds.meta, "greyscale": f"{ds.name} converted with ITU-R 601-2 luma (PIL convert('L'))"},
+        derived={},
+    )
+
+
+def greyscale(read: Callable[[Path], ArrayDataset], name: str) -> Callable[[Path], ArrayDataset]:
+    """A layout reader that reads with ``read`` and converts the result to greyscale."""
+
+    def read_grey(folder: Path) -> ArrayDataset:
+        return to_greyscale(read(folder), name)
+
+    return read_grey
