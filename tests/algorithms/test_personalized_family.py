@@ -77,10 +77,10 @@ def test_vectorized_equals_sequential(fd, algo):
     assert ev_ref.keys() == ev_vec.keys()
     assert ("personal" in ev_ref) == ALGORITHMS[algo["name"]].personalized
     for key, value in ev_ref.items():
-        if isinstance(value, dict):
-            assert value["acc"] == pytest.approx(ev_vec[key]["acc"], abs=1e-6)
-        else:  # reported scalars (pFedSRB's sparsity)
+        if key == "report":  # the algorithm's own measures (pFedSRB's sparsity)
             assert value == pytest.approx(ev_vec[key], abs=1e-6)
+        else:
+            assert value["acc"] == pytest.approx(ev_vec[key]["acc"], abs=1e-6)
 
 
 @pytest.mark.parametrize("algo", NEW, ids=lambda a: a["name"])
@@ -197,8 +197,8 @@ def test_pfedsrb_reports_a_sparse_personal_part(fd):
     nonzero = sum(int((t != 0).sum()) for t in leaves(fed.groups[0].store["S"]))
     total = sum(t[0].numel() for t in leaves(fed.groups[0].store["S"])) * fed.num_clients
     assert 0 < nonzero < total
-    assert ev["personal_nonzero"] == pytest.approx(nonzero / fed.num_clients)
-    assert ev["personal_sparsity"] == pytest.approx(1 - nonzero / total)
+    assert ev["report"]["personal_nonzero"] == pytest.approx(nonzero / fed.num_clients)
+    assert ev["report"]["personal_sparsity"] == pytest.approx(1 - nonzero / total)
 
 
 # ---- pFedMe, Per-FedAvg, FedMeta, FedAvg + FT, central -----------------------------------------------
@@ -335,3 +335,17 @@ def test_every_client_hook_sees_its_own_id(fd):
         del ALGORITHMS["ids"]
     ids, clients, shape = seen[0]
     assert ids == clients and len(ids) == 4 and shape == (4,)
+
+
+def test_summary_picks_the_round_by_validation_never_by_test():
+    from fedmosaic.engine.runner import summarize
+
+    base = {"bytes_up": 1, "bytes_down": 1, "train_loss": 0.0}
+    recs = [{**base, "round": 0, "personal": {"acc": 0.5}, "personal_val": {"acc": 0.9},
+             "global_clients": {"acc": 0.4}, "global_val": {"acc": 0.6}},
+            {**base, "round": 1, "personal": {"acc": 0.8}, "personal_val": {"acc": 0.7},
+             "global_clients": {"acc": 0.7}, "global_val": {"acc": 0.8}, "report": {"personal_sparsity": 0.9}}]
+    s = summarize(recs, make_cfg())
+    assert s["personal_acc_best_by_val"] == 0.5 and s["best_round_by_personal_val"] == 0
+    assert s["global_clients_acc_best_by_val"] == 0.7 and s["best_round_by_global_val"] == 1
+    assert s["personal_acc_mean"] == pytest.approx(0.65) and s["personal_sparsity_final"] == 0.9

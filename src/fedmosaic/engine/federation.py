@@ -348,14 +348,19 @@ class Federation:
                 if (ev_cfg.client_test or key == "global_val") and len(split.y):
                     ok, _ = ev.score_samples(g0.apply, gp, split.x, split.y, self.transform, logits_fn, False)
                     out[key] = ev.client_summary(ev.per_client_correct(ok, split.ptr), split.sizes)
-        if ev_cfg.client_test and len(test.y) and self.algo.personalized:
-            correct = np.zeros(self.num_clients)
-            for g in self.groups:
-                correct[g.clients] = ev.personal_correct(g.apply, self._personal(g, round_idx), test.x, test.y, test.ptr,
-                                                         g.clients, self.transform, logits_fn, self.vectorize)
-            out["personal"] = ev.client_summary(correct, test.sizes)
-        for g in self.groups:  # one group for every algorithm that reports anything so far
-            out.update(self.algo.report(self.server, g.store))
+        if ev_cfg.client_test and self.algo.personalized:
+            # personal models on each client's own test split, and on its validation split for best-by-val
+            splits = {k: sp for k, sp in (("personal", test), ("personal_val", self.split["val"])) if len(sp.y)}
+            correct = {k: np.zeros(self.num_clients) for k in splits}
+            for g in self.groups if splits else ():
+                mine = self._personal(g, round_idx)
+                for k, sp in splits.items():
+                    correct[k][g.clients] = ev.personal_correct(g.apply, mine, sp.x, sp.y, sp.ptr, g.clients,
+                                                                self.transform, logits_fn, self.vectorize)
+            out.update({k: ev.client_summary(correct[k], sp.sizes) for k, sp in splits.items()})
+        report = {k: v for g in self.groups for k, v in self.algo.report(self.server, g.store).items()}
+        if report:
+            out["report"] = report
         return out
 
     def _personal(self, g: Group, t: int) -> dict:

@@ -111,7 +111,7 @@ def _well_formed(rec, round_idx: int, first: dict | None) -> bool:
         return False
     if not all(_number(rec.get(k)) for k in ("train_loss", "bytes_up", "bytes_down")):
         return False
-    for key in ("global", "global_clients", "global_val", "personal"):
+    for key in ("global", "global_clients", "global_val", "personal", "personal_val"):
         if key in rec and not (isinstance(rec[key], dict) and _number(rec[key].get("acc"))):
             return False
     if "personal" in rec and not _number(rec["personal"].get("acc_worst10")):
@@ -225,11 +225,17 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
                            ("acc_best10", "best10")):
             if last is not None and stat in last:
                 out[f"{key}_acc_{name}_final"] = last[stat]
-    val = [r for r in ev if "global_val" in r and "global" in r]
-    if val:
-        best = max(val, key=lambda r: r["global_val"]["acc"])  # first round with the best validation accuracy
-        out["global_acc_best_by_val"] = best["global"]["acc"]
-        out["best_round_by_val"] = best["round"]
+    # best-by-validation: the test accuracy in the (first) round with the best validation accuracy
+    for val_key, test_key, name in (("global_val", "global", "global_acc_best_by_val"),
+                                    ("global_val", "global_clients", "global_clients_acc_best_by_val"),
+                                    ("personal_val", "personal", "personal_acc_best_by_val")):
+        val = [r for r in ev if val_key in r and test_key in r]
+        if val:
+            best = max(val, key=lambda r: r[val_key]["acc"])
+            out[name] = best[test_key]["acc"]
+            out[f"best_round_by_{val_key}"] = best["round"]
+    if ev and "report" in ev[-1]:  # the algorithm's own measures (e.g. sparsity of personal parts)
+        out.update({f"{k}_final": v for k, v in ev[-1]["report"].items()})
     history = [r["global"]["class_acc"] for r in ev if "global" in r]
     if len(history) > 1:
         out["forgetting"] = forgetting(history)
