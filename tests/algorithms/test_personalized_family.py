@@ -349,3 +349,18 @@ def test_summary_picks_the_round_by_validation_never_by_test():
     assert s["personal_acc_best_by_val"] == 0.5 and s["best_round_by_personal_val"] == 0
     assert s["global_clients_acc_best_by_val"] == 0.7 and s["best_round_by_global_val"] == 1
     assert s["personal_acc_mean"] == pytest.approx(0.65) and s["personal_sparsity_final"] == 0.9
+
+
+def test_a_client_with_nothing_to_pair_with_trains_without_error(fd):
+    """FedMeta on a client whose one sample is all support (no query): its paired batches are empty, so its
+    meta-gradient is 0 and its model does not move — in a cohort where no client has query samples."""
+    from fedmosaic.engine.local import ClientTensors
+
+    fed = Federation(make_cfg(algorithm={"name": "fedmeta"}), fd)
+    g, tr = fed.groups[0], fed.split["train"]
+    data = ClientTensors(tr.x[:1], tr.y[:1], np.array([0, 1]))
+    payload = fed.algo.broadcast(fed.server, 0)
+    up, _, loss, steps = g.trainer.train(data, np.array([0]), payload, {}, {}, lr=0.1, seed=0, round_idx=0,
+                                         program=fed.algo.program(fed.server, 0))
+    assert steps.tolist() == [1] and float(loss[0]) == 0.0
+    assert_trees_close(tmap(lambda t: t[0], up["model"]), fed.server["model"], exact=True)

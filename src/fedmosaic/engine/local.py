@@ -224,7 +224,10 @@ class LocalTrainer:
         rows, mask, steps, per_epoch = rows_of(phase.view, (), phase.steps)
         plan = {"rows": rows, "mask": mask, "steps": steps, "per_epoch": per_epoch, "batch": batch}
         if phase.pair is not None:
-            plan["rows2"], plan["mask2"], *_ = rows_of(phase.pair, (1,), steps)
+            rows2, mask2, *_ = rows_of(phase.pair, (1,), steps)
+            short = len(rows) - len(rows2)  # clients with nothing to pair with (e.g. no query samples) take none
+            plan["rows2"] = torch.cat([rows2, rows[:short]]) if short else rows2
+            plan["mask2"] = torch.cat([mask2, torch.zeros_like(mask[:short])]) if short else mask2
         if self.augment is not None:
             plan["draws"] = augment.draw(self.augment, clients, steps, batch, data.x.shape[1:], seed, round_idx,
                                          keys).to(dev)
