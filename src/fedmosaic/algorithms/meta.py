@@ -50,6 +50,9 @@ class PerFedAvgConfig(AlgoConfig):
 
 @register_algorithm
 class PerFedAvg(FineTuned):
+    """Per-FedAvg (Fallah et al. 2020), first-order: steps at w − alpha ∇f(w; D) on a second batch D'; personal
+    model = alpha steps on train batches."""
+
     name = "perfedavg"
     Config = PerFedAvgConfig
 
@@ -76,6 +79,9 @@ class FedMetaConfig(AlgoConfig):
 
 @register_algorithm
 class FedMeta(FineTuned):
+    """FedMeta (Chen et al. 2018): second-order MAML on each client's support/query split of its train data;
+    personal model = alpha steps on train batches."""
+
     name = "fedmeta"
     Config = FedMetaConfig
 
@@ -97,6 +103,9 @@ class FedAvgFTConfig(AlgoConfig):
 
 @register_algorithm
 class FedAvgFT(FineTuned):
+    """FedAvg + fine-tuning: FedAvg, and each client's personal model is the global one after a few local SGD steps
+    on its train data."""
+
     name = "fedavg_ft"
     Config = FedAvgFTConfig
 

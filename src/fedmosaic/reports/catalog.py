@@ -47,8 +47,10 @@ def algorithms() -> list[str]:
     out = []
     for name in sorted(ALGORITHMS):
         algo = ALGORITHMS[name]
-        doc = _summary(inspect.getmodule(algo))
+        # an algorithm's own docstring, else its module's (one module per algorithm, as a rule)
+        doc = _summary(algo) if algo.__doc__ else _summary(inspect.getmodule(algo))
         kind = "global model" if algo.global_model else "no global model (architectures may differ)"
+        kind += ", personalized" if algo.personalized else ""
         out.append(f"{name:10s} {kind}. {doc}")
         out += [f"    {line}" for line in field_lines(algo.Config)] or ["    (no hyper-parameters)"]
     return out
