@@ -11,6 +11,19 @@ from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.tree import leaves
 
 
+def with_overrides(raw: dict, **over):
+    """A validated config from ``raw`` with overrides ``a__b__c=value`` (nested keys joined by ``__``)."""
+    from fedmosaic.config import validate
+
+    for key, value in over.items():
+        node = raw
+        *path, last = key.split("__")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return validate(raw)
+
+
 def train(cfg, fd, rounds=None):
     """A federation after ``rounds`` rounds (default: the config's)."""
     fed = Federation(cfg, fd)

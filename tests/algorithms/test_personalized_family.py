@@ -9,21 +9,20 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from fedtest import assert_trees_close, train, with_overrides
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.algorithms.apfl_pd import plateau_step
 from fedmosaic.algorithms.base import Algorithm
 from fedmosaic.algorithms.pfedsrb import soft_threshold
 from fedmosaic.algorithms.terms import LocalContext
-from fedmosaic.config import validate
 from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.local import view_offsets
 from fedmosaic.engine.program import Phase, Step, View
-from fedmosaic.engine.runner import read_metrics, run, TIMING_KEYS
+from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run
 from fedmosaic.engine.tree import leaves, tmap
 from fedmosaic.errors import ConfigError
-from fedtest import assert_trees_close, train
 
 NEW = [
     {"name": "apfl_pd", "z": 1, "refresh_first": 2},
@@ -46,13 +45,7 @@ def make_cfg(**over):
                   "optimizer": {"lr": 0.05}},
         "checkpoint_every": 2,
     }
-    for key, value in over.items():
-        node = raw
-        *path, last = key.split("__")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return validate(raw)
+    return with_overrides(raw, **over)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +239,7 @@ def test_first_order_and_second_order_meta_gradients_differ(fd):
     fed = Federation(make_cfg(algorithm={"name": "fedmeta", "alpha": 0.3}), fd)
     tr = fed.split["train"]
     w, m = fed.server["model"], torch.ones(8)
-    ctx = lambda p: _ctx(fed, p, tr.x[:8], tr.y[:8], m, (tr.x[8:16], tr.y[8:16], m))  # noqa: E731
+    ctx = lambda p: _ctx(fed, p, tr.x[:8], tr.y[:8], m, (tr.x[8:16], tr.y[8:16], m))
     second = torch.func.grad(lambda p: fed.algo.loss(ctx(p)))(w)
     first = torch.func.grad(lambda p: ALGORITHMS["perfedavg"](ALGORITHMS["perfedavg"].Config(alpha=0.3)).loss(ctx(p)))(w)
     assert not torch.allclose(leaves(first)[0], leaves(second)[0])

@@ -8,11 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from fedmosaic.config import validate
 from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.runner import read_metrics, run, TIMING_KEYS
-from fedtest import assert_trees_close, train
+from fedtest import assert_trees_close, train, with_overrides
 from fedmosaic.engine.tree import leaves
 from fedmosaic.errors import FedMosaicError
 
@@ -27,13 +26,7 @@ def make_cfg(**over):
                   "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}},
         "checkpoint_every": 2,
     }
-    for key, value in over.items():
-        node = raw
-        *path, last = key.split("__")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return validate(raw)
+    return with_overrides(raw, **over)
 
 
 @pytest.fixture(scope="module")

@@ -80,7 +80,7 @@ class APFLPD(Algorithm):
     def init_server(self, init_params):
         model = init_params[0]
         dev = next(iter(model.values())).device
-        scalar = lambda v: torch.tensor(v, dtype=torch.float64, device=dev)  # noqa: E731
+        scalar = lambda v: torch.tensor(v, dtype=torch.float64, device=dev)
         return {"model": model, "F": tmap(torch.zeros_like, model),
                 # the plateau detector, as fixed-shape tensors (checkpoints compare layouts)
                 "losses": torch.zeros(self.cfg.window, dtype=torch.float64, device=dev), "seen": scalar(0),
@@ -105,7 +105,7 @@ class APFLPD(Algorithm):
         det, refresh = plateau_step(det, loss, self.cfg.window, self.cfg.delta_mu, self.cfg.delta_sigma)
         losses = torch.zeros_like(server["losses"])
         losses[: len(det["losses"])] = torch.tensor(det["losses"], dtype=losses.dtype)
-        like = lambda v: torch.full_like(server["peak"], float(v))  # noqa: E731
+        like = lambda v: torch.full_like(server["peak"], float(v))
         out.update(losses=losses, seen=like(len(det["losses"])), peak=like(det["peak"]), mu_old=like(det["mu_old"]),
                    sigma_old=like(det["sigma_old"]))
         if refresh:
@@ -172,7 +172,7 @@ class APFLPD(Algorithm):
         if "grad" in stats:
             upload["g2"] = tmap(lambda g: g * g, stats["grad"]["shared"])
         on = payload["decompose"]
-        keep = lambda new, old: tmap(lambda a, b: torch.where(on > 0, a, b), new, old)  # noqa: E731
+        keep = lambda new, old: tmap(lambda a, b: torch.where(on > 0, a, b), new, old)
         new_state = {"mask": keep(params["mask"], state["mask"]), "private": keep(params["private"], state["private"]),
                      "started": torch.maximum(state["started"], on)}
         return upload, new_state

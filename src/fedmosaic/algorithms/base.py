@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch
+
 from ..engine.program import Phase, Probe, Setting, Signals
 from ..engine.tree import weighted_mean
 from ..schema import Schema

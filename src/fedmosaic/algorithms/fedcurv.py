@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..engine.tree import tmap, weighted_mean
 from ..engine.program import Probe
+from ..engine.tree import tmap, weighted_mean
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .terms import CurvaturePenalty, TaskLoss
 

@@ -15,6 +15,8 @@ alpha steps on train batches.
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from pydantic import Field
 from torch.func import grad
@@ -30,6 +32,10 @@ def _adapted(ctx: LocalContext, w: dict, alpha: float, first_order: bool) -> dic
     return {k: w[k] - alpha * (g[k].detach() if first_order else g[k]) for k in w}
 
 
+def task_loss(ctx: LocalContext) -> torch.Tensor:
+    return ctx.task_loss_of(ctx.params["model"])
+
+
 class FineTuned(Algorithm):
     """A global model, personalized before evaluation by ``adapt_steps`` steps at ``adapt_lr`` on train batches."""
 
@@ -39,7 +45,21 @@ class FineTuned(Algorithm):
         return None
 
     def finetune(self):
-        return [Phase(steps=self.cfg.adapt_steps, updates=(Step(lr=self.adapt_lr()),))]
+        return [Phase(steps=self.cfg.adapt_steps, updates=(Step(objective=task_loss, lr=self.adapt_lr()),))]
+
+
+class MAML(FineTuned):
+    """Steps on the task loss at the adapted point w − alpha ∇f(w) of the step's first batch, measured on its paired
+    batch; personal model = alpha steps."""
+
+    first_order: ClassVar[bool]
+
+    def adapt_lr(self):
+        return self.cfg.alpha
+
+    def loss(self, ctx: LocalContext) -> torch.Tensor:
+        x2, y2, m2 = ctx.pair
+        return ctx.task_loss_of(_adapted(ctx, ctx.params["model"], self.cfg.alpha, self.first_order), x2, y2, m2)
 
 
 class PerFedAvgConfig(AlgoConfig):
@@ -49,26 +69,16 @@ class PerFedAvgConfig(AlgoConfig):
 
 
 @register_algorithm
-class PerFedAvg(FineTuned):
+class PerFedAvg(MAML):
     """Per-FedAvg (Fallah et al. 2020), first-order: steps at w − alpha ∇f(w; D) on a second batch D'; personal
     model = alpha steps on train batches."""
 
     name = "perfedavg"
     Config = PerFedAvgConfig
-
-    def loss(self, ctx: LocalContext) -> torch.Tensor:
-        x2, y2, m2 = ctx.pair
-        return ctx.task_loss_of(_adapted(ctx, ctx.params["model"], self.cfg.alpha, True), x2, y2, m2)
+    first_order = True
 
     def program(self, server, round_idx):
         return [Phase(pair=View(), updates=(Step(lr=self.cfg.beta),))]
-
-    def finetune(self):
-        return [Phase(steps=self.cfg.adapt_steps, updates=(Step(objective=self.task_loss, lr=self.cfg.alpha),))]
-
-    @staticmethod
-    def task_loss(ctx: LocalContext) -> torch.Tensor:
-        return ctx.task_loss_of(ctx.params["model"])
 
 
 class FedMetaConfig(AlgoConfig):
@@ -78,22 +88,16 @@ class FedMetaConfig(AlgoConfig):
 
 
 @register_algorithm
-class FedMeta(FineTuned):
+class FedMeta(MAML):
     """FedMeta (Chen et al. 2018): second-order MAML on each client's support/query split of its train data;
     personal model = alpha steps on train batches."""
 
     name = "fedmeta"
     Config = FedMetaConfig
-
-    def loss(self, ctx: LocalContext) -> torch.Tensor:
-        xq, yq, mq = ctx.pair
-        return ctx.task_loss_of(_adapted(ctx, ctx.params["model"], self.cfg.alpha, False), xq, yq, mq)
+    first_order = False
 
     def program(self, server, round_idx):
         return [Phase(view=View("support", self.cfg.support), pair=View("query", self.cfg.support))]
-
-    def finetune(self):
-        return [Phase(steps=self.cfg.adapt_steps, updates=(Step(objective=PerFedAvg.task_loss, lr=self.cfg.alpha),))]
 
 
 class FedAvgFTConfig(AlgoConfig):

@@ -56,8 +56,8 @@ class PFedSRB(Algorithm):
         return ctx.task_loss_of(w) + 0.5 * self.cfg.rho * pen
 
     def program(self, server, round_idx):
-        phase = dict(steps=self.cfg.w_steps, after=self.dual_step)
-        return [Phase(before=self.first_s_step if i == 0 else self.s_step, **phase) for i in range(self.cfg.R)]
+        return [Phase(steps=self.cfg.w_steps, before=self.first_s_step if i == 0 else self.s_step,
+                      after=self.dual_step) for i in range(self.cfg.R)]
 
     def s_step(self, params, state, payload):
         """S ← soft_threshold(w − W + u, beta / rho)."""
