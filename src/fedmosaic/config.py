@@ -104,16 +104,34 @@ class TrainConfig(Schema):
 
 
 class EngineConfig(Schema):
-    backend: Literal["vectorized", "sequential"] = "vectorized"
+    backend: Literal["auto", "vectorized", "sequential"] = Field(
+        "auto", description="'auto' chooses per model, device and run length (printed at run start, kept in "
+        "meta.json); 'vectorized' maps clients with torch.func.vmap; 'sequential' loops over them (plain autograd)")
     chunk_size: int = Field(128, ge=1, le=MAX_COUNT,
                             description="clients trained at once on the vectorized path (bounds memory)")
     device: str = Field("auto", description="'auto' (CUDA when available, else CPU), 'cpu', 'cuda', 'cuda:1', 'mps'")
-    compile: bool = Field(False, description="torch.compile the mapped gradient step (vectorized backend only)")
+    compile: bool | Literal["auto"] = Field(
+        "auto", description="torch.compile the mapped gradient step (vectorized backend only); 'auto': when the run "
+        "is long enough to repay the one-time warm-up")
     fuse_steps: int = Field(8, ge=1, le=1024,
                             description="with compile: local steps per compiled call (fewer Python round trips)")
     preload_mb: int = Field(2048, ge=0, le=MAX_COUNT,
                             description="normalise the data once up front if it fits in this many MiB")
     threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads (default: torch's choice)")
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _backend(cls, v):
+        if v not in ("auto", "vectorized", "sequential"):
+            raise ValueError(f"must be 'vectorized' or 'sequential', or 'auto' to let fedmosaic choose (got {v!r})")
+        return v
+
+    @field_validator("compile", mode="before")
+    @classmethod
+    def _compile(cls, v):
+        if v is not True and v is not False and v != "auto":
+            raise ValueError(f"must be true, false or 'auto' (got {short_repr(v)})")
+        return v
 
     @field_validator("device")
     @classmethod

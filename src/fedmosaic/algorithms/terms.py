@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch._C._functorch import is_batchedtensor
 
 from ..engine.tree import leaves
 
@@ -24,9 +25,11 @@ class LocalContext:
     ``payload["own"]`` is what the server sent this client alone; it always holds the client's id ``cid``.
     """
 
-    def __init__(self, apply, params, state, payload, x, y, mask, task_loss: str = "ce", pair=None):
+    def __init__(self, apply, params, state, payload, x, y, mask, task_loss: str = "ce", pair=None,
+                 full: bool = False):
         self.apply, self.params, self.state, self.payload = apply, params, state, payload
         self.x, self.y, self.mask = x, y, mask
+        self.full = full  # every sample of the batch is real (the looped path cuts partial batches): no masking
         self.task_loss, self.pair = task_loss, pair
         self._out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -37,6 +40,8 @@ class LocalContext:
         return self._out[slot]
 
     def mean(self, per_sample: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        if mask is None and self.full:  # the same number as below with a mask of ones, in two ops instead of five
+            return per_sample.sum() / per_sample.shape[0]
         mask = self.mask if mask is None else mask
         return (per_sample * mask).sum() / mask.sum().clamp(min=1)
 
@@ -49,6 +54,8 @@ class LocalContext:
 
 def per_sample_task_loss(kind: str, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if kind == "ce":
+        if is_batchedtensor(logits):  # under vmap nll_loss runs as a slow Python decomposition: the same numbers
+            return -logits.log_softmax(-1).gather(-1, y[..., None])[..., 0]
         return F.cross_entropy(logits, y, reduction="none")
     if kind == "hinge":  # Crammer–Singer multiclass hinge; for two classes it is the usual SVM hinge
         true = logits.gather(1, y[:, None])

@@ -20,6 +20,7 @@ from ..errors import ConfigError, CorruptDataError, FedMosaicError
 from ..models import build_model, parameter_count
 from . import evaluate as ev
 from .augment import black
+from .execution import Execution, ModelFacts, RunFacts, choose, step_profile
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .mapping import for_each_client
 from .program import Setting, Signals
@@ -51,6 +52,7 @@ class Group:
         self.global_buffers = {k: v.detach().clone() for k, v in module.named_buffers()}
         self.buffers = tmap(lambda t: t.unsqueeze(0).repeat(len(clients), *([1] * t.dim())), self.global_buffers)
         self.trainer: LocalTrainer | None = None
+        self.execution: Execution | None = None
         self.store: dict = {}
 
     def global_buffers_like(self, n: int) -> dict:
@@ -130,7 +132,6 @@ class Federation:
             torch.set_num_threads(cfg.engine.threads)
         self.device = dev = resolve_device(cfg.engine.device)  # before any data is read
         self.fd = fd if fd is not None else build(data_spec(cfg))
-        self.vectorize = cfg.engine.backend == "vectorized"
         normalize = make_normalizer(cfg.data.normalize, self.fd.x["train"], dev)
         arrays = [self.fd.x[s] for s in ("train", "val", "test")]
         if self.fd.x_global is not None:
@@ -143,7 +144,7 @@ class Federation:
             t = torch.as_tensor(x, device=dev)
             if not preload:
                 return t
-            return torch.cat([normalize(t[i : i + 8192]) for i in range(0, len(t), 8192)]) if len(t) else t.float()
+            return normalize.all(t)
 
         self.split = {
             s: ClientTensors(tensor(self.fd.x[s]), torch.as_tensor(self.fd.y[s], device=dev), self.fd.ptr[s])
@@ -169,26 +170,59 @@ class Federation:
         if self.algo.pooled:
             self._pool_train_split()
         self.server = self.algo.init_server([g.init for g in self.groups])
-        for g in self.groups:
-            one = self.algo.init_client(self.server, g.init)
-            self._check_training_memory(g, nbytes(one))
-            g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
-            # running statistics are updated in place during the forward pass, which vmap cannot do per client:
-            # such groups take the sequential path (same results, no vmap)
-            vectorize = self.vectorize and not g.global_buffers
-            if self.vectorize and not vectorize:
-                warnings.warn(f"model {g.module.__class__.__name__} has buffers (BatchNorm running statistics): "
-                              "its clients train on the sequential path", stacklevel=2)
-            g.trainer = LocalTrainer(self.algo, g.module, cfg.train.optimizer, cfg.model.task_loss, self.transform,
-                                     vectorize, cfg.engine.chunk_size, cfg.engine.compile and vectorize,
-                                     cfg.engine.fuse_steps, cfg.data.augment, self.pad_fill, cfg.train.local_epochs,
-                                     self.batch)
-            check_slots(self.algo, self.server, one, g.clients[:1])
         self.group_of = np.zeros(self.num_clients, dtype=np.int64)
         self.row_of = np.zeros(self.num_clients, dtype=np.int64)
         for g in self.groups:
             self.group_of[g.clients] = g.gid
             self.row_of[g.clients] = np.arange(len(g.clients))
+        for g in self.groups:
+            one = self.algo.init_client(self.server, g.init)
+            self._check_training_memory(g, nbytes(one))
+            g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
+            g.execution = ex = self._choose_execution(g)
+            # running statistics are updated in place during the forward pass, which vmap cannot do per client:
+            # such groups take the sequential path (same results, no vmap)
+            if g.global_buffers and cfg.engine.backend != "sequential":
+                warnings.warn(f"model {g.module.__class__.__name__} has buffers (BatchNorm running statistics): "
+                              "its clients train on the sequential path", stacklevel=2)
+            g.trainer = LocalTrainer(self.algo, g.module, cfg.train.optimizer, cfg.model.task_loss, self.transform,
+                                     ex.backend == "vectorized", cfg.engine.chunk_size, ex.compile, ex.fuse_steps,
+                                     cfg.data.augment, self.pad_fill, cfg.train.local_epochs, self.batch,
+                                     loop_below=ex.loop_below, threads=ex.threads, channels_last=ex.channels_last)
+            check_slots(self.algo, self.server, one, g.clients[:1])
+
+    @property
+    def execution(self) -> str:
+        """How the run executes, in words (one group; several: each named)."""
+        described = [g.execution.describe() for g in self.groups]
+        if len(set(described)) == 1:
+            return described[0]
+        return "; ".join(f"{g.module.__class__.__name__}: {d}" for g, d in zip(self.groups, described, strict=True))
+
+    def run_facts(self, g: Group, sample: int = 32) -> RunFacts:
+        """The run's step profile for group ``g`` (``execution.RunFacts``), from up to ``sample`` of its cohorts
+        (spread over the run) and the round program of the first round."""
+        tc = self.cfg.train
+        picks = np.unique(np.linspace(0, tc.rounds - 1, min(tc.rounds, sample)).astype(np.int64))
+        cohorts = [c[self.group_of[c] == g.gid] for c in
+                   (sample_cohort(self.num_clients, tc.clients_per_round, self.cfg.seed, int(t)) for t in picks)]
+        sizes = self.split["train"].sizes
+        program = self.algo.program(self.server, 0)
+        active = np.zeros(0)
+        for ph in program:
+            batch = ph.batch or self.batch
+            n = sizes if ph.view.part == "all" else np.minimum(sizes, np.ceil(ph.view.frac * sizes))
+            steps = (np.full(len(sizes), ph.steps) if ph.steps is not None
+                     else (ph.epochs or tc.local_epochs) * -(-n.astype(np.int64) // batch))
+            prof = np.asarray(step_profile(steps, cohorts, self.cfg.engine.chunk_size))
+            active = np.pad(active, (0, max(0, len(prof) - len(active))))
+            active[: len(prof)] += prof
+        return RunFacts(tc.rounds, tuple(active.tolist()), all(ph.plain for ph in program), self.batch)
+
+    def _choose_execution(self, g: Group) -> Execution:
+        e = self.cfg.engine
+        return choose(e.backend, e.compile, e.fuse_steps, ModelFacts.of(g.module), self.device.type, self.run_facts(g),
+                      threads=e.threads)
 
     def _pool_train_split(self) -> None:
         """Deal the pooled train samples out again at random, each client keeping its count (``Algorithm.pooled``)."""
@@ -319,7 +353,7 @@ class Federation:
         g.module.eval()
         x, y = self.global_test
         acc = ev.local_class_accuracy(g.apply, {**uploads["model"], **g.global_buffers_like(len(cohort))}, x, y,
-                                      self.fd.num_classes, self.transform, self.vectorize and not g.global_buffers)
+                                      self.fd.num_classes, self.transform, g.trainer.vectorize)
         in_acc, out_acc = ev.in_out_local(acc, self.label_counts[cohort])
         return {"local_in_acc": in_acc, "local_out_acc": out_acc}
 
@@ -356,7 +390,7 @@ class Federation:
                 mine = self._personal(g, round_idx)
                 for k, sp in splits.items():
                     correct[k][g.clients] = ev.personal_correct(g.apply, mine, sp.x, sp.y, sp.ptr, g.clients,
-                                                                self.transform, logits_fn, self.vectorize)
+                                                                self.transform, logits_fn, g.trainer.vectorize)
             out.update({k: ev.client_summary(correct[k], sp.sizes) for k, sp in splits.items()})
         report = {k: v for g in self.groups for k, v in self.algo.report(self.server, g.store).items()}
         if report:
@@ -374,7 +408,7 @@ class Federation:
             params = params["model"]
         else:
             params = for_each_client(lambda s: self.algo.personal_params(s, self.server), (0,),
-                                     self.vectorize)(g.store)
+                                     g.trainer.vectorize)(g.store)
         return {**params, **g.buffers}
 
     # ---- checkpoints -------------------------------------------------------------------------------

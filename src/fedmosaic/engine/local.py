@@ -8,16 +8,25 @@ Ragged cohorts: a client's step count is E * ceil(n_k / B), so one large client 
 Clients that have finished are *packed out*: the mapped step only sees the active clients (re-packed whenever the
 active set shrinks), so a finished client neither moves nor costs compute. Partial last batches are padded and
 masked inside the loss. The client axis is cut into chunks of ``chunk_size`` to bound memory.
+
+Two ways to run a step: *mapped* — the per-client gradient function under ``torch.func.vmap``, one optimiser update
+of the stacked parameters — or *looped* — each active client in turn with plain autograd (``torch.autograd.grad``
+on its rows of the stacked parameters, views, updated in place). The sequential backend loops always; the
+vectorized backend loops while fewer than ``loop_below`` clients are active (``engine/execution.py`` sets it: a
+vmapped step has a fixed framework overhead worth several plain single-client steps). Both give the same numbers.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
 import torch
 from torch.func import functional_call, grad
+from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils import _pytree as pytree
 
 from ..algorithms.base import Algorithm
 from ..algorithms.terms import LocalContext
@@ -43,6 +52,10 @@ class ClientTensors:
 
 
 def cat_trees(trees: list):
+    """The trees concatenated along the client axis (one tree: itself, not a copy — of a CNN cohort's uploads
+    that copy costs as much as several training steps' optimiser updates)."""
+    if len(trees) == 1:
+        return trees[0]
     return tmap(lambda *ts: torch.cat(ts), *trees)
 
 
@@ -55,6 +68,18 @@ def view_offsets(view: View, n: int, seed: int, client: int, round_idx: int) -> 
         return np.sort(rng(seed, VIEWS, 1, round_idx, client).choice(n, size=cut, replace=False))
     order = rng(seed, VIEWS, 0, client).permutation(n)
     return np.sort(order[:cut] if view.part == "support" else order[cut:])
+
+
+def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``t[idx]`` for an index tensor of any shape (index_select: a fraction of advanced indexing's overhead)."""
+    return t.index_select(0, idx.reshape(-1)).view(*idx.shape, *t.shape[1:])
+
+
+#: Looped clients' batches are gathered this many steps at a time.
+LOOP_BLOCK = 64
+
+#: ``loop_below`` of the sequential path: every step is looped.
+LOOP_ALWAYS = 2**62
 
 
 def _sub(params: dict, slots) -> dict:
@@ -76,7 +101,8 @@ class LocalTrainer:
     def __init__(self, algo: Algorithm, module: torch.nn.Module, opt: optim.OptimizerConfig, task_loss: str,
                  transform, vectorize: bool = True, chunk_size: int = 128, compile: bool = False,
                  fuse_steps: int = 1, augment: AugmentConfig | None = None, pad_fill: torch.Tensor | float = 0.0,
-                 epochs: int = 1, batch: int = 1):
+                 epochs: int = 1, batch: int = 1, loop_below: int = 0, threads: int | None = None,
+                 channels_last: bool = False):
         self.algo, self.module, self.opt, self.task_loss = algo, module, opt, task_loss
         self.transform = transform
         self.augment = augment if augment is not None and augment.active else None
@@ -84,9 +110,17 @@ class LocalTrainer:
         self.chunk_size = chunk_size
         self.epochs, self.batch = epochs, batch
         self.vectorize = vectorize
+        self.loop_below = loop_below if vectorize else LOOP_ALWAYS
+        self.threads = threads  # CPU threads while training (None: leave torch's setting)
+        self.channels_last = channels_last  # looped steps: image batches in channels-last order (CPU convolutions)
         self.compile = compile and vectorize
         self.fuse = fuse_steps if self.compile else 1
         self._fns: dict = {}
+        # functional_call looks for tied weights at every call (a third of a small model's step): only when tied
+        self._ties = (len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.parameters()))
+                      or len(list(module.named_buffers(remove_duplicate=False))) != len(list(module.buffers())))
+        self._has_buffers = any(True for _ in module.buffers())
+        self._bound = None  # the parameter tree currently put in ``module`` (:meth:`_bound_to`)
         # one client's hooks, mapped: (params or payload, state, shared payload, own payload)
         self._init = self._each(lambda shared, own, state: algo.local_init({**shared, "own": own}, state),
                                 (None, 0, 0), fresh=True)
@@ -106,17 +140,46 @@ class LocalTrainer:
 
     def apply(self, params, x, buffers=None):
         """(features, logits); ``buffers`` (BatchNorm running statistics) are the client's, updated in place."""
-        return functional_call(self.module, {**params, **(buffers or {})}, (x,), {"with_features": True})
+        if params is self._bound:  # a looped client's parameters, already in the module (:meth:`_bound_to`)
+            return self.module(x, with_features=True)
+        return functional_call(self.module, {**params, **(buffers or {})}, (x,), {"with_features": True},
+                               tie_weights=self._ties)
 
     # ---- per-client functions -----------------------------------------------------------------------
     def _grad_fn(self, step: Step, objective=None, with_acc: bool = True):
         """The mapped gradient function of one update (cached): grads of its slots, loss, accumulated stats."""
         key = (step, objective, with_acc)
         if key not in self._fns:
-            fn = partial(self._client_grads, objective=objective or step.objective or self.algo.loss,
-                         slots=step.slots, with_acc=with_acc)
-            self._fns[key] = self._each(fn, (0, 0, None, 0, 0, 0, 0, 0, 0))
+            objective = objective or step.objective or self.algo.loss
+            dims = (0, 0, None, 0, 0, 0, 0, 0, 0)
+            if self.vectorize and not self.compile:  # the objectives mapped forward, one backward for all clients
+                fwd = self._each(partial(self._client_loss, objective=objective, with_acc=with_acc), dims)
+                self._fns[key] = partial(self._stacked_grads, fwd, slots=step.slots)
+            else:  # compiled: torch.func.grad under vmap (what torch.compile traces); looped: plain autograd
+                fn = partial(self._client_grads if self.vectorize else self._client_autograd, objective=objective,
+                             slots=step.slots, with_acc=with_acc)
+                self._fns[key] = self._each(fn, dims)
         return self._fns[key]
+
+    def _client_loss(self, params, state, shared, own, x, y, mask, pair, buffers, objective, with_acc):
+        """One client's objective and accumulated stats (mapped forward of :meth:`_stacked_grads`)."""
+        ctx = LocalContext(partial(self.apply, buffers=buffers), params, state, {**shared, "own": own}, x, y, mask,
+                           self.task_loss, pair or None)
+        loss = objective(ctx)
+        return loss, (tmap(torch.detach, self.algo.accumulate(ctx)) if with_acc else {})
+
+    def _stacked_grads(self, fwd, params, state, shared, own, x, y, mask, pair, buffers, slots):
+        """Every client's gradient at once: the objectives mapped forward, then one backward of their sum, whose
+        gradient in each client's rows is that client's own (the clients share no parameter) — the numbers of
+        ``vmap(grad(...))`` without functorch's wrapping at every step (and its one-second import of
+        torch._dynamo on the first call)."""
+        tree, live, _ = self._live(params, slots)
+        with torch.enable_grad():
+            loss, acc = fwd(tree, state, shared, own, x, y, mask, pair, buffers)
+            grads = (torch.autograd.grad(loss.sum(), live, allow_unused=True) if loss.requires_grad
+                     else [None] * len(live))
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(live, grads, strict=True)]
+        return pytree.tree_unflatten(grads, pytree.tree_structure(_sub(params, slots))), loss.detach(), acc
 
     def _client_grads(self, params, state, shared, own, x, y, mask, pair, buffers, objective, slots, with_acc):
         payload = {**shared, "own": own}
@@ -132,6 +195,38 @@ class LocalTrainer:
         grads, (loss, acc) = grad(f, has_aux=True)(_sub(params, slots), buffers)
         return grads, loss, acc
 
+    def _client_autograd(self, params, state, shared, own, x, y, mask, pair, buffers, objective, slots, with_acc):
+        """:meth:`_client_grads` of one client with plain autograd (the looped mapped function: probes, and every
+        gradient on the sequential path)."""
+        tree, live, _ = self._live(params, slots)
+        grads, loss, acc = self._autograd(tree, live, state, {**shared, "own": own}, x, y, mask, pair, buffers,
+                                          objective, with_acc)
+        return pytree.tree_unflatten(grads, pytree.tree_structure(_sub(params, slots))), loss, acc
+
+    @staticmethod
+    def _live(params, slots):
+        """(the trainable trees as an objective sees them, the leaves of ``slots`` in it — autograd leaves that
+        share memory with ``params`` —, the leaves of ``slots`` in ``params``) for one client."""
+        flat, spec = pytree.tree_flatten(_sub(params, slots))
+        live = [t.detach().requires_grad_() for t in flat]
+        held = {k: v for k, v in params.items() if slots is not None and k not in slots}
+        return {**held, **pytree.tree_unflatten(live, spec)}, live, flat
+
+    def _autograd(self, tree, live, state, payload, x, y, mask, pair, buffers, objective, with_acc, full=False):
+        """Gradients (a list, zeros for leaves the objective does not touch, as with torch.func), loss and
+        accumulated stats of one client, with plain autograd: the numbers of :meth:`_client_grads` without
+        functorch's wrapping, which costs more than the whole step of a small model. ``full``: no padding in
+        the batch."""
+        with torch.enable_grad():
+            ctx = LocalContext(partial(self.apply, buffers=buffers), tree, state, payload, x, y, mask,
+                               self.task_loss, pair or None, full)
+            loss = objective(ctx)
+            acc = self.algo.accumulate(ctx) if with_acc else {}
+            grads = torch.autograd.grad(loss, live, allow_unused=True) if loss.requires_grad else [None] * len(live)
+        if any(g is None for g in grads):
+            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(live, grads, strict=True)]
+        return grads, loss.detach(), (tmap(torch.detach, acc) if acc else {})
+
     # ---- a cohort's round -----------------------------------------------------------------------------
     def train(self, data: ClientTensors, clients: np.ndarray, payload: dict, states, buffers, *, lr: float,
               seed: int, round_idx: int, own: dict | None = None, program: list[Phase] | None = None,
@@ -145,9 +240,10 @@ class LocalTrainer:
         program = program or [Phase(epochs=epochs, batch=batch)]
         if own is None:
             own = {"cid": torch.as_tensor(clients, device=data.x.device)}
-        outs = [self._train_chunk(data, clients[sl], payload, *self._rows((own, states, buffers), sl), program,
-                                  probes, lr, seed, round_idx, ())
-                for sl in self._chunks(len(clients))]
+        with self._threads():
+            outs = [self._train_chunk(data, clients[sl], payload, *self._rows((own, states, buffers), sl), program,
+                                      probes, lr, seed, round_idx, ())
+                    for sl in self._chunks(len(clients))]
         uploads, new_states, losses, steps = zip(*outs)
         return cat_trees(list(uploads)), cat_trees(list(new_states)), torch.cat(losses), np.concatenate(steps)
 
@@ -156,14 +252,27 @@ class LocalTrainer:
         """The trainable trees after running ``program`` from ``local_init`` — nothing uploaded, no state kept, the
         buffers untouched (fine-tuning before evaluation). Its batches are drawn apart from training's."""
         outs = []
-        for sl in self._chunks(len(clients)):
-            o, s, b = self._rows((own, states, tmap(torch.clone, buffers)), sl)
-            params = self._init(payload, o, s)
-            for p, phase in enumerate(program):
-                params, s, *_ = self._phase(data, clients[sl], params, s, payload, o, b, phase, p, lr, seed,
-                                            round_idx, (FINETUNE,))
-            outs.append(params)
+        with self._threads():
+            for sl in self._chunks(len(clients)):
+                o, s, b = self._rows((own, states, tmap(torch.clone, buffers)), sl)
+                params = self._init(payload, o, s)
+                for p, phase in enumerate(program):
+                    params, s, *_ = self._phase(data, clients[sl], params, s, payload, o, b, phase, p, lr, seed,
+                                                round_idx, (FINETUNE,))
+                outs.append(params)
         return cat_trees(outs)
+
+    @contextlib.contextmanager
+    def _threads(self):
+        """torch's intra-op threads set to ``self.threads`` while training (tiny steps lose to thread fork/join)."""
+        before = torch.get_num_threads()
+        if self.threads is not None:
+            torch.set_num_threads(self.threads)
+        try:
+            yield
+        finally:
+            if self.threads is not None:
+                torch.set_num_threads(before)
 
     def _chunks(self, n: int):
         return [slice(lo, lo + self.chunk_size) for lo in range(0, n, self.chunk_size)]
@@ -205,7 +314,8 @@ class LocalTrainer:
         and per client ``steps`` and ``per_epoch`` (numpy)."""
         dev, batch = data.x.device, phase.batch or self.batch
         sizes, start = data.sizes[clients], data.ptr[clients]
-        keys = keys + ((p,) if p else ())  # the first phase of training keeps the single-phase batch order
+        k = p if phase.key is None else phase.key
+        keys = keys + ((k,) if k else ())  # schedule 0 (the first phase by default) is the single-phase order
         epochs = phase.epochs or self.epochs
 
         def rows_of(view, extra, steps):
@@ -291,6 +401,15 @@ class LocalTrainer:
                     if k in tensors:
                         tensors[k][:, len(now) :] = 0  # padding rows never count
                 active, ia, real, s0 = now, torch.as_tensor(now, device=dev), len(now), s
+            if not fast and real < self.loop_below:  # few clients left: the rest of the phase on the loop
+                loss, acc = self._loop_rest(data, tensors, s, s0, packed, real, steps[active] - s, phase.updates,
+                                            updates, payload, lr)
+                loss_sum.index_add_(0, ia, loss)
+                if acc:
+                    if acc_sum is None:
+                        acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=dev), acc)
+                    tmap(lambda a, b: a.index_add_(0, ia, b), acc_sum, acc)
+                break
             if self.fuse > 1 and fast and s >= fused_until:
                 nxt = min([f for f in finish_at if f > s], default=S)
                 block0, fused_until = s, s + (nxt - s) // self.fuse * self.fuse
@@ -305,8 +424,7 @@ class LocalTrainer:
                 batch = self._batch(data, tensors, s - s0)
                 for i, u in enumerate(phase.updates):
                     grads, l_, a_ = fns[i](p_, st_, payload, own_, *batch, b_)
-                    optim.update_(self.opt, leaves(_sub(p_, u.slots)), leaves(grads), o_[updates.index(u)],
-                                  lr if u.lr is None else u.lr, s)
+                    self._update(u, leaves(_sub(p_, u.slots)), leaves(grads), o_[updates.index(u)], lr, s)
                     if i == 0:
                         loss, acc = l_, a_
             loss_sum.index_add_(0, ia, loss[:real])
@@ -318,17 +436,105 @@ class LocalTrainer:
             put((params, buffers), ia, tmap(lambda t: t[:real], (packed[0], packed[3])))
         return loss_sum, acc_sum if acc_sum is not None else {}
 
+    def _update(self, u: Step, params: list, grads: list, opt_state: dict, lr, s) -> None:
+        """The optimiser step of update ``u`` (both eager paths: stacked leaves, or one client's rows of them)."""
+        if not params:  # nothing to train (e.g. FedALA with no mixed layer)
+            return
+        optim.update_(self.opt, params, grads, opt_state, lr if u.lr is None else u.lr, s)
+        if u.clamp is not None:  # projected step (values that must stay in a box)
+            for t in params:
+                t.clamp_(*u.clamp)
+
+    def _loop_rows(self, packed, real, steps, updates, payload) -> list:
+        """For each of the first ``real`` clients of ``packed``: its payload, state and buffers, and per update of
+        ``steps`` the trees its objective sees, their autograd leaves, the leaves to update (views of the stacked
+        parameters: updates land in them) and its optimiser state (views too). Made once per packing."""
+        rows = []
+        for j in range(real):
+            p, o, st, b, own = tmap(lambda t, j=j: t[j], packed)
+            per = [(*self._live(p, u.slots), o[updates.index(u)], u.objective or self.algo.loss) for u in steps]
+            rows.append(({**payload, "own": own}, st, b, per))
+        return rows
+
+    def _loop_rest(self, data, tensors, s, s0, packed, real, left, steps, updates, payload, lr):
+        """Every remaining step (``left[j]`` from step ``s`` on) of the first ``real`` clients of ``packed``,
+        client after client — its parameters stay in cache, its batches are gathered ``LOOP_BLOCK`` steps at a
+        time —, with plain autograd and in-place updates of its rows. Returns per client the sums of the first
+        update's losses and of its accumulated stats over those steps."""
+        losses, accs = [], []
+        for j, row in enumerate(self._loop_rows(packed, real, steps, updates, payload)):
+            with self._bound_to(row[3]):
+                ls, acs = self._loop_client(data, tensors, s, s0, j, int(left[j]), row, steps, lr)
+            losses.append(torch.stack(ls).sum())
+            accs.append(tmap(lambda *ts: torch.stack(ts).sum(0), *acs) if acs[0] else {})
+        return torch.stack(losses), (tmap(lambda *ts: torch.stack(ts), *accs) if accs[0] else {})
+
+    def _loop_client(self, data, tensors, s, s0, j, left, row, steps, lr):
+        """The ``left`` steps from step ``s`` of packed client ``j``: its losses and stats of the first update."""
+        payload, st, b, per = row
+        ls, acs = [], []
+        for lo in range(0, left, LOOP_BLOCK):
+            hi = min(left, lo + LOOP_BLOCK)
+            x, y, m, pair = self._batch(data, tensors, (slice(s - s0 + lo, s - s0 + hi), j))
+            # a batch's real samples come first: a partial batch is cut to them instead of computing padding
+            cut, full = self._cuts(m, x.shape[1])
+            cut2 = self._cuts(pair[2], pair[0].shape[1])[0] if pair else None
+            for k in range(hi - lo):
+                xk, yk, mk = (x[k], y[k], m[k]) if cut[k] is None else (x[k, : cut[k]], y[k, : cut[k]],
+                                                                          m[k, : cut[k]])
+                pk = tuple(t[k] if cut2[k] is None else t[k, : cut2[k]] for t in pair)
+                if self.channels_last:
+                    xk, pk = self._nhwc(xk), tuple(self._nhwc(t) if i == 0 else t for i, t in enumerate(pk))
+                for i, (u, (tree, live, flat, opt, objective)) in enumerate(zip(steps, per, strict=True)):
+                    grads, loss, acc = self._autograd(tree, live, st, payload, xk, yk, mk, pk, b, objective, i == 0,
+                                                      full[k])
+                    self._update(u, flat, grads, opt, lr, s + lo + k)
+                    if i == 0:
+                        ls.append(loss)
+                        acs.append(acc)
+        return ls, acs
+
+    @contextlib.contextmanager
+    def _bound_to(self, per):
+        """While one looped client trains: its ``model`` tree put in the module once, rather than swapped in and
+        out by ``functional_call`` at every step (a sixth of a small model's step). Only for a phase of one update
+        (several updates train different trees) of a model without buffers (they are passed along per call)."""
+        tree = per[0][0].get("model") if len(per) == 1 and not self._has_buffers else None
+        if tree is None:
+            yield
+            return
+        with _reparametrize_module(self.module, tree, tie_weights=self._ties):
+            self._bound = tree
+            try:
+                yield
+            finally:
+                self._bound = None
+
+    @staticmethod
+    def _nhwc(x: torch.Tensor) -> torch.Tensor:
+        return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
+
+    def _cuts(self, mask: torch.Tensor, batch: int) -> tuple[list, list]:
+        """Per step of ``mask`` [K, B]: the number of real samples when the batch is partial, else None; and
+        whether every sample left after the cut is real. Not with buffers: BatchNorm's batch statistics have always
+        included the padding rows, and keep doing so."""
+        counts = mask.sum(1).to(torch.int64).tolist()
+        if self._has_buffers:
+            return [None] * len(counts), [c == batch for c in counts]
+        return [c if 0 < c < batch else None for c in counts], [c > 0 for c in counts]
+
     def _batch(self, data, plan, at):
         """Inputs, labels and mask of the step(s) ``at`` and the paired batch's (or ()), transformed and
         augmented."""
         r = plan["rows"][at]
-        x = self.transform(data.x[r])
+        x = self.transform(_gather(data.x, r))
         if self.augment is not None:
             x = augment.apply(self.augment, x, plan["draws"][at], self.pad_fill)
         if "rows2" not in plan:
-            return x, data.y[r], plan["mask"][at], ()
+            return x, _gather(data.y, r), plan["mask"][at], ()
         r2 = plan["rows2"][at]
-        return x, data.y[r], plan["mask"][at], (self.transform(data.x[r2]), data.y[r2], plan["mask2"][at])
+        return (x, _gather(data.y, r), plan["mask"][at],
+                (self.transform(_gather(data.x, r2)), _gather(data.y, r2), plan["mask2"][at]))
 
     def _probe(self, data, plan, params, states, payload, own, buffers, probe: Probe):
         """Per client: the mean squared minibatch gradient (``grad_sq``) or the gradient of the mean loss

@@ -44,18 +44,23 @@ ALL = View()
 @dataclass(frozen=True)
 class Step:
     """One update inside a step: the ``slots`` it trains (None: all), its objective (None: the algorithm's
-    ``loss``) and its learning rate (None: the round's)."""
+    ``loss``), its learning rate (None: the round's) and an optional projection: every trained value clipped to
+    ``clamp = (low, high)`` after the update (FedALA's aggregation weights in [0, 1])."""
 
     slots: tuple[str, ...] | None = None
     objective: Callable | None = None
     lr: float | None = None
+    clamp: tuple[float, float] | None = None
 
 
 @dataclass(frozen=True)
 class Phase:
     """A stretch of local training. ``epochs`` (None: ``train.local_epochs``) passes over ``view`` or, when
     ``steps`` is set, exactly that many steps (cycling through fresh permutations). ``batch`` (None:
-    ``train.batch_size``). ``before``/``after``: ``fn(params, state, payload) -> (params, state)`` for one client."""
+    ``train.batch_size``). ``before``/``after``: ``fn(params, state, payload) -> (params, state)`` for one client.
+    ``key`` names the phase's batch schedule (None: its position in the program): phases with the same key draw the
+    same batches, and key 0 is the single-phase round's — so a training phase placed after a preparatory one can
+    keep the batch order of the methods it is compared with (FedALA)."""
 
     epochs: int | None = None
     steps: int | None = None
@@ -65,6 +70,7 @@ class Phase:
     updates: tuple[Step, ...] = (Step(),)
     before: Callable | None = None
     after: Callable | None = None
+    key: int | None = None
 
     @property
     def plain(self) -> bool:

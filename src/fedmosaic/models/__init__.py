@@ -46,16 +46,9 @@ def build_model(name: str, input_shape, num_classes: int, **options) -> FedModel
     a FedModel, or one that cannot take the input (e.g. a CNN whose pooling shrinks an 8x8 image to nothing) or does
     not return ``num_classes`` logits and ``feature_dim`` features; the model is tried on two zero inputs.
     """
-    if name not in MODELS:
-        raise ConfigError(f"model.name: unknown {name!r}; allowed: {', '.join(sorted(MODELS))}")
     shape = tuple(input_shape)
     where = f"model {name!r}" + (f" with options {options}" if options else "")
-    try:
-        model = MODELS[name](shape, num_classes, **options)
-    except (TypeError, ValueError, RuntimeError) as e:
-        raise ConfigError(f"{where}: {_first_line(e)}") from None
-    if not isinstance(model, FedModel):
-        raise ConfigError(f"model {name!r} must return a FedModel (features/head); wrap it with fedmosaic.models.Wrapped")
+    model = _construct(name, shape, num_classes, options, where)
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
     training = model.training
     try:
@@ -73,11 +66,24 @@ def build_model(name: str, input_shape, num_classes: int, **options) -> FedModel
     return model
 
 
+def _construct(name: str, shape: tuple, num_classes: int, options: dict, where: str) -> FedModel:
+    if name not in MODELS:
+        raise ConfigError(f"model.name: unknown {name!r}; allowed: {', '.join(sorted(MODELS))}")
+    try:
+        model = MODELS[name](shape, num_classes, **options)
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ConfigError(f"{where}: {_first_line(e)}") from None
+    if not isinstance(model, FedModel):
+        raise ConfigError(f"model {name!r} must return a FedModel (features/head); wrap it with fedmosaic.models.Wrapped")
+    return model
+
+
 def parameter_count(name: str, input_shape, num_classes: int, **options) -> int:
     """Parameters and buffers of the model, counted on the meta device (nothing is allocated), so a request for a
     model that cannot fit in memory is refused before it is built."""
-    with torch.device("meta"):
-        model = build_model(name, input_shape, num_classes, **options)
+    where = f"model {name!r}" + (f" with options {options}" if options else "")
+    with torch.device("meta"):  # constructed only: a forward pass on meta tensors costs a second of imports
+        model = _construct(name, tuple(input_shape), num_classes, options, where)
     return sum(t.numel() for t in [*model.parameters(), *model.buffers()])
 
 

@@ -7,6 +7,7 @@ import json
 import math
 import pickle
 import struct
+import sys
 import tarfile
 import zipfile
 import zlib
@@ -15,8 +16,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
-from scipy.io.matlab import MatReadError
-
 from ...errors import CorruptDataError, FedMosaicError
 from ..base import ArrayDataset
 
@@ -24,8 +23,15 @@ from ..base import ArrayDataset
 # *structure* (a JSON list where a dict belongs, a missing npz key) surfaces as KeyError/TypeError/IndexError.
 _PARSE_ERRORS = (
     OSError, EOFError, ValueError, KeyError, IndexError, TypeError, struct.error, zlib.error,
-    pickle.UnpicklingError, zipfile.BadZipFile, tarfile.TarError, MatReadError,
+    pickle.UnpicklingError, zipfile.BadZipFile, tarfile.TarError,
 )
+
+
+def _parse_errors() -> tuple[type[BaseException], ...]:
+    """:data:`_PARSE_ERRORS` and, once a .mat reader has imported scipy.io, its MatReadError (scipy is not
+    imported at start-up for it: a fraction of a second of every run)."""
+    mat = sys.modules.get("scipy.io.matlab")
+    return _PARSE_ERRORS + ((mat.MatReadError,) if mat is not None else ())
 
 
 def one_line(exc: BaseException) -> str:
@@ -39,7 +45,7 @@ def reading(what: str | Path) -> Iterator[None]:
         yield
     except FedMosaicError:
         raise
-    except _PARSE_ERRORS as exc:
+    except _parse_errors() as exc:
         raise CorruptDataError(
             f"{what}: cannot read it ({type(exc).__name__}: {one_line(exc)}); it looks truncated or corrupt, "
             "replace it with a fresh copy"

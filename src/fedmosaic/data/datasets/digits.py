@@ -5,8 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 
 from ..base import ArrayDataset
 from ..registry import DatasetSpec, Layout, register
@@ -16,6 +14,10 @@ SPLIT_SEED = 0
 
 
 def _read(_folder: Path) -> ArrayDataset:
+    # scikit-learn is imported here, not at start-up (a second of every run's start that reads no digits)
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     bunch = load_digits()
     x = np.rint(bunch.images * (255 / 16)).astype(np.uint8)[:, None]  # grey levels 0..16 -> 0..255
     y = bunch.target.astype(np.int64)

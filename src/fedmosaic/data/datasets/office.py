@@ -11,7 +11,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import scipy.io
 
 from ..base import ArrayDataset
 from ..registry import DatasetSpec, Layout, register
@@ -46,6 +45,8 @@ def _dataset(x, y, groups, classes: list[str], sources, meta) -> ArrayDataset:
 
 
 def _read_surf_domain(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    import scipy.io  # here, not at start-up: most runs read no .mat file
+
     with reading(path):
         mat = scipy.io.loadmat(path)
         x, y = mat["feas"].astype(np.float32), mat["label"].reshape(-1).astype(np.int64) - 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
-import scipy.io
 
 from ..base import ArrayDataset
 from ..registry import DatasetSpec, Layout, Source, register
@@ -15,6 +14,8 @@ _URL = "http://ufldl.stanford.edu/housenumbers/"
 
 
 def _read_split(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    import scipy.io  # here, not at start-up: most runs read no .mat file
+
     with reading(path):
         mat = scipy.io.loadmat(path)
         x, y = mat["X"], mat["y"].reshape(-1)

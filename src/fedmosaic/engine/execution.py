@@ -1,0 +1,220 @@
+"""How a run executes — chosen per model, device and run length when the config leaves it to fedmosaic.
+
+``engine.backend: auto`` and ``engine.compile: auto`` (the defaults) are resolved once per architecture group, before
+the first round, by :func:`choose`: a pure function of what the run is (the model, the device, the estimated step
+profile of its cohorts, whether the round program is the plain one the compiled path runs). Explicit settings are
+overrides and are kept as they are. Every execution gives the same numbers (within float tolerance); only the time
+differs. The rule and the measurements behind its constants: docs/benchmarks.md ("How fedmosaic chooses").
+
+- Convolutional models on the CPU train on the per-client loop (``sequential``): ``vmap`` over per-client conv
+  weights becomes grouped convolutions, which the CPU runs slower than one plain convolution per client. Their
+  image batches go in channels-last memory order, which the CPU's convolution kernels run faster.
+- Other models (and any model on a GPU) are vectorized, and a step with few active clients — the long tail of a
+  power-law cohort, where one large client runs on alone — is looped: a vmapped step costs a fixed framework
+  overhead worth several plain single-client steps (``loop_below``).
+- Dense models with tiny steps (parameters x batch <= ``TINY_STEP``) train on one CPU thread: their operations
+  are too small to gain from several, and the threads' fork/join costs more than it saves.
+- ``torch.compile`` only where the round program is plain and the estimated time it saves over the whole run is
+  at least twice its one-time warm-up, and a compiler for the device is there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+#: Per lockstep step of a small model, in milliseconds, measured on the benchmark CPU (docs/benchmarks.md): the
+#: eager vmapped step (logistic regression, B = 10: 0.49 ms with one active client, 0.70 with eight), one looped
+#: client's step (0.10-0.11 ms), and a compiled fused step.
+VMAP_STEP_MS = {"cpu": 0.70, "cuda": 0.85}
+LOOP_CLIENT_MS = {"cpu": 0.10, "cuda": 0.20}
+COMPILED_STEP_MS = {"cpu": 0.08, "cuda": 0.10}
+#: The one-time cost of compiling a run's shapes (several power-of-two cohort buckets, plain and fused), seconds:
+#: measured on the benchmark CPU ~40 s with torch's compile cache warm, ~115 s cold (docs/benchmarks.md).
+COMPILE_WARMUP_S = {"cpu": 60.0, "cuda": 60.0}
+#: Compile only when the estimated saving is at least this many warm-ups (so more than a cold compile costs).
+COMPILE_MARGIN = 2.0
+#: On a GPU only single-client steps are looped (a kernel launch per client and op costs more than vmap's batching).
+GPU_LOOP_BELOW = 2
+#: A dense model whose parameters x batch size is at most this takes steps too small to gain from several CPU
+#: threads (their fork/join costs more): it trains on one (evaluation keeps torch's default).
+TINY_STEP = 2**20
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What of a model matters for how to run it."""
+
+    name: str
+    params: int
+    conv: bool  # has convolutions
+    buffers: bool  # has buffers (BatchNorm running statistics): vmap cannot update them per client
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> ModelFacts:
+        conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in module.modules())
+        return cls(module.__class__.__name__, sum(p.numel() for p in module.parameters()), conv,
+                   any(True for _ in module.buffers()))
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """The run's shape: ``rounds``, and per round on average ``active[a]`` = the number of lockstep steps during
+    which exactly ``a`` clients of a chunk are active (index 0 unused), from the cohorts the run will draw."""
+
+    rounds: int
+    active: tuple[float, ...] = ()
+    plain: bool = True  # the round program is the default phase (what the compiled fused path runs)
+    batch: int = 1
+
+    @property
+    def lockstep_steps(self) -> float:
+        """Steps per round in lockstep (the sum over chunks of their largest client's steps)."""
+        return float(sum(self.active))
+
+    @property
+    def client_steps(self) -> float:
+        """Client steps per round (what a plain per-client loop runs)."""
+        return float(sum(a * n for a, n in enumerate(self.active)))
+
+
+def step_profile(steps: np.ndarray, cohorts: list[np.ndarray], chunk: int) -> tuple[float, ...]:
+    """``RunFacts.active`` from the clients' step counts and a sample of the run's cohorts (trained in chunks of
+    ``chunk`` clients, each chunk in lockstep until its largest client is done)."""
+    width = min(chunk, max((len(c) for c in cohorts), default=0))
+    total = np.zeros(width + 1)
+    for cohort in cohorts:
+        for lo in range(0, len(cohort), chunk):
+            s = np.sort(steps[cohort[lo : lo + chunk]])[::-1]  # s[a-1]: steps while at least a clients are active
+            if len(s):
+                total[1 : len(s) + 1] += s - np.append(s[1:], 0)
+    return tuple((total / max(len(cohorts), 1)).tolist())
+
+
+@dataclass(frozen=True)
+class Execution:
+    backend: str  # "vectorized" | "sequential"
+    compile: bool
+    fuse_steps: int
+    loop_below: int  # vectorized: steps with fewer active clients than this run on the per-client loop
+    why: str = ""
+    auto: tuple[str, ...] = field(default=())  # which settings were chosen automatically
+    threads: int | None = None  # CPU threads while training (None: as configured / torch's default)
+    channels_last: bool = False  # looped steps feed image batches to the model in channels-last memory order
+
+    @property
+    def label(self) -> str:
+        if self.backend == "sequential":
+            return "sequential, channels-last inputs" if self.channels_last else "sequential"
+        parts = ["vectorized"]
+        if self.compile:
+            parts.append(f"compile (fused x{self.fuse_steps})" if self.fuse_steps > 1 else "compile")
+        text = "+".join(parts)
+        if self.loop_below > 2:
+            text += f", steps of < {self.loop_below} active clients looped"
+        elif self.loop_below == 2:
+            text += ", single-client steps looped"
+        if self.threads is not None:
+            text += f", {self.threads} thread{'s' if self.threads > 1 else ''} while training"
+        return text
+
+    def describe(self) -> str:
+        how = f"auto: {self.why}" if self.auto else "as configured"
+        return f"{self.label} ({how})"
+
+    def as_dict(self) -> dict:
+        return {"backend": self.backend, "compile": self.compile, "fuse_steps": self.fuse_steps,
+                "loop_below": self.loop_below, "threads": self.threads, "channels_last": self.channels_last,
+                "chosen": list(self.auto), "why": self.why, "label": self.label}
+
+
+def compiler_available(device: str) -> bool:
+    """torch.compile needs a C++ compiler for the CPU and Triton for CUDA."""
+    if device == "cuda":
+        return importlib.util.find_spec("triton") is not None
+    if device == "cpu":
+        return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
+    return False
+
+
+def loop_below_for(device: str) -> int:
+    """On the vectorized path: loop the steps with fewer active clients than this (see module docstring)."""
+    if device == "cpu":
+        return int(np.ceil(VMAP_STEP_MS["cpu"] / LOOP_CLIENT_MS["cpu"]))
+    return GPU_LOOP_BELOW
+
+
+def eager_step_ms(device: str, a: int, loop_below: int) -> float:
+    """The framework overhead of one eager lockstep step with ``a`` active clients."""
+    dev = device if device in VMAP_STEP_MS else "cuda"
+    return LOOP_CLIENT_MS[dev] * a if a < loop_below else VMAP_STEP_MS[dev]
+
+
+def compile_saving_s(run: RunFacts, device: str, loop_below: int) -> float:
+    """The estimated time compiling saves over the whole run (overhead only: the arithmetic stays)."""
+    dev = device if device in COMPILED_STEP_MS else "cuda"
+    per_round = sum(n * max(0.0, eager_step_ms(dev, a, loop_below) - COMPILED_STEP_MS[dev])
+                    for a, n in enumerate(run.active) if a)
+    return run.rounds * per_round / 1000
+
+
+def choose(backend: str, compile: bool | str, fuse_steps: int, model: ModelFacts, device: str, run: RunFacts,
+           compiler: bool | None = None, threads: int | None = None) -> Execution:
+    """The execution of one architecture group. ``backend``/``compile`` as configured (``auto`` or explicit);
+    ``device``: ``cpu``, ``cuda`` or ``mps``; ``compiler``: whether torch.compile can work here (None: look);
+    ``threads``: ``engine.threads`` (set: kept)."""
+    auto_backend = backend == "auto"
+    chosen: list[str] = []
+    kind = "convolutional" if model.conv else "dense"
+    why = [device, f"{kind} model of {model.params:,} parameters",
+           f"{run.rounds:,} rounds x ~{run.lockstep_steps:,.0f} lockstep steps (~{run.client_steps:,.0f} client steps)"]
+    if model.buffers:  # running statistics are updated in place during the forward pass: not per client under vmap
+        if backend != "sequential":
+            why.append("model buffers (BatchNorm statistics) need the per-client loop")
+        if backend == "auto":
+            chosen.append("backend")
+        backend = "sequential"
+    if backend == "auto":
+        chosen.append("backend")
+        if compile is True:
+            backend = "vectorized"  # compiling needs the mapped step
+        elif model.conv and device != "cuda":
+            backend = "sequential"
+            why.append("vmap over convolutions is slower than a per-client loop here")
+        else:
+            backend = "vectorized"
+        loop_below = 0 if backend == "sequential" else loop_below_for(device)
+    else:
+        loop_below = 0  # an explicit ``vectorized`` is pure vmap
+    if compile == "auto":
+        compile = False
+        if backend == "vectorized":  # (the sequential path has nothing to compile)
+            chosen.append("compile")
+            if not run.plain:
+                why.append("no compile: the round program is not the plain one the compiled path runs")
+            else:
+                dev = device if device in COMPILE_WARMUP_S else "cuda"
+                saving, warmup = compile_saving_s(run, dev, loop_below), COMPILE_WARMUP_S[dev]
+                if saving < COMPILE_MARGIN * warmup:
+                    why.append(f"no compile: it would save ~{saving:,.0f} s, the warm-up costs ~{warmup:.0f} s")
+                elif not (compiler if compiler is not None else compiler_available(device)):
+                    why.append(f"no compile: no compiler for {device} found")
+                else:
+                    compile = True
+                    why.append(f"compile: saves ~{saving:,.0f} s for ~{warmup:.0f} s of warm-up")
+    compile = bool(compile) and backend == "vectorized"
+    train_threads = None
+    if auto_backend and threads is None and device == "cpu" and not model.conv and not compile \
+            and model.params * run.batch <= TINY_STEP:
+        train_threads = 1
+        why.append(f"steps of {model.params:,} parameters x batch {run.batch}: one thread")
+    # the CPU's convolutions run faster on channels-last inputs (oneDNN); chosen with the loop, never imposed
+    channels_last = auto_backend and backend == "sequential" and model.conv and device == "cpu"
+    if channels_last:
+        why.append("channels-last inputs")
+    return Execution(backend, compile, fuse_steps if compile else 1, loop_below, "; ".join(why), tuple(chosen),
+                     train_threads, channels_last)

@@ -1,0 +1,220 @@
+"""How a run executes: the ``auto`` choice (a pure function of model, device and run shape), the looped steps of the
+vectorized path giving the mapped numbers, and the choice being printed and recorded."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pytest
+import torch
+from fedtest import assert_trees_close, train
+from torch import nn
+
+from fedmosaic.config import validate
+from fedmosaic.data.federated import PartitionSpec, compute
+from fedmosaic.engine import execution as ex
+from fedmosaic.engine.execution import ModelFacts, RunFacts, choose, step_profile
+from fedmosaic.engine.federation import Federation
+from fedmosaic.engine.runner import run
+from fedmosaic.errors import ConfigError
+
+DENSE = ModelFacts("LogisticRegression", 7_850, conv=False, buffers=False)
+CONV = ModelFacts("_ConvNet", 2_156_490, conv=True, buffers=False)
+SHORT = RunFacts(3, (0.0, 20.0, 5.0, 4.0), batch=10)
+#: a cohort of ten in lockstep for 2,000 steps a round: compiling saves far more than its warm-up
+LONG = RunFacts(1_000, (0.0,) * 10 + (2_000.0,), batch=10)
+
+
+def make_cfg(**over):
+    raw = {
+        "seed": 3,
+        "data": {"dataset": "blobs", "clients": 8, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5},
+                 "client_test": 0.25},
+        "model": {"name": "mlp", "options": {"hidden": 16}},
+        "train": {"rounds": 3, "clients_per_round": 6, "local_epochs": 2, "batch_size": 8,
+                  "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}},
+        "checkpoint_every": 2,
+    }
+    for key, value in over.items():
+        node = raw
+        *path, last = key.split("__")
+        for p in path:
+            node = node.setdefault(p, {})
+        node[last] = value
+    return validate(raw)
+
+
+@pytest.fixture(scope="module")
+def fd(blob_data):
+    spec = PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 3)
+    return compute(spec, blob_data)
+
+
+# ---- the rule ----------------------------------------------------------------------------------------------------
+def test_defaults_are_auto_and_explicit_settings_are_kept():
+    e = validate({}).engine
+    assert (e.backend, e.compile) == ("auto", "auto")
+    vec = choose("vectorized", False, 8, CONV, "cpu", LONG)
+    assert (vec.backend, vec.compile, vec.loop_below, vec.auto) == ("vectorized", False, 0, ())  # pure vmap
+    assert vec.describe() == "vectorized (as configured)"
+    seq = choose("sequential", "auto", 8, DENSE, "cpu", LONG, compiler=True)
+    assert (seq.backend, seq.compile) == ("sequential", False)  # compiling needs the mapped step
+    forced = choose("vectorized", True, 16, DENSE, "cpu", SHORT)
+    assert (forced.compile, forced.fuse_steps) == (True, 16)
+
+
+def test_auto_on_the_cpu_loops_convolutions_and_vectorizes_dense_models_with_a_looped_tail():
+    conv = choose("auto", "auto", 8, CONV, "cpu", LONG, compiler=True)
+    assert (conv.backend, conv.compile) == ("sequential", False)
+    assert "vmap over convolutions is slower" in conv.why and conv.auto == ("backend",)
+    assert conv.channels_last and conv.label == "sequential, channels-last inputs"
+    assert not choose("sequential", "auto", 8, CONV, "cpu", LONG).channels_last  # explicit: the reference path
+    dense = choose("auto", "auto", 8, DENSE, "cpu", SHORT)
+    assert (dense.backend, dense.compile) == ("vectorized", False)
+    assert dense.loop_below == ex.loop_below_for("cpu") > 2
+    assert dense.label == f"vectorized, steps of < {dense.loop_below} active clients looped, 1 thread while training"
+    # on a GPU convolutions stay mapped, and only single-client steps are looped
+    gpu = choose("auto", "auto", 8, CONV, "cuda", SHORT)
+    assert (gpu.backend, gpu.loop_below) == ("vectorized", 2)
+
+
+def test_auto_compiles_only_runs_long_enough_to_repay_the_warm_up():
+    short = choose("auto", "auto", 8, DENSE, "cpu", SHORT, compiler=True)
+    assert not short.compile and "no compile: it would save ~0 s" in short.why
+    assert ex.compile_saving_s(LONG, "cpu", ex.loop_below_for("cpu")) > ex.COMPILE_MARGIN * ex.COMPILE_WARMUP_S["cpu"]
+    long = choose("auto", "auto", 8, DENSE, "cpu", LONG, compiler=True)
+    assert (long.backend, long.compile, long.fuse_steps) == ("vectorized", True, 8)
+    assert long.label.startswith("vectorized+compile (fused x8)")
+    assert not choose("auto", "auto", 8, DENSE, "cpu", LONG, compiler=False).compile  # no C++ compiler here
+    not_plain = RunFacts(LONG.rounds, LONG.active, plain=False)
+    assert not choose("auto", "auto", 8, DENSE, "cpu", not_plain, compiler=True).compile
+    assert not choose("auto", "auto", 8, CONV, "cpu", LONG, compiler=True).compile  # sequential: nothing to compile
+    # asking for compile with the backend left to auto takes the mapped path
+    assert choose("auto", True, 8, CONV, "cpu", SHORT).backend == "vectorized"
+
+
+def test_tiny_steps_train_on_one_cpu_thread_unless_threads_are_configured():
+    assert choose("auto", "auto", 8, DENSE, "cpu", SHORT).threads == 1
+    assert choose("auto", "auto", 8, DENSE, "cpu", SHORT, threads=2).threads is None  # engine.threads is kept
+    assert choose("vectorized", False, 8, DENSE, "cpu", SHORT).threads is None  # explicit: as configured
+    assert choose("auto", "auto", 8, DENSE, "cuda", SHORT).threads is None
+    assert choose("auto", "auto", 8, CONV, "cpu", SHORT).threads is None  # convolutions use every thread
+    big = ModelFacts("MLP", ex.TINY_STEP // 10 + 1, conv=False, buffers=False)
+    assert choose("auto", "auto", 8, big, "cpu", SHORT).threads is None
+
+
+def test_the_trainer_restores_torchs_threads(fd):
+    before = torch.get_num_threads()
+    fed = train(make_cfg(), fd)
+    assert fed.groups[0].trainer.threads == 1 and torch.get_num_threads() == before
+
+
+def test_models_with_buffers_always_take_the_per_client_loop():
+    bn = ModelFacts("Wrapped", 100, conv=True, buffers=True)
+    for backend in ("auto", "vectorized"):
+        e = choose(backend, "auto", 8, bn, "cuda", LONG, compiler=True)
+        assert (e.backend, e.compile) == ("sequential", False) and "BatchNorm" in e.why
+
+
+def test_step_profile_counts_lockstep_steps_by_active_clients():
+    steps = np.array([10, 3, 7, 1])
+    # cohort {0,1,2}: 3 steps with 3 active, 4 with 2 (7-3), 3 with 1 (10-7); cohort {3}: 1 step with 1
+    prof = step_profile(steps, [np.array([0, 1, 2]), np.array([3])], chunk=128)
+    assert prof == pytest.approx((0.0, (3 + 1) / 2, 4 / 2, 3 / 2))
+    run_ = RunFacts(5, prof)
+    assert run_.lockstep_steps == pytest.approx(11 / 2) and run_.client_steps == pytest.approx(21 / 2)
+    # chunks of two: {0,1} then {2}
+    assert step_profile(steps, [np.array([0, 1, 2])], chunk=2) == pytest.approx((0.0, 7 + 7, 3))
+
+
+def test_model_facts():
+    conv = nn.Sequential(nn.Conv2d(1, 2, 3), nn.Flatten(), nn.Linear(8, 2))
+    facts = ModelFacts.of(conv)
+    assert facts.conv and not facts.buffers and facts.params == sum(p.numel() for p in conv.parameters())
+    assert ModelFacts.of(nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))).buffers
+
+
+def test_config_errors_name_the_choices():
+    for raw, needle in (({"backend": "gpu"}, "engine.backend: must be 'vectorized' or 'sequential', or 'auto'"),
+                        ({"compile": "yes"}, "engine.compile: must be true, false or 'auto' (got 'yes')")):
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            validate({"engine": raw})
+
+
+# ---- the looped steps give the mapped numbers ----------------------------------------------------------------------
+@pytest.mark.parametrize("algo", [{"name": "fedavg"}, {"name": "fedprox", "mu": 0.5}, {"name": "fedcurv"},
+                                  {"name": "pfedme", "K": 2}, {"name": "perfedavg"}, {"name": "ditto", "lam": 0.3},
+                                  {"name": "fedproto", "lam": 1.0}])
+@pytest.mark.parametrize("optimizer", [{"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}, {"name": "adam", "lr": 0.01}])
+def test_mixed_looped_and_mapped_steps_equal_pure_vmap(fd, algo, optimizer):
+    """A ragged cohort run with the tail looped (fewer than 3 active clients) equals the same run all mapped."""
+    ref = train(make_cfg(algorithm=algo, train__optimizer=optimizer, engine={"backend": "vectorized"}), fd)
+    fed = Federation(make_cfg(algorithm=algo, train__optimizer=optimizer, engine={"backend": "vectorized"}), fd)
+    fed.groups[0].trainer.loop_below = 3
+    for t in range(fed.cfg.train.rounds):
+        fed.round(t)
+    assert_trees_close(ref.server, fed.server)
+    if ref.groups[0].store:
+        assert_trees_close(ref.groups[0].store, fed.groups[0].store)
+
+
+def test_auto_run_equals_vectorized_and_sequential(fd):
+    auto = train(make_cfg(), fd)
+    assert auto.groups[0].execution.auto == ("backend", "compile")
+    assert auto.groups[0].trainer.loop_below == ex.loop_below_for("cpu")
+    for backend in ("vectorized", "sequential"):
+        other = train(make_cfg(engine={"backend": backend}), fd)
+        assert_trees_close(auto.server, other.server)
+
+
+def test_a_convolutional_model_runs_sequential_on_the_cpu_with_the_mapped_numbers(fd):
+    from fedmosaic.models import MODELS, Wrapped, register_model
+
+    def tiny_cnn(input_shape, num_classes):
+        body = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 8), nn.Tanh())
+        return Wrapped(body, nn.Linear(8, num_classes))
+
+    if "user_tiny_cnn" not in MODELS:
+        register_model("user_tiny_cnn", tiny_cnn)
+    cfg = make_cfg(model={"name": "user_tiny_cnn"}, engine={"device": "cpu"})
+    auto = train(cfg, fd)
+    assert auto.groups[0].execution.backend == "sequential" and not auto.groups[0].trainer.vectorize
+    assert auto.groups[0].trainer.channels_last
+    vec = train(make_cfg(model={"name": "user_tiny_cnn"}, engine={"backend": "vectorized"}), fd)
+    assert_trees_close(auto.server, vec.server)
+    assert auto.evaluate()["global"]["acc"] == pytest.approx(vec.evaluate()["global"]["acc"], abs=1e-6)
+
+
+def test_the_finished_client_stays_put_on_the_looped_path(fd):
+    """Packing and looping together: a small client trained in a cohort equals it trained alone."""
+    fed = Federation(make_cfg(algorithm={"name": "local"}, train__clients_per_round=8), fd)
+    g = fed.groups[0]
+    g.trainer.loop_below = 10**6  # every step looped
+    sizes = fed.split["train"].sizes
+    small, big = int(np.argmin(sizes)), int(np.argmax(sizes))
+    payload = fed.algo.broadcast(fed.server, 0)
+    kw = {"epochs": 2, "batch": 8, "lr": 0.05, "seed": 3, "round_idx": 0}
+    both = np.array(sorted([small, big]))
+    _, together, _, _ = g.trainer.train(fed.split["train"], both, payload, {k: {n: t[both] for n, t in v.items()}
+                                                                           for k, v in g.store.items()}, {}, **kw)
+    alone = np.array([small])
+    _, solo, _, _ = g.trainer.train(fed.split["train"], alone, payload, {k: {n: t[alone] for n, t in v.items()}
+                                                                        for k, v in g.store.items()}, {}, **kw)
+    row = int(np.flatnonzero(both == small)[0])
+    for name, t in together["model"].items():
+        torch.testing.assert_close(t[row], solo["model"][name][0], atol=1e-6, rtol=1e-5)
+
+
+# ---- printed and recorded ------------------------------------------------------------------------------------------
+def test_the_run_prints_and_records_its_execution(fd, tmp_path, capsys):
+    run(make_cfg(), tmp_path / "r", progress=False, fd=fd)
+    line = capsys.readouterr().out.splitlines()[0]
+    assert line.startswith("fedmosaic: execution: vectorized, steps of < ") and "(auto: cpu; dense model of " in line
+    meta = json.loads((tmp_path / "r" / "meta.json").read_text())
+    [rec] = meta["execution"]
+    assert rec["model"] == "MLP" and rec["backend"] == "vectorized" and rec["compile"] is False
+    assert rec["chosen"] == ["backend", "compile"] and rec["label"] in line
+    run(make_cfg(engine={"backend": "sequential"}), tmp_path / "s", progress=False, fd=fd)
+    assert capsys.readouterr().out.splitlines()[0] == "fedmosaic: execution: sequential (as configured)"
