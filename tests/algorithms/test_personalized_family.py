@@ -32,6 +32,7 @@ NEW = [
     {"name": "fedmeta"},
     {"name": "fedavg_ft", "adapt_steps": 3},
     {"name": "central"},
+    {"name": "fedala"},
 ]
 
 
@@ -357,3 +358,33 @@ def test_a_client_with_nothing_to_pair_with_trains_without_error(fd):
                                          program=fed.algo.program(fed.server, 0))
     assert steps.tolist() == [1] and float(loss[0]) == 0.0
     assert_trees_close(tmap(lambda t: t[0], up["model"]), fed.server["model"], exact=True)
+
+
+# ---- FedALA ------------------------------------------------------------------------------------------------
+def test_fedala_without_mixed_layers_trains_exactly_as_fedavg(fd):
+    """p = 0: mix = the global model, and the training phase keeps FedAvg's batch schedule (key 0)."""
+    a = train(make_cfg(algorithm={"name": "fedavg"}), fd)
+    b = train(make_cfg(algorithm={"name": "fedala", "p": 0}), fd)
+    assert_trees_close(a.server["model"], b.server["model"], exact=True)
+
+
+def test_fedala_weights_follow_the_projected_gradient_on_a_hand_example(fd):
+    """One ALA step: A <- clip(A - eta * dL/dmix * (w_glob - w_loc), 0, 1), from A = 1."""
+    cfg = make_cfg(algorithm={"name": "fedala", "p": 2, "eta": 50.0, "sample": 1.0}, train__batch_size=500)
+    fed = Federation(cfg, fd)
+    algo, g = fed.algo, fed.groups[0]
+    glob = tmap(torch.clone, fed.server["model"])
+    local = {k: v + 0.3 * torch.randn_like(v) for k, v in glob.items()}
+    state = {"local": local, "A": {k: torch.ones_like(glob[k]) for k in algo._top(glob)}, "seen": torch.ones(())}
+    tr = fed.split["train"]
+    x, y = tr.x[tr.ptr[0] : tr.ptr[1]], tr.y[tr.ptr[0] : tr.ptr[1]]
+    mix = {k: v.clone().requires_grad_(True) for k, v in glob.items()}  # A = 1: mix = w_glob
+    grads = dict(zip(mix, torch.autograd.grad(F.cross_entropy(g.apply(mix, x)[1], y), list(mix.values()))))
+    expected = {k: (1 - 50.0 * grads[k] * (glob[k] - local[k])).clamp(0, 1) for k in state["A"]}
+    stacked = tmap(lambda t: t[None], state)
+    own = {"cid": torch.tensor([0])}
+    new_state = g.trainer.train(tr, np.array([0]), algo.broadcast(fed.server, 0), stacked, {}, own=own, lr=0.1,
+                                seed=0, round_idx=0, program=algo.program(fed.server, 0)[:1])[1]
+    assert_trees_close(tmap(lambda t: t[0], new_state["A"]), expected, atol=1e-6, rtol=1e-4)
+    assert all(float(t.min()) >= 0 and float(t.max()) <= 1 for t in leaves(new_state["A"]))
+    assert any(float(t.min()) < 1 for t in leaves(new_state["A"]))  # it moved

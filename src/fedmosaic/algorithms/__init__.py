@@ -4,6 +4,7 @@ from . import (  # noqa: F401  (registration)
     apfl_pd,
     central,
     ditto,
+    fedala,
     fedavg,
     fedavgm,
     fedcurv,
