@@ -14,12 +14,13 @@ from fedtest import assert_trees_close, train, with_overrides
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.algorithms.apfl_pd import plateau_step
 from fedmosaic.algorithms.base import Algorithm
+from fedmosaic.algorithms.fedpac import collaboration_weights, simplex_projection
 from fedmosaic.algorithms.pfedsrb import soft_threshold
 from fedmosaic.algorithms.terms import LocalContext
 from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.local import view_offsets
-from fedmosaic.engine.program import Phase, Step, View
+from fedmosaic.engine.program import Phase, Signals, Step, View
 from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run
 from fedmosaic.engine.tree import leaves, tmap
 from fedmosaic.errors import ConfigError
@@ -33,6 +34,7 @@ NEW = [
     {"name": "fedavg_ft", "adapt_steps": 3},
     {"name": "central"},
     {"name": "fedala"},
+    {"name": "fedpac"},
 ]
 
 
@@ -388,3 +390,88 @@ def test_fedala_weights_follow_the_projected_gradient_on_a_hand_example(fd):
     assert_trees_close(tmap(lambda t: t[0], new_state["A"]), expected, atol=1e-6, rtol=1e-4)
     assert all(float(t.min()) >= 0 and float(t.max()) <= 1 for t in leaves(new_state["A"]))
     assert any(float(t.min()) < 1 for t in leaves(new_state["A"]))  # it moved
+
+
+# ---- FedPAC ------------------------------------------------------------------------------------------------
+def test_simplex_projection_on_hand_examples():
+    got = simplex_projection(torch.tensor([[0.5, 0.5], [2.0, 0.0], [0.3, 0.2], [-1.0, 3.0], [1.0, 1.0]]))
+    want = torch.tensor([[0.5, 0.5], [1.0, 0.0], [0.55, 0.45], [0.0, 1.0], [0.5, 0.5]])
+    torch.testing.assert_close(got, want)
+
+
+def test_fedpac_collaboration_weights_on_hand_examples():
+    """Equal statistics and equal variances: the combination that minimises sum a_j^2 V is the uniform one. No
+    variance: each client keeps exactly its own head. Two equal clients and a far one (V = 1): with
+    a = (t, t, 1 - 2t) for client 0, the objective (1-2t)^2 d + 2 t^2 + (1-2t)^2 is minimal at t = (d+1)/(2d+3)."""
+    h = torch.ones(3, 2, 4)
+    torch.testing.assert_close(collaboration_weights(h, torch.ones(3)), torch.full((3, 3), 1 / 3))
+    h = torch.randn(3, 2, 4)
+    torch.testing.assert_close(collaboration_weights(h, torch.zeros(3)), torch.eye(3))
+    far = torch.zeros(3, 1, 1)
+    far[2] = 2.0  # d = ||h_2 - h_0||^2 = 4
+    t = (4 + 1) / (2 * 4 + 3)
+    torch.testing.assert_close(collaboration_weights(far, torch.ones(3), iters=5000)[0],
+                               torch.tensor([t, t, 1 - 2 * t]), atol=1e-5, rtol=0)
+
+
+def test_fedpac_server_centroids_heads_and_statistics(fd):
+    """aggregate: centroids = count-weighted mean of the class means; each cohort client's new head = its
+    collaboration weights (from h = prior x class mean and V = mean squared norm - sum_c prior ||mean||^2) applied
+    to the uploaded heads; other clients keep theirs."""
+    fed = Federation(make_cfg(algorithm={"name": "fedpac"}), fd)
+    algo, server = fed.algo, fed.server
+    assert algo.setting.head_keys == ("fc.weight", "fc.bias")
+    C, d = algo.num_classes, algo.feature_dim
+    count = torch.tensor([[2.0, 0, 1, 0, 4], [1, 3, 0, 0, 2]])[:, :C]  # class 3: nobody
+    sums = torch.randn(2, C, d) * (count > 0)[..., None]  # (a class a client lacks sums to 0)
+    sq = torch.tensor([5.0, 7.0])
+    heads = {k: torch.randn(2, *v.shape[1:]) for k, v in server["heads"].items()}
+    body = {k: v.unsqueeze(0).repeat(2, *([1] * v.dim())) for k, v in server["model"].items() if k not in heads}
+    ups = {"body": body, "head": heads, "sum": sums, "count": count, "sq": sq}
+    sig = Signals(torch.tensor([4, 1]), torch.zeros(2), torch.ones(2), 0.1)
+    new = algo.aggregate(server, ups, torch.tensor([3.0, 4.0]), 0, sig)
+    mu = sums / count.clamp(min=1)[..., None]
+    want = (count[..., None] * mu).sum(0) / count.sum(0).clamp(min=1)[:, None]
+    torch.testing.assert_close(new["protos"], want)
+    assert new["has"].tolist() == [1.0, 1.0, 1.0, 0.0, 1.0]
+    n = count.sum(1)
+    prior = count / n[:, None]
+    V = sq / n - (prior * (mu * mu).sum(-1)).sum(1)
+    alpha = collaboration_weights(prior[..., None] * mu, V)
+    for k, t in heads.items():
+        torch.testing.assert_close(new["heads"][k][4], alpha[0, 0] * t[0] + alpha[0, 1] * t[1])
+        torch.testing.assert_close(new["heads"][k][1], alpha[1, 0] * t[0] + alpha[1, 1] * t[1])
+        torch.testing.assert_close(new["heads"][k][0], server["heads"][k][0])  # not in the cohort
+
+
+def own_head(own, i):
+    return tmap(lambda t: t[i], own["head"])
+
+
+def test_fedpac_phases_train_only_their_part(fd):
+    """Without the head phase the uploaded head is the one the client received (its own, from the server), and
+    the head phase alone leaves the body at the global one."""
+    fed = Federation(make_cfg(algorithm={"name": "fedpac", "head_epochs": 0}), fd)
+    g, algo = fed.groups[0], fed.algo
+    clients = np.array([0, 3])
+    own = fed._own(clients)[0]
+    args = (fed.split["train"], clients, algo.broadcast(fed.server, 0), tmap(lambda t: t[:2], g.store), {})
+    up = g.trainer.train(*args, own=own, lr=0.1, seed=0, round_idx=0, program=algo.program(fed.server, 0),
+                         probes=algo.probes(fed.server, 0))[0]
+    assert_trees_close(up["head"], own["head"], exact=True)
+    tr = fed.split["train"]
+    for i, k in enumerate(clients):  # the "sums" probe: one pass over the client's data at its final model
+        z, _ = g.apply({**tmap(lambda t, i=i: t[i], up["body"]), **own_head(own, i)}, tr.x[tr.ptr[k] : tr.ptr[k + 1]])
+        onehot = F.one_hot(tr.y[tr.ptr[k] : tr.ptr[k + 1]], algo.num_classes).float()
+        torch.testing.assert_close(up["sum"][i], onehot.T @ z, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(up["count"][i], onehot.sum(0))
+        torch.testing.assert_close(up["sq"][i], (z * z).sum(), atol=1e-4, rtol=1e-5)
+    w = up["body"]["body.0.weight"]
+    assert not torch.equal(w, fed.server["model"]["body.0.weight"].expand_as(w))
+    fed2 = Federation(make_cfg(algorithm={"name": "fedpac", "head_epochs": 1}), fd)
+    up = fed2.groups[0].trainer.train(*args, own=own, lr=0.1, seed=0, round_idx=0,
+                                      program=fed2.algo.program(fed2.server, 0)[:1],
+                                      probes=fed2.algo.probes(fed2.server, 0))[0]
+    body = {k: v[None].expand(2, *v.shape) for k, v in fed2.server["model"].items() if k in up["body"]}
+    assert_trees_close(up["body"], body, exact=True)
+    assert not torch.equal(up["head"]["fc.weight"], own["head"]["fc.weight"])

@@ -5,6 +5,7 @@ from . import (  # noqa: F401  (registration)
     central,
     ditto,
     fedala,
+    fedpac,
     fedavg,
     fedavgm,
     fedcurv,

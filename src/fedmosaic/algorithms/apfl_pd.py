@@ -177,7 +177,7 @@ class APFLPD(Algorithm):
                      "started": torch.maximum(state["started"], on)}
         return upload, new_state
 
-    def personal_params(self, state, server):
+    def personal_params(self, state, server, own):
         w_s = server["model"]
         mine = self.compose(w_s, state["mask"], state["private"])
         return {k: torch.where(state["started"] > 0, mine[k], w_s[k]) for k in w_s}

@@ -136,9 +136,10 @@ class Algorithm:
     def global_params(self, server: dict) -> dict | None:
         return server.get("model")
 
-    def personal_params(self, state: dict, server: dict) -> dict | None:
-        """A client's personalized model from its state and the server's (one client; vmapped), or None if the
-        algorithm has none. Only asked when ``personalized`` is set and there is no ``finetune``."""
+    def personal_params(self, state: dict, server: dict, own: dict) -> dict | None:
+        """A client's personalized model from its state, the server's and its per-client payload ``own`` (with its
+        ``cid``; one client; vmapped), or None if the algorithm has none. Only asked when ``personalized`` is set
+        and there is no ``finetune``."""
         return None
 
     def report(self, server: dict, store: dict) -> dict:

@@ -32,5 +32,5 @@ class Ditto(Algorithm):
     def finish(self, params, state, payload, stats):
         return {"model": params["model"]}, {"personal": params["personal"]}
 
-    def personal_params(self, state, server):
+    def personal_params(self, state, server, own):
         return state["personal"]

@@ -69,5 +69,5 @@ class FedALA(Algorithm):
         return {"model": params["model"]}, {"local": params["model"], "A": params["A"],
                                             "seen": torch.ones_like(state["seen"])}
 
-    def personal_params(self, state, server):
+    def personal_params(self, state, server, own):
         return {k: torch.where(state["seen"] > 0, v, server["model"][k]) for k, v in state["local"].items()}

@@ -63,7 +63,7 @@ class FedProto(Algorithm):
         protos = stats["acc"]["sum"] / count.clamp(min=1)[:, None]
         return {"protos": protos, "has": (count > 0).to(protos.dtype)}, {"model": params["model"]}
 
-    def personal_params(self, state, server):
+    def personal_params(self, state, server, own):
         return state["model"]
 
     def eval_logits(self, z, logits, server):

@@ -28,5 +28,5 @@ class Local(Algorithm):
     def finish(self, params, state, payload, stats):
         return {}, {"model": params["model"]}
 
-    def personal_params(self, state, server):
+    def personal_params(self, state, server, own):
         return state["model"]

@@ -60,5 +60,5 @@ class PFedMe(Algorithm):
     def finish(self, params, state, payload, stats):
         return {"model": params["model"]}, {"theta": params["theta"], "trained": torch.ones_like(state["trained"])}
 
-    def personal_params(self, state, server):
+    def personal_params(self, state, server, own):
         return {k: torch.where(state["trained"] > 0, v, server["model"][k]) for k, v in state["theta"].items()}

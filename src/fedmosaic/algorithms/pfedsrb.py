@@ -80,7 +80,7 @@ class PFedSRB(Algorithm):
     def finish(self, params, state, payload, stats):
         return {"model": params["model"]}, state
 
-    def personal_params(self, state, server):
+    def personal_params(self, state, server, own):
         return tmap(torch.add, server["model"], state["S"])
 
     def report(self, server, store):

@@ -33,10 +33,12 @@ class LocalContext:
         self.task_loss, self.pair = task_loss, pair
         self._out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def forward(self, slot: str = "model") -> tuple[torch.Tensor, torch.Tensor]:
-        """(features, logits) of the model in ``slot`` on this batch, computed once."""
+    def forward(self, slot: str | tuple[str, ...] = "model") -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, logits) of the model in ``slot`` on this batch, computed once. A tuple of slots is one model
+        whose parameters those slots hold together (FedPAC's ``("body", "head")``, each trained in its own step)."""
         if slot not in self._out:
-            self._out[slot] = self.apply(self.params[slot], self.x)
+            tree = self.params[slot] if isinstance(slot, str) else {k: v for s in slot for k, v in self.params[s].items()}
+            self._out[slot] = self.apply(tree, self.x)
         return self._out[slot]
 
     def mean(self, per_sample: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -68,7 +70,7 @@ def per_sample_task_loss(kind: str, logits: torch.Tensor, y: torch.Tensor) -> to
 class TaskLoss:
     """The supervised loss (cross-entropy, or hinge for the linear SVM) of the model in ``slot``."""
 
-    slot: str = "model"
+    slot: str | tuple[str, ...] = "model"
 
     def __call__(self, ctx: LocalContext) -> torch.Tensor:
         _, logits = ctx.forward(self.slot)
@@ -110,7 +112,7 @@ class PrototypeMSE:
     """
 
     lam: float
-    slot: str = "model"
+    slot: str | tuple[str, ...] = "model"
 
     def __call__(self, ctx: LocalContext) -> torch.Tensor:
         z, _ = ctx.forward(self.slot)

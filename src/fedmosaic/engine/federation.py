@@ -17,7 +17,7 @@ from ..algorithms import ALGORITHMS, Algorithm
 from ..config import RunConfig
 from ..data.federated import FederatedData, PartitionSpec, build
 from ..errors import ConfigError, CorruptDataError, FedMosaicError
-from ..models import build_model, parameter_count
+from ..models import build_model, head_keys, parameter_count
 from . import evaluate as ev
 from .augment import black
 from .execution import Execution, ModelFacts, RunFacts, choose, step_profile
@@ -115,7 +115,8 @@ def check_slots(algo, server: dict, state: dict, clients: np.ndarray) -> None:
     own = {**tmap(lambda t: t[0], algo.client_payload(server, ids)), "cid": ids[0]}
     slots = set(algo.local_init({**algo.broadcast(server, 0), "own": own}, state))
     terms = algo.terms() if type(algo).loss is Algorithm.loss else []  # an own ``loss`` need not use terms
-    used = [(f"term {type(t).__name__}", t.slot) for t in terms if hasattr(t, "slot")]
+    used = [(f"term {type(t).__name__}", s) for t in terms if hasattr(t, "slot")
+            for s in ((t.slot,) if isinstance(t.slot, str) else t.slot)]
     for phase in [*algo.program(server, 0), *(algo.finetune() or [])]:
         used += [("program step", s) for u in phase.updates for s in (u.slots or ())]
     used += [(f"probe {p.name!r}", s) for p in algo.probes(server, 0) for s in (p.slots or ())]
@@ -165,7 +166,7 @@ class Federation:
             raise ConfigError(f"model.heterogeneous: all architectures must share one feature size (got {sorted(dims)})")
         algo_cls = ALGORITHMS[cfg.algorithm.name]
         setting = Setting(self.fd.num_classes, dims.pop(), self.fd.num_clients, cfg.train.optimizer,
-                          cfg.train.local_epochs, self.batch)
+                          cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module))
         self.algo = algo_cls(algo_cls.Config.model_validate(cfg.algorithm.params()), setting)
         if self.algo.pooled:
             self._pool_train_split()
@@ -407,8 +408,8 @@ class Federation:
                                      lr=self.cfg.train.optimizer.lr_at(t), seed=self.cfg.seed, round_idx=t)
             params = params["model"]
         else:
-            params = for_each_client(lambda s: self.algo.personal_params(s, self.server), (0,),
-                                     g.trainer.vectorize)(g.store)
+            params = for_each_client(lambda s, o: self.algo.personal_params(s, self.server, o), (0, 0),
+                                     g.trainer.vectorize)(g.store, self._own(g.clients)[0])
         return {**params, **g.buffers}
 
     # ---- checkpoints -------------------------------------------------------------------------------

@@ -546,6 +546,9 @@ class LocalTrainer:
             m = int(plan["per_epoch"].max(initial=0))
             first = torch.as_tensor(np.arange(m)[:, None] < plan["per_epoch"][None, :], device=data.x.device)
             masks = plan["mask"][:m] * first[..., None]
+        if probe.kind == "sums":
+            return self._probe_sums(data, plan["rows"][:m], masks, params, states, payload, own, buffers,
+                                    probe.objective or self.algo.accumulate)
         fn = self._grad_fn(Step(probe.slots), probe.objective or self.algo.post_grad_loss, with_acc=False)
         total, count = None, torch.zeros(len(plan["steps"]), device=data.x.device)
         for r, mk in zip(plan["rows"][:m], masks):
@@ -560,6 +563,22 @@ class LocalTrainer:
         if total is None:
             return tmap(torch.zeros_like, _sub(params, probe.slots))
         return tmap(lambda t: t / count.clamp(min=1).view(-1, *([1] * (t.dim() - 1))), total)
+
+    @torch.no_grad()
+    def _probe_sums(self, data, rows, masks, params, states, payload, own, buffers, fn):
+        """Per client: the sums of ``fn(ctx)`` (a dict of per-batch sums) over the batches ``rows`` (masked)."""
+        mapped = self._each(partial(self._client_sums, fn=fn), (0, 0, None, 0, 0, 0, 0, 0, 0))
+        total = None
+        for r, mk in zip(rows, masks):
+            part = mapped(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
+                          tmap(torch.clone, buffers))  # (copies: these passes must not move running statistics)
+            total = part if total is None else tmap(torch.add, total, part)
+        return total
+
+    def _client_sums(self, params, state, shared, own, x, y, mask, pair, buffers, fn):
+        ctx = LocalContext(partial(self.apply, buffers=buffers), params, state, {**shared, "own": own}, x, y, mask,
+                           self.task_loss, pair or None)
+        return tmap(torch.detach, fn(ctx))
 
     def _k_steps(self, params, opt_state, state, payload, own, xs, ys, ms, buffers, lr, step):
         """``len(xs)`` consecutive steps of the packed clients (compiled as one graph; updates in place)."""

@@ -85,12 +85,14 @@ class Probe:
 
     ``at``: the parameters the client received (after ``local_init``) or its final ones. ``kind``: ``grad_sq`` the
     mean over minibatches of the squared minibatch gradient (a diagonal Fisher estimate), ``grad`` the gradient of the
-    mean loss over the samples. ``samples``: the client's first batches of the round holding that many samples, or
-    None for one pass over all of its samples."""
+    mean loss over the samples, ``sums`` no gradient: the sums over the samples of ``objective(ctx)`` — a dict of
+    per-batch sums, default the algorithm's ``accumulate`` — (features per class, logits, counts: FedPAC's
+    statistics, prototypes at the final model). ``samples``: the client's first batches of the round holding that
+    many samples, or None for one pass over all of its samples."""
 
     name: str
     at: Literal["received", "final"] = "final"
-    kind: Literal["grad_sq", "grad"] = "grad_sq"
+    kind: Literal["grad_sq", "grad", "sums"] = "grad_sq"
     samples: int | None = None
     objective: Callable | None = None
     slots: tuple[str, ...] | None = None
@@ -106,6 +108,7 @@ class Setting:
     optimizer: object = None  # the local optimiser's config (FedNova and SCAFFOLD need its momentum)
     local_epochs: int = 1
     batch_size: int = 1
+    head_keys: tuple[str, ...] = ()  # the parameters of the model's classifier head (the others: its features)
 
 
 @dataclass

@@ -78,6 +78,18 @@ def _construct(name: str, shape: tuple, num_classes: int, options: dict, where: 
     return model
 
 
+def head_keys(model: FedModel) -> tuple[str, ...]:
+    """The names of the parameters ``model.head`` uses (the classifier; the rest is the feature extractor), found
+    by differentiating the head's output on a feature batch: any FedModel, however its modules are named."""
+    params = dict(model.named_parameters())
+    dev = next(iter(params.values())).device if params else torch.device("cpu")
+    z = torch.zeros(2, model.feature_dim, device=dev, requires_grad=True)
+    with torch.enable_grad():
+        out = model.head(z).sum()
+        grads = torch.autograd.grad(out, list(params.values()), allow_unused=True) if out.requires_grad else []
+    return tuple(k for k, g in zip(params, grads, strict=False) if g is not None)
+
+
 def parameter_count(name: str, input_shape, num_classes: int, **options) -> int:
     """Parameters and buffers of the model, counted on the meta device (nothing is allocated), so a request for a
     model that cannot fit in memory is refused before it is built."""
@@ -87,4 +99,4 @@ def parameter_count(name: str, input_shape, num_classes: int, **options) -> int:
     return sum(t.numel() for t in [*model.parameters(), *model.buffers()])
 
 
-__all__ = ["FedModel", "Wrapped", "MODELS", "register_model", "build_model", "parameter_count"]
+__all__ = ["FedModel", "Wrapped", "MODELS", "register_model", "build_model", "head_keys", "parameter_count"]
