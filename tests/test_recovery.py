@@ -19,7 +19,7 @@ import yaml
 
 from fedmosaic.cli.main import main
 from fedmosaic.errors import FedMosaicError
-from fedmosaic.engine.runner import TIMING_KEYS, read_metrics
+from fedmosaic.engine.runner import TIMING_KEYS, latest_checkpoint, read_metrics
 
 SMALL = {
     "name": "small", "seed": 1,
@@ -55,7 +55,8 @@ def cli(*argv) -> tuple[int, str]:
 
 
 def error_line(stderr: str) -> str:
-    lines = [ln for ln in stderr.splitlines() if ln.strip() and not ln.startswith("fedmosaic: warning:")]
+    lines = [ln for ln in stderr.splitlines()
+             if ln.strip() and not ln.startswith(("fedmosaic: warning:", "fedmosaic: note:"))]
     assert len(lines) == 1 and lines[0].startswith("fedmosaic: error: ") and "Traceback" not in stderr, stderr
     return lines[0]
 
@@ -288,6 +289,8 @@ def test_signals_name_the_real_run_directory(sig, code, tmp_path):
     assert f"fedmosaic run --resume {out}" in err
     done = len(read_metrics(out))
     assert done >= 1
+    assert "stopping after this round" in err
+    assert latest_checkpoint(out).name == f"round_{done - 1:05d}.pt"  # the interrupted round finished and is saved
     # what the message says works: the run continues from its last checkpoint
     rc, _ = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", f"train.rounds={done + 1}")
     assert rc == 0 and len(read_metrics(out)) == done + 1

@@ -7,9 +7,11 @@ with exactly the metrics of an uninterrupted run (timing fields aside).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import platform
+import signal
 import sys
 import time
 import warnings
@@ -350,7 +352,7 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
             stop_after: int | None) -> dict:
     rounds = cfg.train.rounds
     bar = _progress(range(start, rounds), cfg.name, progress, start, rounds)
-    with open(out / "metrics.jsonl", "a") as metrics:
+    with open(out / "metrics.jsonl", "a") as metrics, _stop_between_rounds() as stop:
         for t in bar:
             t0 = time.perf_counter()
             try:
@@ -372,8 +374,9 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
             records.append(rec)
-            if (t + 1) % cfg.checkpoint_every == 0 or t == rounds - 1:
+            if (t + 1) % cfg.checkpoint_every == 0 or t == rounds - 1 or stop.asked:
                 _save_checkpoint(out, fed, t)
+            stop.now()  # a stop asked during the round: it is saved, stop here
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(_postfix(rec), refresh=False)
             if stop_after is not None and t >= stop_after:
@@ -381,6 +384,49 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
     summary = summarize(records, cfg)
     atomic_write(out / "summary.json", json.dumps(summary, indent=2).encode())
     return summary
+
+
+class _Stop:
+    asked: int | None = None  # the signal that asked to stop
+    handlers: dict
+
+    def now(self) -> None:
+        if self.asked is not None:
+            _raise_as(self.handlers[self.asked], self.asked)
+
+
+def _raise_as(handler, signum: int) -> None:
+    """What the handler in place before the run would have done (the CLI's: unwind as an interrupt)."""
+    if callable(handler):
+        handler(signum, None)
+    raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def _stop_between_rounds():
+    """Ctrl-C or SIGTERM during a round lets the round finish and be saved (checkpoint included), then stops, so a
+    resume continues from there; a second one stops at once (a resume then repeats the rounds since the last
+    checkpoint). Outside the main thread signals are left alone."""
+    stop = _Stop()
+    stop.handlers = {}
+
+    def handler(signum, frame):
+        if stop.asked is not None:
+            _raise_as(stop.handlers[signum], signum)
+        stop.asked = signum
+        print(f"\nfedmosaic: note: {signal.Signals(signum).name}: stopping after this round, once it is saved "
+              "(again to stop now)", file=sys.stderr, flush=True)
+
+    try:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            stop.handlers[sig] = signal.signal(sig, handler)
+    except ValueError:  # not the main thread
+        pass
+    try:
+        yield stop
+    finally:
+        for sig, previous in stop.handlers.items():
+            signal.signal(sig, previous)
 
 
 def _postfix(rec: dict) -> dict:
