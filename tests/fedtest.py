@@ -11,6 +11,25 @@ from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.tree import leaves
 
 
+#: The small federation most engine tests train: 8 blob clients, Dirichlet(0.5), an MLP, momentum and weight decay.
+BLOBS8 = {
+    "seed": 3,
+    "data": {"dataset": "blobs", "clients": 8, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5},
+             "client_test": 0.25},
+    "model": {"name": "mlp", "options": {"hidden": 16}},
+    "train": {"rounds": 3, "clients_per_round": 5, "local_epochs": 2, "batch_size": 8,
+              "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}},
+    "checkpoint_every": 2,
+}
+
+
+def blobs8_partition(blob_data):
+    from fedmosaic.data.federated import PartitionSpec, compute
+
+    spec = PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 3)
+    return compute(spec, blob_data)
+
+
 def with_overrides(raw: dict, **over):
     """A validated config from ``raw`` with overrides ``a__b__c=value`` (nested keys joined by ``__``)."""
     from fedmosaic.config import validate

@@ -2,37 +2,27 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
 import pytest
 import torch
 
-from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.runner import read_metrics, run, TIMING_KEYS
-from fedtest import assert_trees_close, train, with_overrides
+from fedtest import BLOBS8, assert_trees_close, blobs8_partition, train, with_overrides
 from fedmosaic.engine.tree import leaves
 from fedmosaic.errors import FedMosaicError
 
 
 def make_cfg(**over):
-    raw = {
-        "seed": 3,
-        "data": {"dataset": "blobs", "clients": 8, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5},
-                 "client_test": 0.25},
-        "model": {"name": "mlp", "options": {"hidden": 16}},
-        "train": {"rounds": 3, "clients_per_round": 5, "local_epochs": 2, "batch_size": 8,
-                  "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}},
-        "checkpoint_every": 2,
-    }
-    return with_overrides(raw, **over)
+    return with_overrides(copy.deepcopy(BLOBS8), **over)
 
 
 @pytest.fixture(scope="module")
 def fd(blob_data):
-    spec = PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 3)
-    return compute(spec, blob_data)
+    return blobs8_partition(blob_data)
 
 
 

@@ -3,17 +3,17 @@ vectorized path giving the mapped numbers, and the choice being printed and reco
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 
 import numpy as np
 import pytest
 import torch
-from fedtest import assert_trees_close, train
+from fedtest import BLOBS8, assert_trees_close, blobs8_partition, train, with_overrides
 from torch import nn
 
 from fedmosaic.config import validate
-from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine import execution as ex
 from fedmosaic.engine.execution import ModelFacts, RunFacts, choose, step_profile
 from fedmosaic.engine.federation import Federation
@@ -28,28 +28,12 @@ LONG = RunFacts(1_000, (0.0,) * 10 + (2_000.0,), batch=10)
 
 
 def make_cfg(**over):
-    raw = {
-        "seed": 3,
-        "data": {"dataset": "blobs", "clients": 8, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5},
-                 "client_test": 0.25},
-        "model": {"name": "mlp", "options": {"hidden": 16}},
-        "train": {"rounds": 3, "clients_per_round": 6, "local_epochs": 2, "batch_size": 8,
-                  "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}},
-        "checkpoint_every": 2,
-    }
-    for key, value in over.items():
-        node = raw
-        *path, last = key.split("__")
-        for p in path:
-            node = node.setdefault(p, {})
-        node[last] = value
-    return validate(raw)
+    return with_overrides(copy.deepcopy(BLOBS8), **{'train__clients_per_round': 6, **over})
 
 
 @pytest.fixture(scope="module")
 def fd(blob_data):
-    spec = PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 3)
-    return compute(spec, blob_data)
+    return blobs8_partition(blob_data)
 
 
 # ---- the rule ----------------------------------------------------------------------------------------------------
