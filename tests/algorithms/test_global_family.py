@@ -97,7 +97,7 @@ def spy_cohorts(fed):
 
 def logits_ctx(student, teacher, y, mask, state=None, payload=None):
     """A context whose "model" outputs ``student`` logits (and features) whatever the input."""
-    apply = lambda params, x: (params["z"], params["logits"])
+    apply = lambda params, x, slot=None: (params["z"], params["logits"])
     params = {"model": {"z": student, "logits": student}}
     payload = {"global": {"z": teacher, "logits": teacher}, **(payload or {})}
     return LocalContext(apply, params, state or {}, payload, torch.zeros(len(y), 1), y, mask)
@@ -170,7 +170,7 @@ def test_model_contrastive_matches_hand_computation():
     z = torch.tensor([[2.0, 0.0], [1.0, 1.0]])
     z_glob = torch.tensor([[1.0, 0.0], [0.0, 3.0]])  # cos 1 and 1/sqrt(2)
     z_prev = torch.tensor([[0.0, 1.0], [1.0, 1.0]])  # cos 0 and 1
-    apply = lambda params, x: (params["z"], params["z"])
+    apply = lambda params, x, slot=None: (params["z"], params["z"])
     ctx = LocalContext(apply, {"model": {"z": z}}, {"prev": {"z": z_prev}}, {"global": {"z": z_glob}},
                        torch.zeros(2, 1), torch.zeros(2, dtype=torch.long), torch.ones(2))
     tau, mu = 0.5, 3.0

@@ -14,6 +14,7 @@ from fedtest import assert_trees_close, train, with_overrides
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.algorithms.apfl_pd import plateau_step
 from fedmosaic.algorithms.base import Algorithm
+from fedmosaic.algorithms.fedkd import truncated_svd
 from fedmosaic.algorithms.fedpac import collaboration_weights, simplex_projection
 from fedmosaic.algorithms.pfedsrb import soft_threshold
 from fedmosaic.algorithms.terms import LocalContext
@@ -35,6 +36,7 @@ NEW = [
     {"name": "central"},
     {"name": "fedala"},
     {"name": "fedpac"},
+    {"name": "fedkd", "mentor": "mlp", "mentor_options": {"hidden": 16}},
 ]
 
 
@@ -475,3 +477,69 @@ def test_fedpac_phases_train_only_their_part(fd):
     body = {k: v[None].expand(2, *v.shape) for k, v in fed2.server["model"].items() if k in up["body"]}
     assert_trees_close(up["body"], body, exact=True)
     assert not torch.equal(up["head"]["fc.weight"], own["head"]["fc.weight"])
+
+
+# ---- FedKD -------------------------------------------------------------------------------------------------
+def test_truncated_svd_keeps_the_fewest_components_reaching_the_energy():
+    """Singular values 3, 2, 1 (energies 9, 4, 1 of 14): 0.6 keeps one (9/14 = 0.64), 0.9 two (13/14 = 0.93),
+    0.95 all three; with all kept the factors rebuild the matrix."""
+    q1, _ = torch.linalg.qr(torch.randn(5, 3, dtype=torch.float64))
+    q2, _ = torch.linalg.qr(torch.randn(4, 3, dtype=torch.float64))
+    d = q1 @ torch.diag(torch.tensor([3.0, 2.0, 1.0], dtype=torch.float64)) @ q2.T
+    for energy, k in ((0.6, 1), (0.9, 2), (0.95, 3)):
+        us, vh = truncated_svd(d, torch.tensor(energy))
+        assert int((us.abs().sum(0) > 0).sum()) == k and int((vh.abs().sum(1) > 0).sum()) == k
+        s_kept = torch.tensor([3.0, 2.0, 1.0])[:k]
+        torch.testing.assert_close(torch.linalg.matrix_norm(us @ vh).square().item(), float((s_kept**2).sum()))
+    torch.testing.assert_close(us @ vh, d)
+
+
+def test_fedkd_adaptive_mutual_distillation_on_a_hand_example(fd):
+    """loss = L_s + L_t + (KL(p_t||p_s) + KL(p_s||p_t)) / (L_s + L_t) on fixed logits."""
+    fed = Federation(make_cfg(algorithm={"name": "fedkd", "tau": 2.0}), fd)
+    ls = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]])
+    lt = torch.tensor([[1.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
+    y = torch.tensor([0, 1])
+    outs = {"s": ls, "t": lt}
+    apply = lambda params, x, slot=None: (None, outs[params])  # noqa: E731
+    ctx = LocalContext(apply, {"model": "s", "mentor": "t"}, {}, {}, torch.zeros(2, 1), y, torch.ones(2))
+    ce_s, ce_t = F.cross_entropy(ls, y), F.cross_entropy(lt, y)
+    p_s, p_t = F.softmax(ls / 2, -1), F.softmax(lt / 2, -1)
+    kl = lambda p, q: (p * (p.log() - q.log())).sum(-1).mean()  # noqa: E731
+    want = ce_s + ce_t + (kl(p_t, p_s) + kl(p_s, p_t)) / (ce_s + ce_t)
+    torch.testing.assert_close(fed.algo.loss(ctx), want)
+
+
+def test_fedkd_without_distillation_or_compression_trains_the_mentee_as_fedavg(fd):
+    a = train(make_cfg(algorithm={"name": "fedavg"}), fd)
+    b = train(make_cfg(algorithm={"name": "fedkd", "distill": False, "svd": False}), fd)
+    assert_trees_close(a.server["model"], b.server["model"], atol=1e-6, rtol=1e-5)
+
+
+def test_fedkd_mentor_has_its_own_architecture_and_evaluates_the_personal_model(fd):
+    fed = train(make_cfg(algorithm={"name": "fedkd", "mentor": "mlp", "mentor_options": {"hidden": 24}}), fd, rounds=2)
+    g = fed.groups[0]
+    assert g.store["mentor"]["body.0.weight"].shape[1] == 24 and fed.server["model"]["body.0.weight"].shape[0] == 8
+    out = fed.evaluate(1)
+    assert 0 <= out["personal"]["acc"] <= 1 and "global_clients" in out
+
+
+def test_fedkd_bytes_up_count_the_kept_svd_components(fd):
+    """bytes_up = the dense tensors (biases) + per client and matrix k (m + n) floats, fewer than the dense update."""
+    fed = Federation(make_cfg(algorithm={"name": "fedkd", "t_start": 0.5, "t_end": 0.5}), fd)
+    seen = {}
+    aggregate = fed.algo.aggregate
+
+    def spy(server, uploads, *a):
+        seen["up"] = uploads
+        return aggregate(server, uploads, *a)
+
+    fed.algo.aggregate = spy
+    rec = fed.round(0)
+    up = seen["up"]
+    want = sum(t.numel() * 4 for t in up["dense"].values())
+    for k, u in up["u"].items():
+        ranks = (u.abs().sum(-2) > 0).sum(-1)
+        assert int(ranks.min()) >= 1 and int(ranks.max()) < min(u.shape[-2:])  # truncated
+        want += int(ranks.sum()) * (u.shape[-2] + up["v"][k].shape[-1]) * 4
+    assert rec["bytes_up"] == want < 4 * len(ranks) * sum(t.numel() for t in fed.server["model"].values())

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from ..engine.program import Phase, Probe, Setting, Signals
-from ..engine.tree import weighted_mean
+from ..engine.tree import nbytes, weighted_mean
 from ..schema import Schema
 from .terms import LocalContext, TaskLoss
 
@@ -36,6 +36,8 @@ class Algorithm:
     personalized: ClassVar[bool] = False
     #: True: the engine pools every client's train samples and deals them out again at random (sizes kept).
     pooled: ClassVar[bool] = False
+    #: The slot whose architecture evaluates personal models (None: the run's model; FedKD: its private mentor).
+    personal_slot: ClassVar[str | None] = None
 
     def __init__(self, cfg: AlgoConfig | None = None, setting: Setting | None = None):
         self.cfg = cfg if cfg is not None else self.Config()
@@ -56,6 +58,18 @@ class Algorithm:
     @property
     def optimizer(self):
         return self.setting.optimizer
+
+    @classmethod
+    def extra_models(cls, cfg: AlgoConfig, model) -> dict[str, tuple[str, dict]]:
+        """Slots trained with an architecture of their own, as ``{slot: (model name, options)}`` (``model``: the
+        run's ``model`` config); their initial parameters reach the algorithm as ``setting.models[slot]`` and
+        ``ctx.forward(slot)`` runs them. FedKD's mentor; none by default."""
+        return {}
+
+    def sent_bytes(self, uploads: dict) -> int:
+        """The bytes the cohort's uploads take on the wire (default: every tensor, dense). An algorithm that
+        compresses (FedKD's truncated SVD factors, padded to fixed shapes so they vmap) counts what it would send."""
+        return nbytes(uploads)
 
     # ---- server side -------------------------------------------------------------------------------
     def init_server(self, init_params: list[dict]) -> dict:

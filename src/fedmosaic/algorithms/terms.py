@@ -34,11 +34,12 @@ class LocalContext:
         self._out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def forward(self, slot: str | tuple[str, ...] = "model") -> tuple[torch.Tensor, torch.Tensor]:
-        """(features, logits) of the model in ``slot`` on this batch, computed once. A tuple of slots is one model
+        """(features, logits) of the model in ``slot`` on this batch, computed once — with the architecture of that
+        slot (FedKD's ``mentor``: ``Algorithm.extra_models``), else the run's model. A tuple of slots is one model
         whose parameters those slots hold together (FedPAC's ``("body", "head")``, each trained in its own step)."""
         if slot not in self._out:
             tree = self.params[slot] if isinstance(slot, str) else {k: v for s in slot for k, v in self.params[s].items()}
-            self._out[slot] = self.apply(tree, self.x)
+            self._out[slot] = self.apply(tree, self.x, slot=slot)
         return self._out[slot]
 
     def mean(self, per_sample: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:

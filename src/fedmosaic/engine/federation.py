@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -59,8 +60,9 @@ class Group:
         """The server's buffers repeated for ``n`` clients."""
         return tmap(lambda t: t.unsqueeze(0).repeat(n, *([1] * t.dim())), self.global_buffers)
 
-    def apply(self, params, x):
-        return torch.func.functional_call(self.module, params, (x,), {"with_features": True})
+    def apply(self, params, x, slot=None):
+        module = self.trainer.extra.get(slot, self.module) if self.trainer is not None else self.module
+        return torch.func.functional_call(module, params, (x,), {"with_features": True})
 
 
 def resolve_device(name: str) -> torch.device:
@@ -165,9 +167,13 @@ class Federation:
         if len(dims) > 1:
             raise ConfigError(f"model.heterogeneous: all architectures must share one feature size (got {sorted(dims)})")
         algo_cls = ALGORITHMS[cfg.algorithm.name]
+        algo_cfg = algo_cls.Config.model_validate(cfg.algorithm.params())
+        self.extra = self._build_extra(algo_cls.extra_models(algo_cfg, cfg.model), dev)
         setting = Setting(self.fd.num_classes, dims.pop(), self.fd.num_clients, cfg.train.optimizer,
-                          cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module))
-        self.algo = algo_cls(algo_cls.Config.model_validate(cfg.algorithm.params()), setting)
+                          cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module),
+                          {s: {k: v.detach().clone() for k, v in m.named_parameters()} for s, m in self.extra.items()},
+                          cfg.train.rounds)
+        self.algo = algo_cls(algo_cfg, setting)
         if self.algo.pooled:
             self._pool_train_split()
         self.server = self.algo.init_server([g.init for g in self.groups])
@@ -189,7 +195,8 @@ class Federation:
             g.trainer = LocalTrainer(self.algo, g.module, cfg.train.optimizer, cfg.model.task_loss, self.transform,
                                      ex.backend == "vectorized", cfg.engine.chunk_size, ex.compile, ex.fuse_steps,
                                      cfg.data.augment, self.pad_fill, cfg.train.local_epochs, self.batch,
-                                     loop_below=ex.loop_below, threads=ex.threads, channels_last=ex.channels_last)
+                                     loop_below=ex.loop_below, threads=ex.threads, channels_last=ex.channels_last,
+                                     extra=self.extra)
             check_slots(self.algo, self.server, one, g.clients[:1])
 
     @property
@@ -279,6 +286,28 @@ class Federation:
             groups.append(Group(gid, module, np.flatnonzero(owner == gid)))
         return [g for g in groups if len(g.clients)]
 
+    def _build_extra(self, specs: dict, dev) -> dict:
+        """The modules of the slots an algorithm trains with architectures of their own (FedKD's mentor), built
+        from their own seed stream: one per slot, shared by every client (each client's parameters are its own)."""
+        if not specs:
+            return {}
+        if len(self.groups) > 1:
+            raise ConfigError(f"algorithm {self.cfg.algorithm.name!r}: its extra models need one architecture per "
+                              "run (model.heterogeneous is set)")
+        shape, C, out = self.fd.dataset.input_shape, self.fd.num_classes, {}
+        for i, (slot, (name, options)) in enumerate(specs.items()):
+            n = parameter_count(name, shape, C, **options)
+            check_fits(4 * n * (1 + self.num_clients), self.memory, dev,
+                       f"the {slot} model {name!r} of every client ({n:,} parameters each)")
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(rng(self.cfg.seed, INIT, 1 + i).integers(2**62)))
+                module = build_model(name, shape, C, **options).to(dev)
+            if any(True for _ in module.buffers()):
+                raise ConfigError(f"the {slot} model {name!r} has buffers (BatchNorm): not supported for an extra "
+                                  "model; choose one without (e.g. GroupNorm)")
+            out[slot] = module
+        return out
+
     # ---- one round ---------------------------------------------------------------------------------
     def round(self, t: int) -> dict:
         """Round ``t``: the cohort trains (group by group), the server aggregates; returns the round's metrics."""
@@ -306,7 +335,7 @@ class Federation:
             "clients": len(cohort),
             "local_steps_max": int(steps.max(initial=0)),
             "bytes_down": (nbytes(payload) + self._buffer_bytes()) * len(cohort) + nbytes(self._own(cohort)[1]),
-            "bytes_up": nbytes(up) + self._buffer_bytes() * len(cohort),
+            "bytes_up": self.algo.sent_bytes(up) + self._buffer_bytes() * len(cohort),
         }
 
     def _by_group(self, cohort: np.ndarray):
@@ -390,7 +419,8 @@ class Federation:
             for g in self.groups if splits else ():
                 mine = self._personal(g, round_idx)
                 for k, sp in splits.items():
-                    correct[k][g.clients] = ev.personal_correct(g.apply, mine, sp.x, sp.y, sp.ptr, g.clients,
+                    apply = partial(g.apply, slot=self.algo.personal_slot)
+                    correct[k][g.clients] = ev.personal_correct(apply, mine, sp.x, sp.y, sp.ptr, g.clients,
                                                                 self.transform, logits_fn, g.trainer.vectorize)
             out.update({k: ev.client_summary(correct[k], sp.sizes) for k, sp in splits.items()})
         report = {k: v for g in self.groups for k, v in self.algo.report(self.server, g.store).items()}

@@ -102,8 +102,9 @@ class LocalTrainer:
                  transform, vectorize: bool = True, chunk_size: int = 128, compile: bool = False,
                  fuse_steps: int = 1, augment: AugmentConfig | None = None, pad_fill: torch.Tensor | float = 0.0,
                  epochs: int = 1, batch: int = 1, loop_below: int = 0, threads: int | None = None,
-                 channels_last: bool = False):
+                 channels_last: bool = False, extra: dict | None = None):
         self.algo, self.module, self.opt, self.task_loss = algo, module, opt, task_loss
+        self.extra = extra or {}  # slot -> its own architecture (Algorithm.extra_models)
         self.transform = transform
         self.augment = augment if augment is not None and augment.active else None
         self.pad_fill = pad_fill
@@ -138,8 +139,11 @@ class LocalTrainer:
     def _each(self, fn, dims, fresh=False):
         return for_each_client(fn, dims, self.vectorize, fresh)
 
-    def apply(self, params, x, buffers=None):
-        """(features, logits); ``buffers`` (BatchNorm running statistics) are the client's, updated in place."""
+    def apply(self, params, x, buffers=None, slot=None):
+        """(features, logits); ``buffers`` (BatchNorm running statistics) are the client's, updated in place.
+        ``slot``: a slot with an architecture of its own (``extra``) runs that module (it has no buffers)."""
+        if slot in self.extra:
+            return functional_call(self.extra[slot], params, (x,), {"with_features": True})
         if params is self._bound:  # a looped client's parameters, already in the module (:meth:`_bound_to`)
             return self.module(x, with_features=True)
         return functional_call(self.module, {**params, **(buffers or {})}, (x,), {"with_features": True},

@@ -16,7 +16,7 @@ The default program is one phase, one step, every slot, the algorithm's ``loss``
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -109,6 +109,8 @@ class Setting:
     local_epochs: int = 1
     batch_size: int = 1
     head_keys: tuple[str, ...] = ()  # the parameters of the model's classifier head (the others: its features)
+    models: dict = field(default_factory=dict)  # slot -> initial parameters of its own architecture (extra_models)
+    rounds: int = 1  # train.rounds (schedules over the run: FedKD's SVD energy threshold)
 
 
 @dataclass

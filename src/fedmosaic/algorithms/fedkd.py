@@ -1,0 +1,109 @@
+"""FedKD (Wu et al. 2022): a private mentor and a shared mentee per client, adaptive mutual distillation, and the
+mentee's updates sent as truncated SVD factors.
+
+Each client keeps a mentor (``mentor``: any registered model, by default the run's architecture; persistent,
+never sent) and trains it together with the mentee it receives (the run's model, the one that is aggregated). On
+every batch, with task losses L_s (mentee) and L_t (mentor) and softened outputs p_s, p_t (temperature ``tau``):
+
+    mentee:  L_s + KL(p_t || p_s) / (L_s + L_t)        mentor:  L_t + KL(p_s || p_t) / (L_s + L_t)
+
+(the other model's output is the target, detached; the adaptive weight 1 / (L_s + L_t) is a weight, detached:
+distillation counts more when both models are already right). The client uploads the mentee's update
+Δ = w − w_global with every matrix replaced by its truncated SVD: the fewest singular components whose energy
+(sum of squared singular values) reaches T, T rising linearly from ``t_start`` to ``t_end`` over the run. So that
+this vmaps, the factors keep their full shape with the dropped components zeroed; the bytes counted are those of
+the kept components, k (m + n) floats per matrix (``sent_bytes``). The server adds the weighted mean of the
+reconstructed updates to the global mentee. Personal model: the client's mentor (evaluated with its architecture).
+
+Simplifications: no hidden-state distillation (the paper's MSE between the two models' hidden states needs a
+learned projection when their widths differ); the download is sent dense (the paper compresses it too).
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+
+from ..engine.tree import clone, nbytes, weighted_mean
+from .base import AlgoConfig, Algorithm, register_algorithm
+from .terms import LocalContext, per_sample_task_loss
+
+
+class FedKDConfig(AlgoConfig):
+    mentor: str | None = Field(None, description="the mentor's model name (default: the run's model)")
+    mentor_options: dict = Field(default_factory=dict, description="the mentor's model options (with mentor set)")
+    tau: float = Field(1.0, gt=0, description="softmax temperature of the mutual distillation")
+    distill: bool = Field(True, description="mutual distillation (false: the two models train side by side)")
+    svd: bool = Field(True, description="send the mentee's update as truncated SVD factors (false: dense)")
+    t_start: float = Field(0.95, gt=0, le=1, description="SVD energy kept in the first round")
+    t_end: float = Field(0.98, gt=0, le=1, description="SVD energy kept in the last round")
+
+
+def truncated_svd(d: torch.Tensor, energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(U·diag(s), Vᵀ) of matrix ``d`` keeping the fewest leading components whose energy reaches ``energy`` of the
+    total; the others zeroed (fixed shapes)."""
+    U, s, Vh = torch.linalg.svd(d, full_matrices=False)
+    e = s * s
+    keep = ((e.cumsum(0) - e) < energy * e.sum()).to(d.dtype)  # the energy before component j is still short
+    return U * (s * keep), Vh * keep[:, None]
+
+
+@register_algorithm
+class FedKD(Algorithm):
+    name = "fedkd"
+    Config = FedKDConfig
+    personalized = True
+    personal_slot = "mentor"
+
+    @classmethod
+    def extra_models(cls, cfg, model):
+        return {"mentor": (cfg.mentor, cfg.mentor_options) if cfg.mentor else (model.name, model.options)}
+
+    def broadcast(self, server, round_idx):
+        frac = min(1.0, round_idx / max(self.setting.rounds - 1, 1))
+        energy = self.cfg.t_start + (self.cfg.t_end - self.cfg.t_start) * frac
+        return {"global": server["model"], "energy": torch.tensor(energy)}
+
+    def init_client(self, server, init_params):
+        return {"mentor": clone(self.setting.models["mentor"])}
+
+    def local_init(self, payload, state):
+        return {"model": payload["global"], "mentor": state["mentor"]}
+
+    def loss(self, ctx: LocalContext) -> torch.Tensor:
+        _, ls = ctx.forward("model")
+        _, lt = ctx.forward("mentor")
+        ce_s = ctx.mean(per_sample_task_loss(ctx.task_loss, ls, ctx.y))
+        ce_t = ctx.mean(per_sample_task_loss(ctx.task_loss, lt, ctx.y))
+        if not self.cfg.distill:
+            return ce_s + ce_t
+        w = 1 / (ce_s + ce_t).detach().clamp(min=1e-12)
+        return ce_s + ce_t + w * (ctx.mean(self._kl(lt.detach(), ls)) + ctx.mean(self._kl(ls.detach(), lt)))
+
+    def _kl(self, target: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Per sample KL(softmax(target / tau) || softmax(logits / tau))."""
+        log_p = (target / self.cfg.tau).log_softmax(-1)
+        return (log_p.exp() * (log_p - (logits / self.cfg.tau).log_softmax(-1))).sum(-1)
+
+    def finish(self, params, state, payload, stats):
+        delta = {k: params["model"][k] - g for k, g in payload["global"].items()}
+        if not self.cfg.svd:
+            return {"dense": delta}, {"mentor": params["mentor"]}
+        factors = {k: truncated_svd(d, payload["energy"]) for k, d in delta.items() if d.dim() == 2}
+        return ({"dense": {k: d for k, d in delta.items() if k not in factors},
+                 "u": {k: f[0] for k, f in factors.items()}, "v": {k: f[1] for k, f in factors.items()}},
+                {"mentor": params["mentor"]})
+
+    def sent_bytes(self, uploads):
+        u, v = uploads.get("u", {}), uploads.get("v", {})
+        kept = sum(int((u[k].abs().sum(-2) > 0).sum()) * (u[k].shape[-2] + v[k].shape[-1]) * u[k].element_size()
+                   for k in u)  # per client and matrix: its kept components, k (m + n) numbers
+        return nbytes(uploads["dense"]) + kept
+
+    def aggregate(self, server, uploads, weights, round_idx, signals):
+        delta = {**uploads["dense"], **{k: uploads["u"][k] @ uploads["v"][k] for k in uploads.get("u", {})}}
+        mean = weighted_mean(delta, weights)
+        return {**server, "model": {k: g + mean[k] for k, g in server["model"].items()}}
+
+    def personal_params(self, state, server, own):
+        return state["mentor"]
