@@ -9,8 +9,8 @@ Clients that have finished are *packed out*: the mapped step only sees the activ
 active set shrinks), so a finished client neither moves nor costs compute. Partial last batches are padded and
 masked inside the loss. The client axis is cut into chunks of ``chunk_size`` to bound memory.
 
-Two ways to run a step: *mapped* — the per-client gradient function under ``torch.func.vmap``, one optimiser update
-of the stacked parameters — or *looped* — each active client in turn with plain autograd (``torch.autograd.grad``
+Two ways to run a step: *mapped* — the clients' objectives forward under ``torch.func.vmap``, one backward of their
+sum for every client's gradient, one optimiser update of the stacked parameters — or *looped* — each active client in turn with plain autograd (``torch.autograd.grad``
 on its rows of the stacked parameters, views, updated in place). The sequential backend loops always; the
 vectorized backend loops while fewer than ``loop_below`` clients are active (``engine/execution.py`` sets it: a
 vmapped step has a fixed framework overhead worth several plain single-client steps). Both give the same numbers.
@@ -150,6 +150,10 @@ class LocalTrainer:
                                tie_weights=self._ties)
 
     # ---- per-client functions -----------------------------------------------------------------------
+    def _ctx(self, params, state, payload, x, y, mask, pair, buffers, full=False) -> LocalContext:
+        return LocalContext(partial(self.apply, buffers=buffers), params, state, payload, x, y, mask, self.task_loss,
+                            pair or None, full)
+
     def _grad_fn(self, step: Step, objective=None, with_acc: bool = True):
         """The mapped gradient function of one update (cached): grads of its slots, loss, accumulated stats."""
         key = (step, objective, with_acc)
@@ -167,8 +171,7 @@ class LocalTrainer:
 
     def _client_loss(self, params, state, shared, own, x, y, mask, pair, buffers, objective, with_acc):
         """One client's objective and accumulated stats (mapped forward of :meth:`_stacked_grads`)."""
-        ctx = LocalContext(partial(self.apply, buffers=buffers), params, state, {**shared, "own": own}, x, y, mask,
-                           self.task_loss, pair or None)
+        ctx = self._ctx(params, state, {**shared, "own": own}, x, y, mask, pair, buffers)
         loss = objective(ctx)
         return loss, (tmap(torch.detach, self.algo.accumulate(ctx)) if with_acc else {})
 
@@ -190,8 +193,7 @@ class LocalTrainer:
         held = {k: tmap(torch.detach, v) for k, v in params.items() if slots is not None and k not in slots}
 
         def f(p, b):  # buffers are an argument, not captured: torch.func allows in-place updates of inputs only
-            ctx = LocalContext(partial(self.apply, buffers=b), {**held, **p}, state, payload, x, y, mask,
-                               self.task_loss, pair or None)
+            ctx = self._ctx({**held, **p}, state, payload, x, y, mask, pair, b)
             loss = objective(ctx)
             acc = tmap(torch.detach, self.algo.accumulate(ctx)) if with_acc else {}
             return loss, (loss.detach(), acc)
@@ -222,8 +224,7 @@ class LocalTrainer:
         functorch's wrapping, which costs more than the whole step of a small model. ``full``: no padding in
         the batch."""
         with torch.enable_grad():
-            ctx = LocalContext(partial(self.apply, buffers=buffers), tree, state, payload, x, y, mask,
-                               self.task_loss, pair or None, full)
+            ctx = self._ctx(tree, state, payload, x, y, mask, pair, buffers, full)
             loss = objective(ctx)
             acc = self.algo.accumulate(ctx) if with_acc else {}
             grads = torch.autograd.grad(loss, live, allow_unused=True) if loss.requires_grad else [None] * len(live)
@@ -580,9 +581,7 @@ class LocalTrainer:
         return total
 
     def _client_sums(self, params, state, shared, own, x, y, mask, pair, buffers, fn):
-        ctx = LocalContext(partial(self.apply, buffers=buffers), params, state, {**shared, "own": own}, x, y, mask,
-                           self.task_loss, pair or None)
-        return tmap(torch.detach, fn(ctx))
+        return tmap(torch.detach, fn(self._ctx(params, state, {**shared, "own": own}, x, y, mask, pair, buffers)))
 
     def _k_steps(self, params, opt_state, state, payload, own, xs, ys, ms, buffers, lr, step):
         """``len(xs)`` consecutive steps of the packed clients (compiled as one graph; updates in place)."""
