@@ -61,8 +61,8 @@ class Group:
         return tmap(lambda t: t.unsqueeze(0).repeat(n, *([1] * t.dim())), self.global_buffers)
 
     def apply(self, params, x, slot=None):
-        module = self.trainer.extra.get(slot, self.module) if self.trainer is not None else self.module
-        return torch.func.functional_call(module, params, (x,), {"with_features": True})
+        """(features, logits) of the group's model (or of ``slot``'s own architecture) with ``params``."""
+        return self.trainer.apply(params, x, slot=slot)
 
 
 def resolve_device(name: str) -> torch.device:
