@@ -263,7 +263,7 @@ def _meta(cfg: RunConfig, fed: Federation) -> dict:
         "data_hash": fed.fd.hash,
         "num_clients": fed.num_clients,
         "device": str(fed.device),
-        "execution": [{"model": g.module.__class__.__name__, **g.execution.as_dict()} for g in fed.groups],
+        "execution": _executions(fed),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 
@@ -333,6 +333,11 @@ def claim(path: Path, text: str) -> None:
         raise FedMosaicError(f"{path.parent} was taken by another run meanwhile; choose another --out") from None
 
 
+def _executions(fed: Federation) -> list[dict]:
+    """How each architecture group runs (``execution.Execution``), for meta.json."""
+    return [{"model": g.module.__class__.__name__, **g.execution.as_dict()} for g in fed.groups]
+
+
 def _amend(out: Path, cfg: RunConfig, changes: dict, start: int, fed: Federation) -> None:
     try:
         meta = json.loads((out / "meta.json").read_text())
@@ -343,7 +348,7 @@ def _amend(out: Path, cfg: RunConfig, changes: dict, start: int, fed: Federation
         meta = {}
     meta.setdefault("amendments", []).append(
         {"from_round": start, "changes": changes, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-         "execution": [{"model": g.module.__class__.__name__, **g.execution.as_dict()} for g in fed.groups]})
+         "execution": _executions(fed)})
     atomic_write(out / "meta.json", json.dumps(meta, indent=2).encode())
     atomic_write(out / "config.yaml", dump(cfg).encode())
 
@@ -387,8 +392,9 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
 
 
 class _Stop:
-    asked: int | None = None  # the signal that asked to stop
-    handlers: dict
+    def __init__(self):
+        self.asked: int | None = None  # the signal that asked to stop
+        self.handlers: dict = {}  # the handlers in place before the run, by signal
 
     def now(self) -> None:
         if self.asked is not None:
@@ -408,7 +414,6 @@ def _stop_between_rounds():
     resume continues from there; a second one stops at once (a resume then repeats the rounds since the last
     checkpoint). Outside the main thread signals are left alone."""
     stop = _Stop()
-    stop.handlers = {}
 
     def handler(signum, frame):
         if stop.asked is not None:
