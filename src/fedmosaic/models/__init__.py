@@ -9,6 +9,7 @@ from torch import nn
 
 from ..errors import ConfigError
 from .base import FedModel, Wrapped
+from .resnet import RESNETS
 from .zoo import MLP, LinearSVM, LogisticRegression, apfl_cnn, cnn4, fedavg_cnn
 
 ModelFactory = Callable[..., nn.Module]
@@ -20,6 +21,7 @@ MODELS: dict[str, ModelFactory] = {
     "fedavg_cnn": fedavg_cnn,
     "apfl_cnn": apfl_cnn,
     "cnn4": cnn4,
+    **RESNETS,
 }
 
 
