@@ -183,9 +183,7 @@ class LocalTrainer:
         tree, live, _ = self._live(params, slots)
         with torch.enable_grad():
             loss, acc = fwd(tree, state, shared, own, x, y, mask, pair, buffers)
-            grads = (torch.autograd.grad(loss.sum(), live, allow_unused=True) if loss.requires_grad
-                     else [None] * len(live))
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(live, grads, strict=True)]
+        grads = self._grad_list(loss.sum(), live)
         return pytree.tree_unflatten(grads, pytree.tree_structure(_sub(params, slots))), loss.detach(), acc
 
     def _client_grads(self, params, state, shared, own, x, y, mask, pair, buffers, objective, slots, with_acc):
@@ -227,10 +225,15 @@ class LocalTrainer:
             ctx = self._ctx(tree, state, payload, x, y, mask, pair, buffers, full)
             loss = objective(ctx)
             acc = self.algo.accumulate(ctx) if with_acc else {}
-            grads = torch.autograd.grad(loss, live, allow_unused=True) if loss.requires_grad else [None] * len(live)
+        return self._grad_list(loss, live), loss.detach(), (tmap(torch.detach, acc) if acc else {})
+
+    @staticmethod
+    def _grad_list(loss: torch.Tensor, live: list) -> list:
+        """d loss / d ``live``, with zeros for leaves the loss does not touch (as torch.func gives them)."""
+        grads = torch.autograd.grad(loss, live, allow_unused=True) if loss.requires_grad else [None] * len(live)
         if any(g is None for g in grads):
             grads = [torch.zeros_like(p) if g is None else g for p, g in zip(live, grads, strict=True)]
-        return grads, loss.detach(), (tmap(torch.detach, acc) if acc else {})
+        return list(grads)
 
     # ---- a cohort's round -----------------------------------------------------------------------------
     def train(self, data: ClientTensors, clients: np.ndarray, payload: dict, states, buffers, *, lr: float,
