@@ -38,6 +38,15 @@ def check_name(name: str) -> str:
     return name
 
 
+class PublicConfig(Schema):
+    """The shared public stream of model-heterogeneous FL: what clients exchange outputs on."""
+
+    source: str = Field("noise", min_length=1, description="'noise': uniform [0, 1) inputs of the private shape "
+                        "(AHF's N0); or a dataset name: its train images, resized to the private size and channels")
+    size: int = Field(5000, ge=1, le=10**6, description="samples in the stream (N0)")
+    seed: int | None = Field(None, ge=0, le=MAX_SEED, description="defaults to the run seed")
+
+
 class DataConfig(Schema):
     dataset: str = Field("digits", min_length=1)
     clients: int | None = Field(20, ge=1, le=MAX_COUNT, description="number of clients; None = the scheme's own count")
@@ -54,6 +63,7 @@ class DataConfig(Schema):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="partition seed; defaults to the run seed")
     classes: list[int] | None = Field(None, min_length=1, description="keep only these class ids, relabelled 0..k-1 "
                                       "in this order")
+    public: PublicConfig | None = Field(None, description="a shared public stream (noise or an unlabeled dataset)")
 
     @field_validator("classes")
     @classmethod
@@ -83,6 +93,21 @@ class ModelConfig(Schema):
         None, min_length=1,
         description="several architectures, assigned to clients round-robin by share (model-heterogeneous FL)"
     )
+    assign: list[int] | None = Field(
+        None, min_length=1, description="with heterogeneous: client k gets architecture assign[k] (instead of shares)")
+    init: Literal["auto", "shared", "own"] = Field(
+        "auto", description="'shared': every client of an architecture starts from one initialisation; 'own': each "
+        "from its own; 'auto': own with heterogeneous architectures, else shared")
+
+    @model_validator(mode="after")
+    def _assign(self):
+        if self.assign is not None:
+            n = len(self.heterogeneous or [])
+            if not n:
+                raise ValueError("model.assign: needs model.heterogeneous (the architectures it indexes)")
+            if min(self.assign) < 0 or max(self.assign) >= n:
+                raise ValueError(f"model.assign: indices into model.heterogeneous, in [0, {n}) (got {self.assign})")
+        return self
 
 
 class AlgorithmConfig(BaseModel):
@@ -101,6 +126,8 @@ class TrainConfig(Schema):
     local_epochs: int = Field(1, ge=1, le=MAX_COUNT)
     batch_size: int = Field(10, ge=1, le=MAX_COUNT, description="capped at the largest client's train size")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    warmup_epochs: int = Field(0, ge=0, le=MAX_COUNT, description="before round 0, every client trains its own "
+                               "model on its private data for this many epochs (model-heterogeneous FL)")
 
 
 class EngineConfig(Schema):
@@ -155,6 +182,9 @@ class EvalConfig(Schema):
     local_models: bool = Field(
         False, description="also test the cohort's local models on the global test set: in-local / out-local accuracy"
     )
+    cross_clients: bool = Field(
+        False, description="the K x K matrix of client i's model on client j's test split, with intra-domain "
+        "(diagonal) and inter-domain (off-diagonal) accuracy (personalized and model-heterogeneous algorithms)")
 
 
 class RunConfig(Schema):

@@ -53,3 +53,39 @@ def test_groupnorm_resnet_trains_vectorized_exactly_as_sequentially():
 
     a, b = train(cfg("vectorized"), None), train(cfg("sequential"), None)
     assert_trees_close(a.server["model"], b.server["model"], atol=1e-5, rtol=1e-4)
+
+
+# The CIFAR MobileNetV2 and EfficientNet-B0 of kuangliu/pytorch-cifar (the code the FCCL/RHFL/AHF experiments build
+# on): 2,296,922 and 3,599,686 parameters for 10 classes. That EfficientNet builds an expansion conv for the
+# expansion-1 block it never calls (32x32 weights + 2x32 BatchNorm = 1,088 parameters); ours does not build it.
+MOBILE = {"mobilenetv2": (2_296_922, 1280), "efficientnet_b0": (3_599_686 - 1_088, 320)}
+
+
+@pytest.mark.parametrize("name", sorted(MOBILE))
+@pytest.mark.parametrize("norm", ["group", "batch"])
+def test_parameter_counts_match_the_published_cifar_mobile_networks(name, norm):
+    with torch.device("meta"):
+        m = build_model(name, (3, 32, 32), 10, norm=norm)
+    assert sum(p.numel() for p in m.parameters()) == MOBILE[name][0]
+    assert m.feature_dim == MOBILE[name][1]
+    assert any(True for _ in m.buffers()) == (norm == "batch")
+
+
+@pytest.mark.parametrize("name", ["resnet10", "mobilenetv2", "efficientnet_b0"])
+def test_width_scales_channels_and_feature(name):
+    full, quarter = build_model(name, (3, 16, 16), 10), build_model(name, (3, 16, 16), 10, width=0.25)
+    assert quarter.feature_dim == full.feature_dim // 4
+    assert sum(p.numel() for p in quarter.parameters()) < sum(p.numel() for p in full.parameters()) / 8
+    with pytest.raises(ConfigError, match="width: must be a number in"):
+        build_model(name, (3, 16, 16), 10, width=0)
+    with pytest.raises(ConfigError, match="needs images"):
+        build_model(name, (800,), 10)
+
+
+def test_project_gives_any_model_a_common_feature_size():
+    m = build_model("mobilenetv2", (3, 16, 16), 10, width=0.25, project=64)
+    z, logits = m(torch.zeros(2, 3, 16, 16), with_features=True)
+    assert z.shape == (2, 64) and logits.shape == (2, 10) and m.feature_dim == 64
+    assert head_keys(m) == ("fc.weight", "fc.bias")
+    with pytest.raises(ConfigError, match="project: must be a feature size"):
+        build_model("mlp", (4,), 3, project=0)

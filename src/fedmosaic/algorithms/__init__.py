@@ -1,14 +1,18 @@
 """Algorithms, registered by name with their hyper-parameters as typed config."""
 
 from . import (  # noqa: F401  (registration)
+    ahf,
     apfl_pd,
     central,
     ditto,
+    fccl,
     fedala,
     fedavg,
     fedavgm,
     fedcurv,
+    feddf,
     fedkd,
+    fedmd,
     fednova,
     fedntd,
     fedpac,
@@ -19,6 +23,7 @@ from . import (  # noqa: F401  (registration)
     moon,
     pfedme,
     pfedsrb,
+    rhfl,
     scaffold,
 )
 from .base import ALGORITHMS, AlgoConfig, Algorithm, register_algorithm

@@ -38,6 +38,11 @@ class Algorithm:
     pooled: ClassVar[bool] = False
     #: The slot whose architecture evaluates personal models (None: the run's model; FedKD: its private mentor).
     personal_slot: ClassVar[str | None] = None
+    #: True when clients exchange features (prototypes), so every architecture needs one feature size.
+    shares_features: ClassVar[bool] = False
+    #: True: before each round's training every cohort client sends its logits on the public stream
+    #: (``data.public``) and the server folds them into its state with :meth:`exchange` (AHF, FedMD, FedDF, ...).
+    exchanges: ClassVar[bool] = False
 
     def __init__(self, cfg: AlgoConfig | None = None, setting: Setting | None = None):
         self.cfg = cfg if cfg is not None else self.Config()
@@ -91,6 +96,12 @@ class Algorithm:
         ``signals`` their mean training losses and step counts."""
         return {**server, "model": weighted_mean(uploads["model"], weights)}
 
+    def exchange(self, server: dict, logits: torch.Tensor, clients: torch.Tensor, round_idx: int) -> dict:
+        """With ``exchanges``: what the server sends every cohort client this round (merged into the broadcast)
+        once it has received ``logits`` [n, N0, C], the cohort's outputs on the public stream at the models they
+        start the round from (``clients`` [n]: their ids, in that order). Default: all of them."""
+        return {"logits": logits, "clients": clients}
+
     def round_lr(self, server: dict, round_idx: int, lr: float) -> float:
         """The local learning rate of round ``round_idx`` (``lr``: the configured schedule's)."""
         return lr
@@ -113,6 +124,11 @@ class Algorithm:
     def init_client(self, server: dict, init_params: dict) -> dict:
         """Persistent per-client state, created once for every client (stacked in the client store)."""
         return {}
+
+    def after_warmup(self, state: dict) -> dict:
+        """A client's state once its own model (``state["model"]``) was warmed up on its private data
+        (``train.warmup_epochs``): FCCL keeps a frozen copy."""
+        return state
 
     def local_init(self, payload: dict, state: dict) -> dict:
         """The trainable trees, by slot, that local training starts from."""

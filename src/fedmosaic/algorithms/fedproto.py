@@ -28,6 +28,7 @@ class FedProto(Algorithm):
     personalized = True
     Config = FedProtoConfig
     global_model = False
+    shares_features = True
 
     def init_server(self, init_params):
         dev = next(iter(init_params[0].values())).device

@@ -226,9 +226,8 @@ def compute(spec: PartitionSpec, ds: ArrayDataset) -> FederatedData:
             y_pool[:n_train], ds.y_test, spec.clients, rng, None if groups is None else groups[:n_train]
         )
         if isinstance(scheme, Natural) and ds.groups_test is not None:
-            # natural clients keep their own test samples (LEAF's per-writer split)
-            ids = np.unique(ds.groups_train)
-            paired_test = [np.flatnonzero(ds.groups_test == g) for g in ids]
+            # natural clients keep their own test samples (LEAF's per-writer split; a domain's test set)
+            paired_test = scheme.test_parts(ds.groups_train, ds.groups_test, rng)
     else:
         parts = scheme.split(y_pool[pool], spec.clients, rng, None if groups is None else groups[pool])
     parts = [pool[p] for p in parts]

@@ -114,3 +114,32 @@ def in_out_local(class_acc: torch.Tensor, label_counts: np.ndarray) -> tuple[flo
                         device=class_acc.device)
     C = class_acc.shape[1]
     return float((class_acc * p).sum(1).mean()), float((class_acc * (1 - p)).sum(1).mean() / (C - 1))
+
+
+CROSS_BATCH = 512  # several models at once (vmap) on one batch: a CNN's activations are per model
+
+
+@torch.no_grad()
+def cross_correct(apply, stacked_params, x, y, ptr, transform, logits_fn, vectorize: bool) -> np.ndarray:
+    """[n, K]: correct predictions of each of a stack of n models on every client's split (rows ``ptr``)."""
+
+    def hits(params):
+        return torch.cat([logits_fn(*apply(params, transform(x[lo : lo + CROSS_BATCH]))).argmax(1)
+                          == y[lo : lo + CROSS_BATCH] for lo in range(0, len(y), CROSS_BATCH)])
+
+    ok = for_each_client(hits, (0,), vectorize)(stacked_params).cpu().numpy().astype(np.int64)
+    c = np.concatenate([np.zeros((len(ok), 1), dtype=np.int64), ok.cumsum(1)], 1)
+    return (c[:, ptr[1:]] - c[:, ptr[:-1]]).astype(np.float64)
+
+
+def cross_summary(correct: np.ndarray, sizes: np.ndarray) -> dict:
+    """The K x K accuracy matrix (row i: client i's model, column j: client j's test split), per client its
+    intra-domain (own split) and inter-domain (mean over the other clients' splits) accuracy, and their means."""
+    acc = correct / np.maximum(sizes, 1)[None, :]
+    K = len(acc)
+    intra = np.diag(acc)
+    has = sizes > 0
+    others = has[None, :] & ~np.eye(K, dtype=bool)
+    inter = (acc * others).sum(1) / np.maximum(others.sum(1), 1)
+    return {"matrix": acc.tolist(), "intra": intra.tolist(), "inter": inter.tolist(),
+            "intra_avg": float(intra[has].mean()), "inter_avg": float(inter.mean()) if K > 1 else 0.0}

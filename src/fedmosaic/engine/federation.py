@@ -17,6 +17,7 @@ import torch
 from ..algorithms import ALGORITHMS, Algorithm
 from ..config import RunConfig
 from ..data.federated import FederatedData, PartitionSpec, build
+from ..data.public import public_images
 from ..errors import ConfigError, CorruptDataError, FedMosaicError
 from ..models import build_model, head_keys, parameter_count
 from . import evaluate as ev
@@ -25,7 +26,7 @@ from .execution import Execution, ModelFacts, RunFacts, choose, step_profile
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .mapping import for_each_client
 from .program import Setting, Signals
-from .seeding import INIT, POOL, rng, sample_cohort
+from .seeding import INIT, POOL, PUBLIC, rng, sample_cohort
 from .transforms import make_normalizer
 from .tree import all_finite, nbytes, put, take, tmap, weighted_mean
 
@@ -164,12 +165,17 @@ class Federation:
 
         self.groups = self._build_groups(dev)
         dims = {g.module.feature_dim for g in self.groups}
-        if len(dims) > 1:
-            raise ConfigError(f"model.heterogeneous: all architectures must share one feature size (got {sorted(dims)})")
         algo_cls = ALGORITHMS[cfg.algorithm.name]
         algo_cfg = algo_cls.Config.model_validate(cfg.algorithm.params())
+        if algo_cls.shares_features and len(dims) > 1:
+            raise ConfigError(f"algorithm {cfg.algorithm.name!r} exchanges features, but the architectures' feature "
+                              f"sizes differ ({sorted(dims)}): give each a common size with model options "
+                              "'project: <d>'")
+        self._check_family(cfg, algo_cls)
+        self.public = self._build_public(cfg, normalize if preload else None, dev)
         self.extra = self._build_extra(algo_cls.extra_models(algo_cfg, cfg.model), dev)
-        setting = Setting(self.fd.num_classes, dims.pop(), self.fd.num_clients, cfg.train.optimizer,
+        setting = Setting(self.fd.num_classes, dims.pop() if len(dims) == 1 else 0, self.fd.num_clients,
+                          cfg.train.optimizer,
                           cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module),
                           {s: {k: v.detach().clone() for k, v in m.named_parameters()} for s, m in self.extra.items()},
                           cfg.train.rounds)
@@ -182,10 +188,15 @@ class Federation:
         for g in self.groups:
             self.group_of[g.clients] = g.gid
             self.row_of[g.clients] = np.arange(len(g.clients))
+        own_init = cfg.model.init == "own" or (cfg.model.init == "auto" and cfg.model.heterogeneous is not None)
         for g in self.groups:
             one = self.algo.init_client(self.server, g.init)
             self._check_training_memory(g, nbytes(one))
-            g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
+            if own_init:  # every client its own initialisation (seeded by client), through the same hook
+                g.store = for_each_client(lambda p: self.algo.init_client(self.server, p), (0,), False)(
+                    self._client_inits(g, dev))
+            else:
+                g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
             g.execution = ex = self._choose_execution(g)
             # running statistics are updated in place during the forward pass, which vmap cannot do per client:
             # such groups take the sequential path (same results, no vmap)
@@ -197,6 +208,7 @@ class Federation:
                                      cfg.data.augment, self.pad_fill, cfg.train.local_epochs, self.batch,
                                      loop_below=ex.loop_below, threads=ex.threads, channels_last=ex.channels_last,
                                      extra=self.extra)
+            g.trainer.public = self.public
             check_slots(self.algo, self.server, one, g.clients[:1])
 
     @property
@@ -219,7 +231,9 @@ class Federation:
         active = np.zeros(0)
         for ph in program:
             batch = ph.batch or self.batch
-            n = sizes if ph.view.part == "all" else np.minimum(sizes, np.ceil(ph.view.frac * sizes))
+            n = (sizes if ph.view.part == "all" else np.full(len(sizes), len(self.public.y))
+                 if ph.view.part == "public" and self.public is not None
+                 else np.minimum(sizes, np.ceil(ph.view.frac * sizes)))
             steps = (np.full(len(sizes), ph.steps) if ph.steps is not None
                      else (ph.epochs or tc.local_epochs) * -(-n.astype(np.int64) // batch))
             prof = np.asarray(step_profile(steps, cohorts, self.cfg.engine.chunk_size))
@@ -276,6 +290,11 @@ class Federation:
         for k in range(self.num_clients):
             owner[k] = int(np.argmax(shares / shares.sum() * (k + 1) - given))
             given[owner[k]] += 1
+        if m.assign is not None:  # an explicit architecture per client
+            if len(m.assign) != self.num_clients:
+                raise ConfigError(f"model.assign: one architecture index per client, {self.num_clients} clients "
+                                  f"(got {len(m.assign)})")
+            owner = np.asarray(m.assign, dtype=np.int64)
         groups = []
         for gid, (name, options, _) in enumerate(specs):
             n = parameter_count(name, shape, C, **options)
@@ -285,6 +304,52 @@ class Federation:
                 module = build_model(name, shape, C, **options).to(dev)
             groups.append(Group(gid, module, np.flatnonzero(owner == gid)))
         return [g for g in groups if len(g.clients)]
+
+    def _client_inits(self, g: Group, dev) -> dict:
+        """Per client of ``g`` its own initial parameters (stacked), each from the seed stream (INIT, 2, client)."""
+        m, shape, C = self.cfg.model, self.fd.dataset.input_shape, self.fd.num_classes
+        spec = (m.heterogeneous or [])[g.gid] if m.heterogeneous else m
+        out = []
+        for k in g.clients:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(int(rng(self.cfg.seed, INIT, 2, int(k)).integers(2**62)))
+                module = build_model(spec.name, shape, C, **spec.options).to(dev)
+            out.append({n: p.detach() for n, p in module.named_parameters()})
+        return tmap(lambda *ts: torch.stack(ts), *out)
+
+    def _check_family(self, cfg: RunConfig, algo_cls) -> None:
+        """Settings that only make sense with clients that keep models of their own."""
+        if cfg.train.warmup_epochs and algo_cls.global_model:
+            raise ConfigError(f"train.warmup_epochs: {cfg.algorithm.name!r} trains one global model, there is no "
+                              "client model to warm up; set it to 0")
+        if algo_cls.exchanges and cfg.data.public is None:
+            raise ConfigError(f"algorithm {cfg.algorithm.name!r} exchanges outputs on a public stream: set data.public "
+                              "(e.g. {source: noise, size: 5000})")
+        if cfg.eval.cross_clients and not algo_cls.personalized:
+            raise ConfigError(f"eval.cross_clients: {cfg.algorithm.name!r} has no per-client models to cross-test; "
+                              "set it to false")
+        if cfg.eval.cross_clients and self.num_clients > 256:
+            raise ConfigError(f"eval.cross_clients: {self.num_clients} clients would test "
+                              f"{self.num_clients ** 2:,} model/split pairs every evaluation; at most 256 clients")
+
+    def _build_public(self, cfg: RunConfig, normalize, dev) -> ClientTensors | None:
+        """The shared public stream (``data.public``): noise uniform in [0, 1) of the private input shape (in the
+        raw value range of the data: x255 for uint8 images, so normalisation treats it like pixels), or a dataset's
+        train images resized to the private image size and channels; normalised like the private data."""
+        pc = cfg.data.public
+        if pc is None:
+            return None
+        shape, seed = self.fd.dataset.input_shape, cfg.seed if pc.seed is None else pc.seed
+        gen = rng(seed, PUBLIC)
+        if pc.source == "noise":
+            x = gen.random((pc.size, *shape), dtype=np.float32)
+            if self.fd.x["train"].dtype == np.uint8:
+                x *= 255
+        else:
+            x = public_images(pc.source, pc.size, shape, gen)
+        t = torch.as_tensor(x, device=dev)
+        t = normalize.all(t) if normalize is not None else t
+        return ClientTensors(t, torch.arange(len(t), device=dev), np.array([0, len(t)]))
 
     def _build_extra(self, specs: dict, dev) -> dict:
         """The modules of the slots an algorithm trains with architectures of their own (FedKD's mentor), built
@@ -312,8 +377,16 @@ class Federation:
     def round(self, t: int) -> dict:
         """Round ``t``: the cohort trains (group by group), the server aggregates; returns the round's metrics."""
         cohort = sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t)
-        payload = self.algo.broadcast(self.server, t)
         lr = self.algo.round_lr(self.server, t, self.cfg.train.optimizer.lr_at(t))
+        if t == 0 and self.cfg.train.warmup_epochs:
+            self._warm_up(lr)
+        exchanged, shared = 0, {}
+        if self.algo.exchanges:  # outputs on the public stream go up first; the server's answer comes down below
+            members = np.concatenate([mem for _, mem in self._by_group(cohort)])
+            logits = self._public_logits(t)
+            shared = self.algo.exchange(self.server, logits, torch.as_tensor(members, device=self.device), t)
+            exchanged = nbytes(logits)
+        payload = {**self.algo.broadcast(self.server, t), **shared}
         trained = [self._train_group(g, members, payload, lr, t) for g, members in self._by_group(cohort)]
         cohort = np.concatenate([members for _, members, *_ in trained])
         loss = torch.cat([r[4] for r in trained])
@@ -335,8 +408,28 @@ class Federation:
             "clients": len(cohort),
             "local_steps_max": int(steps.max(initial=0)),
             "bytes_down": (nbytes(payload) + self._buffer_bytes()) * len(cohort) + nbytes(self._own(cohort)[1]),
-            "bytes_up": self.algo.sent_bytes(up) + self._buffer_bytes() * len(cohort),
+            "bytes_up": self.algo.sent_bytes(up) + self._buffer_bytes() * len(cohort) + exchanged,
         }
+
+    def _warm_up(self, lr: float) -> None:
+        """Before round 0: every client's own model trained on its private data (``train.warmup_epochs``)."""
+        for g in self.groups:
+            g.module.train()
+            trained = g.trainer.warm_up(self.split["train"], g.clients, self._own(g.clients)[0], g.store, g.buffers,
+                                        epochs=self.cfg.train.warmup_epochs, lr=lr, seed=self.cfg.seed)
+            g.store = for_each_client(self.algo.after_warmup, (0,), False)({**g.store, "model": trained})
+
+    def _public_logits(self, t: int) -> torch.Tensor:
+        """[n, N0, C]: every cohort client's logits on the public stream at the parameters it starts the round
+        from, in the order of :meth:`_by_group`."""
+        cohort = sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t)
+        payload, out, x = self.algo.broadcast(self.server, t), [], self.transform(self.public.x)
+        for g, members in self._by_group(cohort):
+            rows = torch.as_tensor(self.row_of[members], device=self.device)
+            params = g.trainer.start(payload, self._own(members)[0], take(g.store, rows))
+            g.module.train()
+            out.append(g.trainer.outputs(x, params["model"], take(g.buffers, rows), self.batch))
+        return torch.cat(out)
 
     def _by_group(self, cohort: np.ndarray):
         for g in self.groups:
@@ -416,13 +509,22 @@ class Federation:
             # personal models on each client's own test split, and on its validation split for best-by-val
             splits = {k: sp for k, sp in (("personal", test), ("personal_val", self.split["val"])) if len(sp.y)}
             correct = {k: np.zeros(self.num_clients) for k in splits}
+            cross = np.zeros((self.num_clients, self.num_clients)) if ev_cfg.cross_clients else None
             for g in self.groups if splits else ():
                 mine = self._personal(g, round_idx)
+                apply = partial(g.apply, slot=self.algo.personal_slot)
+                if cross is not None:
+                    cross[g.clients] = ev.cross_correct(apply, mine, test.x, test.y, test.ptr, self.transform,
+                                                        logits_fn, g.trainer.vectorize)
                 for k, sp in splits.items():
-                    apply = partial(g.apply, slot=self.algo.personal_slot)
+                    if k == "personal" and cross is not None:  # the matrix's diagonal: measured already
+                        correct[k][g.clients] = cross[g.clients, g.clients]
+                        continue
                     correct[k][g.clients] = ev.personal_correct(apply, mine, sp.x, sp.y, sp.ptr, g.clients,
                                                                 self.transform, logits_fn, g.trainer.vectorize)
             out.update({k: ev.client_summary(correct[k], sp.sizes) for k, sp in splits.items()})
+            if cross is not None and len(test.y):
+                out["cross"] = ev.cross_summary(cross, test.sizes)
         report = {k: v for g in self.groups for k, v in self.algo.report(self.server, g.store).items()}
         if report:
             out["report"] = report

@@ -29,12 +29,13 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
 from ..algorithms.base import Algorithm
-from ..algorithms.terms import LocalContext
+from ..algorithms.terms import LocalContext, TaskLoss
+from ..errors import ConfigError
 from . import augment, optim
 from .augment import AugmentConfig
 from .mapping import for_each_client
 from .program import Phase, Probe, Step, View
-from .seeding import FINETUNE, VIEWS, batch_plan, rng
+from .seeding import FINETUNE, VIEWS, WARMUP, batch_plan, rng
 from .tree import leaves, put, take, tmap
 
 
@@ -74,6 +75,9 @@ def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``t[idx]`` for an index tensor of any shape (index_select: a fraction of advanced indexing's overhead)."""
     return t.index_select(0, idx.reshape(-1)).view(*idx.shape, *t.shape[1:])
 
+
+#: The "client" whose batch order every client follows on the public stream (beyond any real client id).
+SHARED = 2**40
 
 #: Looped clients' batches are gathered this many steps at a time.
 LOOP_BLOCK = 64
@@ -115,6 +119,8 @@ class LocalTrainer:
         self.threads = threads  # CPU threads while training (None: leave torch's setting)
         self.channels_last = channels_last  # looped steps: image batches in channels-last order (CPU convolutions)
         self.compile = compile and vectorize
+        #: the shared public stream (noise or an unlabeled dataset; ``y`` holds each sample's index), if the run has one
+        self.public: ClientTensors | None = None
         self.fuse = fuse_steps if self.compile else 1
         self._fns: dict = {}
         # functional_call looks for tied weights at every call (a third of a small model's step): only when tied
@@ -270,6 +276,34 @@ class LocalTrainer:
                 outs.append(params)
         return cat_trees(outs)
 
+    def start(self, payload: dict, own: dict, states) -> dict:
+        """The trainable trees the clients of ``states`` start a round from (``local_init``, mapped)."""
+        return self._init(payload, own, states)
+
+    def warm_up(self, data: ClientTensors, clients: np.ndarray, own: dict, states, buffers, *, epochs: int,
+                lr: float, seed: int) -> dict:
+        """Every client's own model (``states["model"]``) trained on its private data with the task loss for
+        ``epochs`` epochs before the first round (the warm-up of model-heterogeneous FL); the buffers are updated in
+        place. Returns the trained models, stacked."""
+        phase = Phase(epochs=epochs, updates=(Step(("model",), TaskLoss()),))
+        outs = []
+        with self._threads():
+            for sl in self._chunks(len(clients)):
+                o, s, b = self._rows((own, states, buffers), sl)
+                params, *_ = self._phase(data, clients[sl], {"model": tmap(torch.clone, s["model"])}, s, {}, o, b,
+                                         phase, 0, lr, seed, 0, (WARMUP,))
+                outs.append(params["model"])
+        return cat_trees(outs)
+
+    @torch.no_grad()
+    def outputs(self, x: torch.Tensor, params: dict, buffers: dict, batch: int) -> torch.Tensor:
+        """Logits [n, N, C] of each of a stack of models on the same inputs ``x`` (already transformed), in
+        batches of ``batch`` (as the public stream is trained on; the buffers are copies, left untouched)."""
+        fn = self._each(lambda p, b, xb: self.apply(p, xb, b)[1], (0, 0, None))
+        with self._threads():
+            return torch.cat([fn(params, tmap(torch.clone, buffers), x[lo : lo + batch])
+                              for lo in range(0, len(x), batch)], 1)
+
     @contextlib.contextmanager
     def _threads(self):
         """torch's intra-op threads set to ``self.threads`` while training (tiny steps lose to thread fork/join)."""
@@ -298,7 +332,7 @@ class LocalTrainer:
             params, states, plan, loss, steps, acc = self._phase(
                 data, clients, params, states, payload, own, buffers, phase, p, lr, seed, round_idx, keys,
                 probes=[pr for pr in probes if pr.at == "received"] if p == 0 else [], stats=stats)
-            first = first or plan
+            first = first or (None if phase.view.part == "public" else plan)  # (probes read the client's data)
             loss_sum += loss
             step_sum += steps
             acc_sum = acc if not acc_sum else tmap(torch.add, acc_sum, acc)
@@ -321,16 +355,21 @@ class LocalTrainer:
         on strides): ``rows``/``mask`` [S, n, B], augmentation ``draws``, the paired batch's ``rows2``/``mask2``,
         and per client ``steps`` and ``per_epoch`` (numpy)."""
         dev, batch = data.x.device, phase.batch or self.batch
-        sizes, start = data.sizes[clients], data.ptr[clients]
+        public = phase.view.part == "public"
+        if public:  # one stream for everybody: the same samples in the same order for every client
+            sizes, start = np.full(len(clients), len(data.y)), np.zeros(len(clients), dtype=np.int64)
+        else:
+            sizes, start = data.sizes[clients], data.ptr[clients]
         k = p if phase.key is None else phase.key
         keys = keys + ((k,) if k else ())  # schedule 0 (the first phase by default) is the single-phase order
         epochs = phase.epochs or self.epochs
 
         def rows_of(view, extra, steps):
-            offs = None if view.part == "all" else [view_offsets(view, int(n), seed, int(k), round_idx)
-                                                    for n, k in zip(sizes, clients, strict=True)]
+            offs = None if view.part in ("all", "public") else [view_offsets(view, int(n), seed, int(k), round_idx)
+                                                                for n, k in zip(sizes, clients, strict=True)]
             counts = sizes if offs is None else np.array([len(o) for o in offs], dtype=np.int64)
-            pos, valid, st = batch_plan(counts, clients, epochs, batch, seed, round_idx, keys + extra, steps)
+            who = np.full(len(clients), SHARED) if public else clients
+            pos, valid, st = batch_plan(counts, who, epochs, batch, seed, round_idx, keys + extra, steps)
             if offs is not None:
                 for i, o in enumerate(offs):
                     pos[i] = o[pos[i]] if len(o) else 0
@@ -346,7 +385,7 @@ class LocalTrainer:
             short = len(rows) - len(rows2)  # clients with nothing to pair with (e.g. no query samples) take none
             plan["rows2"] = torch.cat([rows2, rows[:short]]) if short else rows2
             plan["mask2"] = torch.cat([mask2, torch.zeros_like(mask[:short])]) if short else mask2
-        if self.augment is not None:
+        if self.augment is not None and not public:  # (the public stream is not augmented)
             plan["draws"] = augment.draw(self.augment, clients, steps, batch, data.x.shape[1:], seed, round_idx,
                                          keys).to(dev)
         return plan
@@ -356,6 +395,11 @@ class LocalTrainer:
         """Hooks, probes at the received parameters (first phase), the phase's steps."""
         if phase.before is not None:
             params, states = self._hook(phase.before)(params, states, payload, own)
+        if phase.view.part == "public":
+            if self.public is None:
+                raise ConfigError(f"algorithm {self.algo.name!r} trains on the public stream: set data.public "
+                                  "(e.g. {source: noise, size: 5000})")
+            data = self.public
         plan = self._plan(data, clients, phase, p, seed, round_idx, keys)
         for pr in probes:
             stats[pr.name] = self._probe(data, plan, params, states, payload, own, buffers, pr)
@@ -536,7 +580,7 @@ class LocalTrainer:
         augmented."""
         r = plan["rows"][at]
         x = self.transform(_gather(data.x, r))
-        if self.augment is not None:
+        if "draws" in plan:
             x = augment.apply(self.augment, x, plan["draws"][at], self.pad_fill)
         if "rows2" not in plan:
             return x, _gather(data.y, r), plan["mask"][at], ()

@@ -28,9 +28,11 @@ class View:
 
     ``all``: every sample. ``support`` / ``query``: a fixed split of the client's samples (the first ``frac`` of a
     permutation seeded by (run seed, client), the rest), the same in every round. ``sample``: a random ``frac`` of the
-    client's samples, drawn again every round (FedALA's s%)."""
+    client's samples, drawn again every round (FedALA's s%). ``public``: not the client's data but the run's shared
+    public stream (``data.public``: noise images or an unlabeled dataset), every client drawing the same batches in
+    the same order; an objective sees the batch's sample indices into the stream as ``ctx.y`` (there are no labels)."""
 
-    part: Literal["all", "support", "query", "sample"] = "all"
+    part: Literal["all", "support", "query", "sample", "public"] = "all"
     frac: float = 1.0
 
     def __post_init__(self):

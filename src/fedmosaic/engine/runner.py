@@ -236,6 +236,10 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
             best = max(val, key=lambda r: r[val_key]["acc"])
             out[name] = best[test_key]["acc"]
             out[f"best_round_by_{val_key}"] = best["round"]
+    cross = [r["cross"] for r in ev if "cross" in r][-3:]  # AHF's protocol: the mean of the last 3 rounds
+    if cross:
+        out["intra_last3"] = float(np.mean([c["intra_avg"] for c in cross]))
+        out["inter_last3"] = float(np.mean([c["inter_avg"] for c in cross]))
     if ev and "report" in ev[-1]:  # the algorithm's own measures (e.g. sparsity of personal parts)
         out.update({f"{k}_final": v for k, v in ev[-1]["report"].items()})
     history = [r["global"]["class_acc"] for r in ev if "global" in r]

@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from ..errors import ConfigError
-from .base import FedModel, Wrapped
+from .base import FedModel, Projected, Wrapped
+from .mobile import MOBILE
 from .resnet import RESNETS
 from .zoo import MLP, LinearSVM, LogisticRegression, apfl_cnn, cnn4, fedavg_cnn
 
@@ -22,6 +23,7 @@ MODELS: dict[str, ModelFactory] = {
     "apfl_cnn": apfl_cnn,
     "cnn4": cnn4,
     **RESNETS,
+    **MOBILE,
 }
 
 
@@ -71,13 +73,17 @@ def build_model(name: str, input_shape, num_classes: int, **options) -> FedModel
 def _construct(name: str, shape: tuple, num_classes: int, options: dict, where: str) -> FedModel:
     if name not in MODELS:
         raise ConfigError(f"model.name: unknown {name!r}; allowed: {', '.join(sorted(MODELS))}")
+    options = dict(options)
+    project = options.pop("project", None)
+    if project is not None and (type(project) is not int or not 1 <= project <= 1 << 20):
+        raise ConfigError(f"{where}: project: must be a feature size >= 1 (got {project!r})")
     try:
         model = MODELS[name](shape, num_classes, **options)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ConfigError(f"{where}: {_first_line(e)}") from None
     if not isinstance(model, FedModel):
         raise ConfigError(f"model {name!r} must return a FedModel (features/head); wrap it with fedmosaic.models.Wrapped")
-    return model
+    return model if project is None else Projected(model, project, num_classes)
 
 
 def head_keys(model: FedModel) -> tuple[str, ...]:

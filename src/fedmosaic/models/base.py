@@ -42,3 +42,22 @@ class Wrapped(FedModel):
 
     def head(self, z):
         return self.classifier(z)
+
+
+class Projected(FedModel):
+    """``inner``'s features through a linear projection to ``dim`` (the feature) and a new linear head: the model
+    option ``project: <dim>`` gives architectures of different feature sizes one common size (FedProto on mixed
+    architectures). The inner model's own head is kept but unused."""
+
+    def __init__(self, inner: FedModel, dim: int, num_classes: int):
+        super().__init__()
+        self.inner = inner
+        self.proj = nn.Linear(inner.feature_dim, dim)
+        self.fc = nn.Linear(dim, num_classes)
+        self.feature_dim, self.num_classes = dim, num_classes
+
+    def features(self, x):
+        return self.proj(self.inner.features(x))
+
+    def head(self, z):
+        return self.fc(z)

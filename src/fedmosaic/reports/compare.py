@@ -12,7 +12,7 @@ from ..engine.federation import data_spec
 from ..engine.runner import check_out, claim, config_changes, read_metrics, run, summarize
 from ..errors import FedMosaicError
 from ..files import atomic_write
-from .plots import learning_curves
+from .plots import cross_heatmap, learning_curves
 
 COLUMNS = (
     ("algorithm", "name", "{}"),
@@ -33,6 +33,8 @@ COLUMNS = (
     ("best 10%", "personal_acc_best10_final", "{:.2%}"),
     ("personal non-zeros", "personal_nonzero_final", "{:,.0f}"),
     ("personal sparsity", "personal_sparsity_final", "{:.2%}"),
+    ("intra (last 3)", "intra_last3", "{:.2%}"),
+    ("inter (last 3)", "inter_last3", "{:.2%}"),
     ("bytes/round", "bytes_per_round", "{:,.0f}"),
     ("wall s", "wall_time_s", "{:.1f}"),
 )
@@ -80,6 +82,11 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
             raise
     atomic_write(out / "comparison.json", json.dumps(summaries, indent=2).encode())
     learning_curves(curves, out / "learning_curves.png", title=f"{cfg.name}: {cfg.data.dataset}")
+    for name, recs in curves.items():  # the last cross-client matrix of each run, beside its metrics
+        last = next((r["cross"] for r in reversed(recs) if "cross" in r), None)
+        if last is not None:
+            where = out if len(variants) == 1 else out / dir_name(name)
+            cross_heatmap(last["matrix"], where / "cross_matrix.png", title=f"{name}: round {len(recs)}")
     return summaries
 
 

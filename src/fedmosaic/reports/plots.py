@@ -13,7 +13,7 @@ import numpy as np  # noqa: E402
 from ..files import atomic_write  # noqa: E402
 
 CURVE_KEYS = (("global", "global model, global test"), ("global_clients", "global model, client tests"),
-              ("personal", "personalized, client tests"))
+              ("personal", "personalized, client tests"), ("cross", "intra-domain (solid), inter-domain (dashed)"))
 
 
 def learning_curves(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> Path:
@@ -21,10 +21,12 @@ def learning_curves(runs: dict[str, list[dict]], path: str | Path, title: str = 
     kinds = [(k, label) for k, label in CURVE_KEYS if any(k in r for recs in runs.values() for r in recs)]
     fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(5.2 * max(1, len(kinds)), 3.8), squeeze=False)
     for ax, (key, label) in zip(axes[0], kinds):
-        for name, recs in runs.items():
-            pts = [(r["round"] + 1, 100 * r[key]["acc"]) for r in recs if key in r]
-            if pts:
-                ax.plot(*zip(*pts), label=name, lw=1.6)
+        for i, (name, recs) in enumerate(runs.items()):
+            fields = (("intra_avg", "-"), ("inter_avg", "--")) if key == "cross" else (("acc", "-"),)
+            for field, style in fields:
+                pts = [(r["round"] + 1, 100 * r[key][field]) for r in recs if key in r]
+                if pts:
+                    ax.plot(*zip(*pts), style, color=f"C{i % 10}", label=name if style == "-" else None, lw=1.6)
         ax.set(xlabel="round", ylabel="accuracy (%)", title=label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -51,4 +53,23 @@ def partition_bubbles(counts: np.ndarray, path: str | Path, title: str = "", max
     ax.scatter(ys, xs, s=area, alpha=0.6, color="tab:red", edgecolors="none")
     ax.set(xlabel="client", ylabel="class", xlim=(-1, k), ylim=(-1, n_cls))
     ax.set_title(title + (f" (first {k} of {len(counts)} clients)" if len(counts) > k else ""), fontsize=10)
+    return _save(fig, path)
+
+
+def cross_heatmap(matrix, path: str | Path, title: str = "", names: list[str] | None = None) -> Path:
+    """The K x K cross-client accuracy matrix: row i client i's model, column j client j's test split."""
+    a = 100 * np.asarray(matrix)
+    k = len(a)
+    fig, ax = plt.subplots(figsize=(min(12, 2.5 + 0.6 * k), min(10, 2 + 0.55 * k)))
+    im = ax.imshow(a, cmap="viridis", vmin=0, vmax=100)
+    labels = names if names is not None and len(names) == k else [str(i) for i in range(k)]
+    ax.set_xticks(range(k), labels, rotation=45 if k > 4 else 0, ha="right" if k > 4 else "center")
+    ax.set_yticks(range(k), labels)
+    if k <= 16:
+        for i in range(k):
+            for j in range(k):
+                ax.text(j, i, f"{a[i, j]:.1f}", ha="center", va="center", fontsize=8,
+                        color="white" if a[i, j] < 60 else "black")
+    ax.set(xlabel="test split of client", ylabel="model of client", title=title)
+    fig.colorbar(im, ax=ax, label="accuracy (%)")
     return _save(fig, path)

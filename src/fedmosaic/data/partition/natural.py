@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Literal
 
 import numpy as np
+from pydantic import Field, field_validator
 
 from ...errors import ConfigError
-from .base import PartitionScheme, Parts, fixed_clients, parts_from_owner
+from .base import MAX_SAMPLES, PartitionScheme, Parts, fixed_clients, parts_from_owner
 
 
 class Natural(PartitionScheme):
@@ -28,6 +29,11 @@ class Natural(PartitionScheme):
             raise ConfigError(f"groups: has {len(client)} entries but there are {len(labels)} labels")
         return parts_from_owner(client, n_clients)
 
+    def test_parts(self, groups_train: np.ndarray, groups_test: np.ndarray, rng: np.random.Generator) -> Parts:
+        """Each client's own test samples: those of its group (LEAF's per-writer split)."""
+        ids = self._ids(groups_train)[0]
+        return [np.flatnonzero(groups_test == g) for g in ids]
+
     def _ids(self, groups: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
         """The distinct group ids ascending, and each sample's client (the rank of its id)."""
         if groups is None:
@@ -47,8 +53,33 @@ class Natural(PartitionScheme):
 class Domains(Natural):
     """One client per domain, for settings where each client is a whole dataset (AHF: Digits, Office-Caltech).
 
-    Identical to ``natural``; it exists so configs say what they mean. The caller concatenates the domain
-    datasets and passes the domain index of every sample as ``groups``.
+    ``natural`` with optional private sizes: ``sizes`` [per domain] keeps that many of the domain's train samples
+    (a seeded random subset; AHF's Digits: 150 / 100 / 5000 / 2000), ``test_sizes`` the same for its test samples
+    (where the dataset has a test split per domain). A size above what the domain has keeps all of it.
     """
 
     scheme: Literal["domains"] = "domains"
+    sizes: list[int] | None = Field(None, min_length=1)
+    test_sizes: list[int] | None = Field(None, min_length=1)
+
+    @field_validator("sizes", "test_sizes")
+    @classmethod
+    def _positive(cls, v):
+        if v is not None and any(n < 1 or n > MAX_SAMPLES for n in v):
+            raise ValueError(f"must be sample counts in [1, {MAX_SAMPLES}] (got {v})")
+        return v
+
+    def _split(self, labels, n_clients, rng, groups) -> Parts:
+        return self._cut(super()._split(labels, n_clients, rng, groups), self.sizes, "sizes", rng)
+
+    def test_parts(self, groups_train, groups_test, rng) -> Parts:
+        return self._cut(super().test_parts(groups_train, groups_test, rng), self.test_sizes, "test_sizes", rng)
+
+    @staticmethod
+    def _cut(parts: Parts, sizes: list[int] | None, what: str, rng) -> Parts:
+        if sizes is None:
+            return parts
+        if len(sizes) != len(parts):
+            raise ConfigError(f"partition.{what}: one size per domain, {len(parts)} domains (got {len(sizes)} sizes)")
+        return [np.sort(rng.choice(p, size=n, replace=False)) if n < len(p) else p
+                for p, n in zip(parts, sizes, strict=True)]
