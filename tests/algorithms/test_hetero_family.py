@@ -270,3 +270,36 @@ def test_resnet10_resnet12_mobilenetv2_and_efficientnet_b0_clients_train_and_eva
     m = np.array(ev["cross"]["matrix"])
     assert m.shape == (4, 4) and (m >= 0).all() and (m <= 1).all()
     assert ev["personal"]["acc_mean"] == pytest.approx(np.mean(np.diag(m)))
+
+
+def test_feddf_with_one_architecture_is_ensemble_distillation_of_the_averaged_model(fd):
+    from torch.func import functional_call
+
+    common = {"model": {"name": "mlp", "options": {"hidden": 8}}, "train__warmup_epochs": 0, "train__rounds": 1,
+              "eval": {}, "train__optimizer": {"name": "sgd", "lr": 0.05}}
+    avg = train(make_cfg(algorithm={"name": "fedavg"}, **common), fd)
+    fed = Federation(make_cfg(algorithm={"name": "feddf_global", "public_batch": N0, "tau": 2.0}, **common), fd)
+    seen = {}
+    aggregate = fed.algo.aggregate
+
+    def spy(server, uploads, *args):
+        seen["uploads"] = uploads["model"]
+        seen["average"] = aggregate(server, uploads, *args)["model"]
+        return {**server, "model": seen["average"]}
+
+    fed.algo.aggregate = spy
+    fed.round(0)
+    assert_trees_close(seen["average"], avg.server["model"], exact=True)  # the clients trained exactly as FedAvg's
+    # by hand: one step (one batch holds the whole stream) of SGD on tau^2 KL(ensemble || student) from the average
+    module, x, tau = fed.groups[0].module, fed.transform(fed.public.x), 2.0
+    n = len(next(iter(seen["uploads"].values())))
+    probs = [torch.softmax(functional_call(module, {k: v[i] for k, v in seen["uploads"].items()}, (x,)) / tau, -1)
+             for i in range(n)]
+    ens = torch.stack(probs).mean(0)
+    w = {k: v.clone().requires_grad_() for k, v in seen["average"].items()}
+    log_s = torch.log_softmax(functional_call(module, w, (x,)) / tau, -1)
+    loss = tau * tau * (ens * (ens.log() - log_s)).sum(-1).mean()
+    grads = torch.autograd.grad(loss, list(w.values()))
+    want = {k: (v - 0.05 * g).detach() for (k, v), g in zip(w.items(), grads)}
+    assert_trees_close(fed.server["model"], want, atol=1e-6)
+    assert not torch.equal(fed.server["model"]["fc.weight"], seen["average"]["fc.weight"])

@@ -202,7 +202,8 @@ def test_registry_names_and_alias():
     get_spec("mnist")  # importing the loaders registers them
     assert set(dataset_names()) - {"blobs"} == {  # blobs: the test suite's own registered dataset
         "mnist", "fashion-mnist", "cifar10", "cifar100", "usps", "femnist", "office-caltech10", "vehicle",
-        "tiny-imagenet", "svhn", "digits", "cinic10", "cifar10-gray",
+        "tiny-imagenet", "svhn", "digits", "cinic10", "cifar10-gray", "mnist-m", "syn", "digits-domains",
+        "digits-offline",
     }
     assert get_spec("FMNIST") is get_spec("fashion-mnist")
 

@@ -84,6 +84,8 @@ VALID = {
     "mean": st.floats(-100, 100) | st.sampled_from([-100.0, 100]),
     "offset": st.floats(0, 100) | st.sampled_from([0, 1e7]),
     "min_per_class": st.integers(0, 5) | st.just(10**7),
+    "sizes": st.lists(st.integers(1, 30), min_size=1, max_size=5),
+    "test_sizes": st.lists(st.integers(1, 30), min_size=1, max_size=5),
 }
 LABEL_VALUES = [0, 1, 2, 3, 7, 10**9, 2**62]
 
@@ -146,6 +148,8 @@ def covers(scheme, labels) -> bool:
     if scheme.scheme == "apfl_mnist":  # classes that no user holds are dropped
         n_classes = len(np.unique(labels))
         return not scheme.drop_remainder and scheme.users + scheme.classes_per_user - 1 >= n_classes
+    if scheme.scheme == "domains":  # private sizes keep a subset of each domain
+        return scheme.sizes is None
     return scheme.scheme not in ("label_k", "femnist_lognormal")
 
 

@@ -102,6 +102,12 @@ class Algorithm:
         start the round from (``clients`` [n]: their ids, in that order). Default: all of them."""
         return {"logits": logits, "clients": clients}
 
+    def server_program(self, server: dict, round_idx: int) -> list[Phase] | None:
+        """Phases the server runs after :meth:`aggregate` on the public stream, training ``server["model"]`` as one
+        more "client" (FedDF's ensemble distillation). Its objectives see the cohort's uploaded models' logits on the
+        stream through the payload :meth:`exchange` makes of them. None: no server training."""
+        return None
+
     def round_lr(self, server: dict, round_idx: int, lr: float) -> float:
         """The local learning rate of round ``round_idx`` (``lr``: the configured schedule's)."""
         return lr

@@ -1,13 +1,19 @@
-"""FedDF (Lin et al. 2020), heterogeneous mode: ensemble distillation on the public stream, done by each client —
-KL(mean of the cohort's softmax outputs || the client's), temperature ``tau`` — then CE on its private data.
-(The original distils one shared global model on the server; with one architecture per client group and no global
-model, each client distils itself, as HtFL libraries do.)"""
+"""FedDF (Lin et al. 2020): ensemble distillation on the public stream toward the mean of the cohort's softmax
+outputs, KL(ensemble || student) at temperature ``tau``.
+
+``feddf`` (heterogeneous mode): each client distils itself toward the ensemble of the cohort's round-start outputs,
+then trains with CE on its private data — with one architecture per client and no global model, each client distils
+itself, as HtFL libraries do. ``feddf_global`` (the original, one shared architecture): clients train the global
+model with CE as in FedAvg; the server averages their models and then distils the average toward the ensemble of
+the uploaded models (``server_epochs`` passes over the stream, the clients' optimiser and learning rate).
+"""
 
 import torch
 from pydantic import Field
 
-from .base import register_algorithm
-from .exchange import ExchangeConfig, LogitExchange
+from ..engine.program import Phase, Step
+from .base import AlgoConfig, Algorithm, register_algorithm
+from .exchange import PUBLIC, ExchangeConfig, LogitExchange
 
 
 class FedDFConfig(ExchangeConfig):
@@ -20,10 +26,38 @@ class FedDF(LogitExchange):
     Config = FedDFConfig
 
     def exchange(self, server, logits, clients, round_idx):
-        return {"ensemble": torch.softmax(logits / self.cfg.tau, -1).mean(0)}
+        return ensemble(logits, self.cfg.tau)
 
     def collaborate(self, ctx):
-        _, s = ctx.forward()
-        t, tau = ctx.payload["ensemble"][ctx.y], self.cfg.tau
-        kl = (t * (t.clamp(min=1e-12).log() - torch.log_softmax(s / tau, -1))).sum(-1)
-        return tau * tau * ctx.mean(kl)
+        return distill_to_ensemble(ctx, self.cfg.tau)
+
+
+def ensemble(logits: torch.Tensor, tau: float) -> dict:
+    return {"ensemble": torch.softmax(logits / tau, -1).mean(0)}
+
+
+def distill_to_ensemble(ctx, tau: float) -> torch.Tensor:
+    """tau^2 KL(ensemble || softmax(student / tau)) over the public batch (the ensemble rows ``ctx.y``)."""
+    _, s = ctx.forward()
+    t = ctx.payload["ensemble"][ctx.y]
+    kl = (t * (t.clamp(min=1e-12).log() - torch.log_softmax(s / tau, -1))).sum(-1)
+    return tau * tau * ctx.mean(kl)
+
+
+class FedDFGlobalConfig(AlgoConfig):
+    tau: float = Field(1.0, gt=0, le=100, description="distillation temperature")
+    server_epochs: int = Field(1, ge=1, le=1000, description="server distillation passes over the public stream")
+    public_batch: int | None = Field(None, ge=1, le=1_000_000, description="public batch (default: train.batch_size)")
+
+
+@register_algorithm
+class FedDFGlobal(Algorithm):
+    name = "feddf_global"
+    Config = FedDFGlobalConfig
+
+    def exchange(self, server, logits, clients, round_idx):
+        return ensemble(logits, self.cfg.tau)
+
+    def server_program(self, server, round_idx):
+        return [Phase(view=PUBLIC, epochs=self.cfg.server_epochs, batch=self.cfg.public_batch,
+                      updates=(Step(("model",), lambda ctx: distill_to_ensemble(ctx, self.cfg.tau)),))]

@@ -322,7 +322,7 @@ class Federation:
         if cfg.train.warmup_epochs and algo_cls.global_model:
             raise ConfigError(f"train.warmup_epochs: {cfg.algorithm.name!r} trains one global model, there is no "
                               "client model to warm up; set it to 0")
-        if algo_cls.exchanges and cfg.data.public is None:
+        if (algo_cls.exchanges or algo_cls.server_program is not Algorithm.server_program) and cfg.data.public is None:
             raise ConfigError(f"algorithm {cfg.algorithm.name!r} exchanges outputs on a public stream: set data.public "
                               "(e.g. {source: noise, size: 5000})")
         if cfg.eval.cross_clients and not algo_cls.personalized:
@@ -400,6 +400,9 @@ class Federation:
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
         self.server = self.algo.aggregate(self.server, up, weights, t, signals)
+        phases = self.algo.server_program(self.server, t)
+        if phases:
+            self._server_train(phases, up, cohort, lr, t)
         return {
             **local,
             "round": t,
@@ -430,6 +433,20 @@ class Federation:
             g.module.train()
             out.append(g.trainer.outputs(x, params["model"], take(g.buffers, rows), self.batch))
         return torch.cat(out)
+
+    def _server_train(self, phases, uploads: dict, cohort: np.ndarray, lr: float, t: int) -> None:
+        """The server's own training after aggregation (``Algorithm.server_program``): ``server["model"]`` trained
+        on the public stream as a cohort of one, against the payload ``exchange`` makes of the uploaded models'
+        logits on the stream."""
+        g = self.groups[0]
+        g.module.train()
+        x = self.transform(self.public.x)
+        logits = g.trainer.outputs(x, uploads["model"], g.global_buffers_like(len(cohort)), self.batch)
+        shared = self.algo.exchange(self.server, logits, torch.as_tensor(cohort, device=self.device), t)
+        one = tmap(lambda v: v.unsqueeze(0), self.server["model"])
+        trained = g.trainer.server_train(one, {**self.algo.broadcast(self.server, t), **shared}, phases,
+                                         g.global_buffers_like(1), lr=lr, seed=self.cfg.seed, round_idx=t)
+        self.server = {**self.server, "model": tmap(lambda v: v[0], trained)}
 
     def _by_group(self, cohort: np.ndarray):
         for g in self.groups:
@@ -525,6 +542,10 @@ class Federation:
             out.update({k: ev.client_summary(correct[k], sp.sizes) for k, sp in splits.items()})
             if cross is not None and len(test.y):
                 out["cross"] = ev.cross_summary(cross, test.sizes)
+                names = self.fd.dataset.group_names
+                if self.cfg.data.partition.get("scheme") in ("natural", "domains") and names \
+                        and len(names) == self.num_clients:
+                    out["cross"]["names"] = list(names)  # one client per group: name the rows by the domain
         report = {k: v for g in self.groups for k, v in self.algo.report(self.server, g.store).items()}
         if report:
             out["report"] = report

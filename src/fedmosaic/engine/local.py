@@ -35,7 +35,7 @@ from . import augment, optim
 from .augment import AugmentConfig
 from .mapping import for_each_client
 from .program import Phase, Probe, Step, View
-from .seeding import FINETUNE, VIEWS, WARMUP, batch_plan, rng
+from .seeding import FINETUNE, SERVER, VIEWS, WARMUP, batch_plan, rng
 from .tree import leaves, put, take, tmap
 
 
@@ -294,6 +294,19 @@ class LocalTrainer:
                                          phase, 0, lr, seed, 0, (WARMUP,))
                 outs.append(params["model"])
         return cat_trees(outs)
+
+    def server_train(self, model: dict, payload: dict, program: list[Phase], buffers: dict, *, lr: float, seed: int,
+                     round_idx: int) -> dict:
+        """The server's model (stacked as a cohort of one) trained by ``program`` with ``payload`` (its own batch
+        orders: the id after every client's); returns it, stacked."""
+        ids = np.array([SHARED + 1])
+        own = {"cid": torch.as_tensor(ids, device=self.public.x.device)}
+        params = {"model": tmap(torch.clone, model)}
+        with self._threads():
+            for p, phase in enumerate(program):
+                params, *_ = self._phase(self.public, ids, params, {}, payload, own, buffers, phase, p, lr, seed,
+                                         round_idx, (SERVER,))
+        return params["model"]
 
     @torch.no_grad()
     def outputs(self, x: torch.Tensor, params: dict, buffers: dict, batch: int) -> torch.Tensor:

@@ -86,7 +86,8 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
         last = next((r["cross"] for r in reversed(recs) if "cross" in r), None)
         if last is not None:
             where = out if len(variants) == 1 else out / dir_name(name)
-            cross_heatmap(last["matrix"], where / "cross_matrix.png", title=f"{name}: round {len(recs)}")
+            cross_heatmap(last["matrix"], where / "cross_matrix.png", title=f"{name}: round {len(recs)}",
+                          names=last.get("names"))
     return summaries
 
 
