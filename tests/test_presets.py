@@ -299,3 +299,30 @@ def test_pfedsrb_partition(name):
         counts = np.stack([np.bincount(client_labels(fd, k), minlength=c) for k in range(20)])
         share = counts / counts.sum(0)
         assert np.median(share.max(0)) > 0.3  # Dir(0.1): most of a class sits on a few clients
+
+
+# ---- the model-heterogeneous presets (AHF paper) ---------------------------------------------------------------
+AHF = {"ahf-digits": [150, 100, 5000, 2000], "ahf-digits-offline": [150, 100, 2000], "ahf-office": None}
+
+
+@pytest.mark.parametrize("name", sorted(AHF))
+def test_ahf_presets_state_the_papers_settings(name):
+    from fedmosaic.config import load_config
+
+    cfg = load_config(preset_path(name))
+    assert cfg.train.rounds == 41 and cfg.train.optimizer.name == "adam" and cfg.train.optimizer.lr == 1e-3
+    assert cfg.data.public.source == "noise" and cfg.data.public.size == (1000 if name == "ahf-office" else 5000)
+    assert cfg.train.batch_size == (64 if name == "ahf-office" else 512)
+    assert cfg.data.partition["scheme"] == "domains" and cfg.data.partition.get("sizes") == AHF[name]
+    assert cfg.eval.cross_clients and cfg.model.assign == list(range(len(cfg.model.heterogeneous)))
+    assert {a.name for a in cfg.compare} == {"ahf", "fedmd", "feddf", "rhfl", "fccl", "local"}
+    if name != "ahf-office":
+        assert [a.name for a in cfg.model.heterogeneous][:3] == ["resnet10", "resnet12", "efficientnet_b0"]
+
+
+def test_ahf_office_partition_matches_the_papers_private_sizes():
+    need_shared()
+    cfg = config("ahf-office")
+    fd = build(data_spec(cfg), dataset=real("office-caltech10"), cache=False)
+    paper = np.array([764, 895, 121, 232])  # Amazon, Caltech, DSLR, Webcam
+    assert np.abs(fd.sizes("train") - paper).max() <= 4
