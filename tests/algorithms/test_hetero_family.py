@@ -303,3 +303,20 @@ def test_feddf_with_one_architecture_is_ensemble_distillation_of_the_averaged_mo
     want = {k: (v - 0.05 * g).detach() for (k, v), g in zip(w.items(), grads)}
     assert_trees_close(fed.server["model"], want, atol=1e-6)
     assert not torch.equal(fed.server["model"]["fc.weight"], seen["average"]["fc.weight"])
+
+
+def test_the_run_records_each_architectures_normalisation(fd, tmp_path):
+    from fedmosaic.config import validate
+
+    archs = [{"name": "resnet10", "options": {"width": 0.125, "norm": norm}} for norm in ("group", "batch")]
+    cfg = validate({
+        "seed": 2, "data": {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"}, "client_test": 0.2,
+                            "public": {"source": "noise", "size": 16}},
+        "model": {"heterogeneous": archs}, "algorithm": {"name": "fedmd"},
+        "train": {"rounds": 1, "clients_per_round": 4, "batch_size": 64},
+        "eval": {"cross_clients": True, "global_test": False}})
+    with pytest.warns(UserWarning, match="has buffers"):  # BatchNorm: that group trains on the sequential path
+        run(cfg, tmp_path / "r", progress=False)
+    meta = json.loads((tmp_path / "r" / "meta.json").read_text())
+    assert [(e["norm"], e["clients"]) for e in meta["execution"]] == [("group", 2), ("batch", 2)]
+    assert meta["execution"][1]["backend"] == "sequential"

@@ -339,7 +339,15 @@ def claim(path: Path, text: str) -> None:
 
 def _executions(fed: Federation) -> list[dict]:
     """How each architecture group runs (``execution.Execution``), for meta.json."""
-    return [{"model": g.module.__class__.__name__, **g.execution.as_dict()} for g in fed.groups]
+    return [{"model": g.module.__class__.__name__, "norm": norm_kind(g.module), "clients": len(g.clients),
+             **g.execution.as_dict()} for g in fed.groups]
+
+
+def norm_kind(module: torch.nn.Module) -> str:
+    """Which normalisation a model uses: 'batch' (running statistics: the sequential path), 'group' or 'none'."""
+    kinds = {"batch" if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) else "group"
+             for m in module.modules() if isinstance(m, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm))}
+    return "+".join(sorted(kinds)) or "none"
 
 
 def _amend(out: Path, cfg: RunConfig, changes: dict, start: int, fed: Federation) -> None:
