@@ -375,15 +375,16 @@ class Federation:
 
     # ---- one round ---------------------------------------------------------------------------------
     def round(self, t: int) -> dict:
-        """Round ``t``: the cohort trains (group by group), the server aggregates; returns the round's metrics."""
+        """Round ``t``: (round 0: every client's warm-up;) the cohort's logits on the public stream go up and the
+        server's answer comes down (``Algorithm.exchanges``); the cohort trains (group by group); the server
+        aggregates (and trains on the public stream: ``server_program``). Returns the round's metrics."""
         cohort = sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t)
         lr = self.algo.round_lr(self.server, t, self.cfg.train.optimizer.lr_at(t))
         if t == 0 and self.cfg.train.warmup_epochs:
             self._warm_up(lr)
         exchanged, shared = 0, {}
         if self.algo.exchanges:  # outputs on the public stream go up first; the server's answer comes down below
-            members = np.concatenate([mem for _, mem in self._by_group(cohort)])
-            logits = self._public_logits(t)
+            logits, members = self._public_logits(cohort, t)
             shared = self.algo.exchange(self.server, logits, torch.as_tensor(members, device=self.device), t)
             exchanged = nbytes(logits)
         payload = {**self.algo.broadcast(self.server, t), **shared}
@@ -422,17 +423,17 @@ class Federation:
                                         epochs=self.cfg.train.warmup_epochs, lr=lr, seed=self.cfg.seed)
             g.store = for_each_client(self.algo.after_warmup, (0,), False)({**g.store, "model": trained})
 
-    def _public_logits(self, t: int) -> torch.Tensor:
-        """[n, N0, C]: every cohort client's logits on the public stream at the parameters it starts the round
-        from, in the order of :meth:`_by_group`."""
-        cohort = sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t)
+    def _public_logits(self, cohort: np.ndarray, t: int) -> tuple[torch.Tensor, np.ndarray]:
+        """([n, N0, C] every cohort client's logits on the public stream at the parameters it starts the round
+        from, the clients in that order — :meth:`_by_group`'s)."""
         payload, out, x = self.algo.broadcast(self.server, t), [], self.transform(self.public.x)
-        for g, members in self._by_group(cohort):
+        by_group = list(self._by_group(cohort))
+        for g, members in by_group:
             rows = torch.as_tensor(self.row_of[members], device=self.device)
             params = g.trainer.start(payload, self._own(members)[0], take(g.store, rows))
             g.module.train()
             out.append(g.trainer.outputs(x, params["model"], take(g.buffers, rows), self.batch))
-        return torch.cat(out)
+        return torch.cat(out), np.concatenate([members for _, members in by_group])
 
     def _server_train(self, phases, uploads: dict, cohort: np.ndarray, lr: float, t: int) -> None:
         """The server's own training after aggregation (``Algorithm.server_program``): ``server["model"]`` trained

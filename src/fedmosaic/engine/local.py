@@ -297,8 +297,8 @@ class LocalTrainer:
 
     def server_train(self, model: dict, payload: dict, program: list[Phase], buffers: dict, *, lr: float, seed: int,
                      round_idx: int) -> dict:
-        """The server's model (stacked as a cohort of one) trained by ``program`` with ``payload`` (its own batch
-        orders: the id after every client's); returns it, stacked."""
+        """The server's model (stacked as a cohort of one) trained by ``program`` with ``payload`` (batch orders of
+        its own seed stream); returns it, stacked."""
         ids = np.array([SHARED + 1])
         own = {"cid": torch.as_tensor(ids, device=self.public.x.device)}
         params = {"model": tmap(torch.clone, model)}
