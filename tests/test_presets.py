@@ -302,7 +302,8 @@ def test_pfedsrb_partition(name):
 
 
 # ---- the model-heterogeneous presets (AHF paper) ---------------------------------------------------------------
-AHF = {"ahf-digits": [150, 100, 5000, 2000], "ahf-digits-offline": [150, 100, 2000], "ahf-office": None}
+AHF = {"ahf-digits": [150, 100, 5000, 2000], "ahf-digits-offline": [150, 100, 2000], "ahf-office": None,
+       "ahf-office-images": None}
 
 
 @pytest.mark.parametrize("name", sorted(AHF))
@@ -311,8 +312,9 @@ def test_ahf_presets_state_the_papers_settings(name):
 
     cfg = load_config(preset_path(name))
     assert cfg.train.rounds == 41 and cfg.train.optimizer.name == "adam" and cfg.train.optimizer.lr == 1e-3
-    assert cfg.data.public.source == "noise" and cfg.data.public.size == (1000 if name == "ahf-office" else 5000)
-    assert cfg.train.batch_size == (64 if name == "ahf-office" else 512)
+    office = name.startswith("ahf-office")
+    assert cfg.data.public.source == "noise" and cfg.data.public.size == (1000 if office else 5000)
+    assert cfg.train.batch_size == (64 if office else 512)
     assert cfg.data.partition["scheme"] == "domains" and cfg.data.partition.get("sizes") == AHF[name]
     assert cfg.eval.cross_clients and cfg.model.assign == list(range(len(cfg.model.heterogeneous)))
     assert {a.name for a in cfg.compare} == {"ahf", "fedmd", "feddf", "rhfl", "fccl", "local"}

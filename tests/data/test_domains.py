@@ -120,3 +120,19 @@ def test_public_images_take_the_private_shape(data_dir):
         public_images("mnist", 7, (3, 32, 32), g)
     with pytest.raises(ConfigError, match="not an image dataset"):
         public_images("mnist", 2, (800,), g)
+
+
+def test_office_images_by_their_own_name_even_beside_the_surf_files(data_dir):
+    (data_dir / "office-caltech10-surf").mkdir(parents=True)
+    for domain in ("amazon", "caltech", "dslr", "webcam"):
+        scipy.io.savemat(data_dir / "office-caltech10-surf" / f"{domain}.mat",
+                         {"feas": np.zeros((2, 800)), "label": np.array([[1], [2]], np.uint8)})
+    with pytest.raises(DataNotFoundError, match="office-caltech10/amazon/"):
+        load_dataset("office-caltech10-images")
+    for i, domain in enumerate(("amazon", "caltech", "dslr", "webcam")):
+        folder = data_dir / "office-caltech10" / domain / "mug"
+        folder.mkdir(parents=True)
+        (folder / "frame_0001.jpg").write_bytes(png(np.full((40, 50, 3), 30 * i, np.uint8)))
+    d = load_dataset("office-caltech10-images")
+    assert d.x_train.shape == (4, 3, 32, 32) and d.groups_train.tolist() == [0, 1, 2, 3]
+    assert load_dataset("office-caltech10").x_train.shape == (8, 800)  # the SURF layout still comes first

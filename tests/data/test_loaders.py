@@ -203,7 +203,7 @@ def test_registry_names_and_alias():
     assert set(dataset_names()) - {"blobs"} == {  # blobs: the test suite's own registered dataset
         "mnist", "fashion-mnist", "cifar10", "cifar100", "usps", "femnist", "office-caltech10", "vehicle",
         "tiny-imagenet", "svhn", "digits", "cinic10", "cifar10-gray", "mnist-m", "syn", "digits-domains",
-        "digits-offline",
+        "digits-offline", "office-caltech10-images",
     }
     assert get_spec("FMNIST") is get_spec("fashion-mnist")
 

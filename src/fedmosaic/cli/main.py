@@ -207,6 +207,8 @@ def _data_list(args) -> int:
         found = find_layout(spec)
         if spec.builtin:
             print(f"{name:18s} built-in")
+        elif spec.parts and found:
+            print(f"{name:18s} found   made of {', '.join(spec.parts)}")
         elif found:
             layout, folder = found
             size = sum((folder / f).stat().st_size for f in layout.files)

@@ -41,6 +41,8 @@ class DatasetSpec:
     #: a dataset derived from another registered one's files (e.g. "cifar10" for greyscale CIFAR-10): its layouts
     #: read that dataset's files, and ``data list --verify`` checks them under that dataset's name
     variant_of: str | None = None
+    #: a dataset made of other registered datasets (the Digits domains): found when every part is, verified as them
+    parts: tuple[str, ...] = ()
 
 
 REGISTRY: dict[str, DatasetSpec] = {}
@@ -71,6 +73,8 @@ def find_layout(spec: DatasetSpec) -> tuple[Layout, Path] | None:
     """The first (layout, folder) on the search path where every file of the layout exists."""
     if spec.builtin:
         return spec.layouts[0], Path(".")
+    if spec.parts:
+        return (spec.layouts[0], Path(".")) if all(find_layout(get_spec(p)) for p in spec.parts) else None
     for root in data_dirs():
         folder = root / spec.folder
         for layout in spec.layouts:
@@ -80,6 +84,9 @@ def find_layout(spec: DatasetSpec) -> tuple[Layout, Path] | None:
 
 
 def missing_message(spec: DatasetSpec) -> str:
+    if spec.parts:  # name the first part that is missing, and how to get it
+        part = next(get_spec(p) for p in spec.parts if find_layout(get_spec(p)) is None)
+        return f"dataset {spec.name!r} needs {', '.join(spec.parts)}: {missing_message(part)}"
     roots = data_dirs()
     options = "; or ".join(", ".join(layout.files) for layout in spec.layouts)
     return (

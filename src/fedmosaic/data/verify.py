@@ -232,6 +232,7 @@ def verify(specs: Iterable[DatasetSpec] | None = None, progress: bool = False) -
         specs = [REGISTRY[n] for n in sorted({s.name for s in REGISTRY.values()})]
     # a variant reads its parent's files: verify the parent instead, once
     parents = (REGISTRY[v.variant_of] if v.variant_of else v for v in specs)
+    parents = (REGISTRY[p] for s in parents for p in (s.parts or (s.name,)))  # a composite: its parts
     specs = list({p.name: p for p in parents}.values())
     specs = [s for s in specs if not s.builtin]
     roots, seen = [], set()

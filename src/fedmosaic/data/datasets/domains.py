@@ -111,5 +111,5 @@ for _name, _domains in DIGIT_DOMAINS.items():
         folder=".",
         layouts=(Layout("composite", (), lambda _folder, n=_name, d=_domains: composite(n, d)),),
         description=f"Digits domains {', '.join(_domains)}: one client per domain, 32x32 RGB",
-        builtin=True,  # made of other datasets: each part is looked up (and reported missing) by its own name
+        parts=tuple(_domains),
     ))

@@ -94,3 +94,13 @@ OFFICE = register(DatasetSpec(
     ),
     description="Office-Caltech-10 object recognition, 4 domains x 10 classes (SURF features or images)",
 ))
+
+
+OFFICE_IMAGES = register(DatasetSpec(
+    name="office-caltech10-images",
+    folder=".",
+    layouts=(OFFICE.layouts[1],),
+    description="Office-Caltech-10 images only (AHF's image setting; the SURF files are not read): "
+                "office-caltech10/<domain>/<class>/*.jpg, resized to 32x32 RGB",
+    variant_of="office-caltech10",
+))
