@@ -320,3 +320,13 @@ def test_the_run_records_each_architectures_normalisation(fd, tmp_path):
     meta = json.loads((tmp_path / "r" / "meta.json").read_text())
     assert [(e["norm"], e["clients"]) for e in meta["execution"]] == [("group", 2), ("batch", 2)]
     assert meta["execution"][1]["backend"] == "sequential"
+
+
+def test_uploads_of_different_architectures_must_share_a_layout(fd, monkeypatch):
+    from fedmosaic.algorithms.local import Local
+
+    # Local, made to upload its weights: an MLP of width 8 and one of 12-12 cannot be stacked
+    monkeypatch.setattr(Local, "finish", lambda self, params, state, payload, stats: ({"w": params["model"]}, state))
+    fed = Federation(make_cfg(algorithm={"name": "local"}, data__public=None, train__warmup_epochs=0), fd)
+    with pytest.raises(ConfigError, match="uploads differently shaped tensors from the different architectures"):
+        fed.round(0)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._pytree import tree_structure
 
 from ..algorithms import ALGORITHMS, Algorithm
 from ..config import RunConfig
@@ -28,7 +29,7 @@ from .mapping import for_each_client
 from .program import Setting, Signals
 from .seeding import INIT, POOL, PUBLIC, rng, sample_cohort
 from .transforms import make_normalizer
-from .tree import all_finite, nbytes, put, take, tmap, weighted_mean
+from .tree import all_finite, leaves, nbytes, put, take, tmap, weighted_mean
 
 
 class NonFiniteLoss(FedMosaicError):
@@ -394,7 +395,7 @@ class Federation:
         self._check_finite(t, cohort, loss, [r[2] for r in trained])
         for g, members, _, new_state, _, _, bufs in trained:
             self._write_back(g, members, new_state, bufs)
-        up = cat_trees([r[2] for r in trained])
+        up = self._cat_uploads([r[2] for r in trained])
         steps = np.concatenate([r[5] for r in trained])
         weights = torch.as_tensor(self.split["train"].sizes[cohort], dtype=torch.float32, device=self.device)
         local = self._local_in_out(cohort, up) if self.cfg.eval.local_models else {}
@@ -414,6 +415,15 @@ class Federation:
             "bytes_down": (nbytes(payload) + self._buffer_bytes()) * len(cohort) + nbytes(self._own(cohort)[1]),
             "bytes_up": self.algo.sent_bytes(up) + self._buffer_bytes() * len(cohort) + exchanged,
         }
+
+    def _cat_uploads(self, uploads: list) -> dict:
+        """The architecture groups' uploads as one stack: they must share a layout (logits, prototypes, statistics;
+        the weights of different architectures are never stacked)."""
+        layouts = {(str(tree_structure(u)), tuple((tuple(t.shape[1:]), t.dtype) for t in leaves(u))) for u in uploads}
+        if len(layouts) > 1:
+            raise ConfigError(f"algorithm {self.cfg.algorithm.name!r} uploads differently shaped tensors from the "
+                              "different architectures of model.heterogeneous; it needs one architecture")
+        return cat_trees(uploads)
 
     def _warm_up(self, lr: float) -> None:
         """Before round 0: every client's own model trained on its private data (``train.warmup_epochs``)."""
