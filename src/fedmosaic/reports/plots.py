@@ -60,7 +60,7 @@ def cross_heatmap(matrix, path: str | Path, title: str = "", names: list[str] | 
     """The K x K cross-client accuracy matrix: row i client i's model, column j client j's test split."""
     a = 100 * np.asarray(matrix)
     k = len(a)
-    fig, ax = plt.subplots(figsize=(min(12, 2.5 + 0.6 * k), min(10, 2 + 0.55 * k)))
+    fig, ax = plt.subplots(figsize=(min(12, 4 + 0.6 * k), min(10, 3 + 0.55 * k)))
     im = ax.imshow(a, cmap="viridis", vmin=0, vmax=100)
     labels = names if names is not None and len(names) == k else [str(i) for i in range(k)]
     ax.set_xticks(range(k), labels, rotation=45 if k > 4 else 0, ha="right" if k > 4 else "center")
@@ -70,6 +70,7 @@ def cross_heatmap(matrix, path: str | Path, title: str = "", names: list[str] | 
             for j in range(k):
                 ax.text(j, i, f"{a[i, j]:.1f}", ha="center", va="center", fontsize=8,
                         color="white" if a[i, j] < 60 else "black")
-    ax.set(xlabel="test split of client", ylabel="model of client", title=title)
+    ax.set(xlabel="test split of client", ylabel="model of client")
+    ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, label="accuracy (%)")
     return _save(fig, path)
