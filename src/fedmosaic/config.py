@@ -47,6 +47,18 @@ class PublicConfig(Schema):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="defaults to the run seed")
 
 
+class TasksConfig(Schema):
+    """Class-incremental task streams (ProtoFCL): the classes cut into tasks, each client trains on one task at a
+    time, ``rounds_per_task`` rounds each."""
+
+    n_tasks: int = Field(ge=1, le=MAX_COUNT)
+    classes_per_task: int | None = Field(None, ge=1, le=MAX_COUNT, description="default: classes / n_tasks")
+    rounds_per_task: int = Field(10, ge=1, le=MAX_COUNT)
+    order: Literal["shared", "random"] = Field(
+        "shared", description="every client meets the tasks in one order, or each in its own random order")
+    tasks_per_client: int | None = Field(None, ge=1, le=MAX_COUNT, description="default: every task")
+
+
 class DataConfig(Schema):
     dataset: str = Field("digits", min_length=1)
     clients: int | None = Field(20, ge=1, le=MAX_COUNT, description="number of clients; None = the scheme's own count")
@@ -64,6 +76,7 @@ class DataConfig(Schema):
     classes: list[int] | None = Field(None, min_length=1, description="keep only these class ids, relabelled 0..k-1 "
                                       "in this order")
     public: PublicConfig | None = Field(None, description="a shared public stream (noise or an unlabeled dataset)")
+    tasks: TasksConfig | None = Field(None, description="class-incremental task streams (continual learning)")
 
     @field_validator("classes")
     @classmethod

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from dataclasses import replace
 from functools import partial
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from torch.utils._pytree import tree_structure
 from ..algorithms import ALGORITHMS, Algorithm
 from ..config import RunConfig
 from ..data.federated import FederatedData, PartitionSpec, build
+from ..data.partition.tasks import task_streams
 from ..data.public import public_images
 from ..errors import ConfigError, CorruptDataError, FedMosaicError
 from ..models import build_model, head_keys, parameter_count
@@ -27,7 +29,7 @@ from .execution import Execution, ModelFacts, RunFacts, choose, step_profile
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .mapping import for_each_client
 from .program import Setting, Signals
-from .seeding import INIT, POOL, PUBLIC, rng, sample_cohort
+from .seeding import INIT, POOL, PUBLIC, TASKS, rng, sample_cohort
 from .transforms import make_normalizer
 from .tree import all_finite, leaves, nbytes, put, take, tmap, weighted_mean
 
@@ -174,6 +176,7 @@ class Federation:
                               "'project: <d>'")
         self._check_family(cfg, algo_cls)
         self.public = self._build_public(cfg, normalize if preload else None, dev)
+        self.tasks = self._build_tasks(cfg)
         self.extra = self._build_extra(algo_cls.extra_models(algo_cfg, cfg.model), dev)
         setting = Setting(self.fd.num_classes, dims.pop() if len(dims) == 1 else 0, self.fd.num_clients,
                           cfg.train.optimizer,
@@ -352,6 +355,31 @@ class Federation:
         t = normalize.all(t) if normalize is not None else t
         return ClientTensors(t, torch.arange(len(t), device=dev), np.array([0, len(t)]))
 
+    def _build_tasks(self, cfg: RunConfig) -> list | None:
+        """Per client its task stream (``data.tasks``): [(task id, classes, offsets inside its train rows)], in the
+        order it meets them (one shared order: by task id; ``random``: the client's own)."""
+        tc = cfg.data.tasks
+        if tc is None:
+            return None
+        if cfg.train.rounds > tc.n_tasks * tc.rounds_per_task:
+            raise ConfigError(f"train.rounds: the last of {tc.n_tasks} tasks of {tc.rounds_per_task} rounds ends after "
+                              f"round {tc.n_tasks * tc.rounds_per_task} (got {cfg.train.rounds})")
+        ptr = self.split["train"].ptr
+        parts = [np.arange(ptr[k], ptr[k + 1]) for k in range(self.num_clients)]
+        streams = task_streams(self.fd.y["train"], parts, tc.n_tasks, tc.tasks_per_client, rng(cfg.seed, TASKS),
+                               tc.classes_per_task)
+        if tc.order == "shared":
+            streams = [sorted(st, key=lambda task: task[0]) for st in streams]
+        return [[(t, classes, rows - ptr[k]) for t, classes, rows in st] for k, st in enumerate(streams)]
+
+    def train_split(self, t: int) -> ClientTensors:
+        """What clients may train on in round ``t``: their whole train split, or their current task's samples."""
+        tr = self.split["train"]
+        if self.tasks is None:
+            return tr
+        stage = t // self.cfg.data.tasks.rounds_per_task
+        return replace(tr, subset={k: st[stage][2] for k, st in enumerate(self.tasks) if stage < len(st)})
+
     def _build_extra(self, specs: dict, dev) -> dict:
         """The modules of the slots an algorithm trains with architectures of their own (FedKD's mentor), built
         from their own seed stream: one per slot, shared by every client (each client's parameters are its own)."""
@@ -394,10 +422,10 @@ class Federation:
         loss = torch.cat([r[4] for r in trained])
         self._check_finite(t, cohort, loss, [r[2] for r in trained])
         for g, members, _, new_state, _, _, bufs in trained:
-            self._write_back(g, members, new_state, bufs)
+            self._write_back(g, members, new_state, bufs, t)
         up = self._cat_uploads([r[2] for r in trained])
         steps = np.concatenate([r[5] for r in trained])
-        weights = torch.as_tensor(self.split["train"].sizes[cohort], dtype=torch.float32, device=self.device)
+        weights = torch.as_tensor(self.train_split(t).counts(cohort), dtype=torch.float32, device=self.device)
         local = self._local_in_out(cohort, up) if self.cfg.eval.local_models else {}
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
@@ -477,7 +505,7 @@ class Federation:
         bufs = g.global_buffers_like(len(members)) if self.algo.global_model else take(g.buffers, rows)
         g.module.train()
         up, new_state, loss, steps = g.trainer.train(
-            self.split["train"], members, payload, take(g.store, rows), bufs, own=self._own(members)[0],
+            self.train_split(t), members, payload, take(g.store, rows), bufs, own=self._own(members)[0],
             program=self.algo.program(self.server, t), probes=self.algo.probes(self.server, t), lr=lr,
             seed=self.cfg.seed, round_idx=t)
         return g, members, up, new_state, loss, steps, bufs
@@ -489,11 +517,11 @@ class Federation:
             who = cohort[bad.cpu().numpy()] if bad.any() else cohort
             raise NonFiniteLoss(f"round {t}: non-finite loss or update on clients {who.tolist()[:10]}")
 
-    def _write_back(self, g: Group, members: np.ndarray, new_state: dict, bufs: dict) -> None:
+    def _write_back(self, g: Group, members: np.ndarray, new_state: dict, bufs: dict, t: int) -> None:
         rows = torch.as_tensor(self.row_of[members], device=self.device)
         put((g.store, g.buffers), rows, (new_state, bufs))
         if self.algo.global_model and g.global_buffers:
-            w = torch.as_tensor(self.split["train"].sizes[members], dtype=torch.float32, device=self.device)
+            w = torch.as_tensor(self.train_split(t).counts(members), dtype=torch.float32, device=self.device)
             g.global_buffers = average_buffers(bufs, w)
 
     def _local_in_out(self, cohort: np.ndarray, uploads: dict) -> dict:

@@ -41,15 +41,30 @@ from .tree import leaves, put, take, tmap
 
 @dataclass
 class ClientTensors:
-    """One split of the federated data on the training device: samples of client k are rows ptr[k]:ptr[k+1]."""
+    """One split of the federated data on the training device: samples of client k are rows ptr[k]:ptr[k+1].
+
+    ``subset`` (client -> offsets inside its rows, sorted): the samples a client may train on this round when not
+    all of them (the current task of a class-incremental stream); a client it does not list has none."""
 
     x: torch.Tensor
     y: torch.Tensor
     ptr: np.ndarray
+    subset: dict | None = None
 
     @property
     def sizes(self) -> np.ndarray:
         return np.diff(self.ptr)
+
+    def available(self, clients: np.ndarray) -> list[np.ndarray] | None:
+        """Per client the offsets of ``subset`` (None: every sample of every client)."""
+        if self.subset is None:
+            return None
+        return [self.subset.get(int(k), np.zeros(0, dtype=np.int64)) for k in clients]
+
+    def counts(self, clients: np.ndarray) -> np.ndarray:
+        """The samples each client may train on."""
+        base = self.available(clients)
+        return self.sizes[clients] if base is None else np.array([len(b) for b in base], dtype=np.int64)
 
 
 def cat_trees(trees: list):
@@ -353,7 +368,7 @@ class LocalTrainer:
             if pr.at == "final":
                 stats[pr.name] = self._probe(data, first, params, states, payload, own, buffers, pr)
         stats.update({
-            "n": torch.as_tensor(data.sizes[clients], dtype=torch.float32, device=dev),
+            "n": torch.as_tensor(data.counts(clients), dtype=torch.float32, device=dev),
             "steps": torch.as_tensor(step_sum, dtype=torch.float32, device=dev),
             "lr": torch.full((n,), float(lr), device=dev),
             "acc": acc_sum,
@@ -369,10 +384,11 @@ class LocalTrainer:
         and per client ``steps`` and ``per_epoch`` (numpy)."""
         dev, batch = data.x.device, phase.batch or self.batch
         public = phase.view.part == "public"
+        base = None  # the samples each client may draw from (a subset of its rows: the current task), or all
         if public:  # one stream for everybody: the same samples in the same order for every client
             sizes, start = np.full(len(clients), len(data.y)), np.zeros(len(clients), dtype=np.int64)
         else:
-            sizes, start = data.sizes[clients], data.ptr[clients]
+            base, sizes, start = data.available(clients), data.counts(clients), data.ptr[clients]
         k = p if phase.key is None else phase.key
         keys = keys + ((k,) if k else ())  # schedule 0 (the first phase by default) is the single-phase order
         epochs = phase.epochs or self.epochs
@@ -386,6 +402,9 @@ class LocalTrainer:
             if offs is not None:
                 for i, o in enumerate(offs):
                     pos[i] = o[pos[i]] if len(o) else 0
+            if base is not None:
+                for i, b in enumerate(base):
+                    pos[i] = b[pos[i]] if len(b) else 0
             rows = np.where(valid, start[:, None, None] + pos, start[:, None, None]).transpose(1, 0, 2).copy()
             mask = valid.transpose(1, 0, 2).copy()
             return (torch.as_tensor(rows, device=dev), torch.as_tensor(mask, dtype=torch.float32, device=dev),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-COHORT, BATCHES, INIT, AUGMENT, VIEWS, FINETUNE, POOL, WARMUP, PUBLIC, SERVER = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10
+COHORT, BATCHES, INIT, AUGMENT, VIEWS, FINETUNE, POOL, WARMUP, PUBLIC, SERVER, TASKS = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
 
 
 def rng(seed: int, stream: int, *keys: int) -> np.random.Generator:

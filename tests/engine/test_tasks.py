@@ -1,0 +1,54 @@
+"""Class-incremental task streams in the engine: what a client trains on in each round."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from fedmosaic.config import validate
+from fedmosaic.engine.federation import Federation
+from fedmosaic.errors import ConfigError
+
+
+def make_cfg(**tasks):
+    return validate({
+        "seed": 4, "data": {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"}, "client_test": 0.2,
+                            "tasks": {"n_tasks": 5, "rounds_per_task": 2, **tasks}},
+        "model": {"name": "mlp", "options": {"hidden": 8}},
+        "train": {"rounds": 10, "clients_per_round": 4, "batch_size": 16}})
+
+
+@pytest.mark.parametrize("order", ["shared", "random"])
+def test_a_clients_batches_in_a_task_come_only_from_that_tasks_classes(order):
+    fed = Federation(make_cfg(order=order))
+    trainer, seen = fed.groups[0].trainer, []
+    plan = trainer._plan
+
+    def spy(data, clients, *args):
+        out = plan(data, clients, *args)
+        seen.append((clients, out["rows"], out["mask"]))
+        return out
+
+    trainer._plan = spy
+    y = fed.split["train"].y
+    for t in range(10):
+        seen.clear()
+        fed.round(t)
+        for clients, rows, mask in seen:
+            for i, k in enumerate(clients):
+                task_id, classes, offsets = fed.tasks[k][t // 2]
+                labels = y[rows[:, i][mask[:, i] > 0]].numpy()
+                assert set(labels) <= set(classes.tolist())
+                assert len(labels) == len(offsets)  # one epoch: every sample of the task once
+    ids = [[task for task, *_ in st] for st in fed.tasks]
+    if order == "shared":
+        assert all(i == list(range(5)) for i in ids)
+    else:
+        assert all(sorted(i) == list(range(5)) for i in ids) and len({tuple(i) for i in ids}) > 1
+    classes = [set(c.tolist()) for _, c, _ in fed.tasks[0]]
+    assert set().union(*classes) == set(range(10)) and sum(map(len, classes)) == 10  # disjoint tasks
+
+
+def test_rounds_beyond_the_last_task_are_a_one_line_error():
+    with pytest.raises(ConfigError, match="train.rounds: the last of 5 tasks of 1 rounds ends after round 5"):
+        Federation(make_cfg(rounds_per_task=1))
