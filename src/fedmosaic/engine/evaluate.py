@@ -92,19 +92,26 @@ def personal_correct(apply, stacked_params, x, y, ptr, clients: np.ndarray, tran
 
 
 @torch.no_grad()
+def stacked_correct(apply, stacked_params, x, y, transform, vectorize: bool, batch: int = EVAL_BATCH,
+                    logits_fn=None) -> torch.Tensor:
+    """[n, N]: whether each of a stack of n models predicts each of one shared set of samples right (in batches of
+    ``batch``: several models at once under vmap, a CNN's activations are per model)."""
+
+    def hits(params):
+        out = []
+        for lo in range(0, len(y), batch):
+            z, logits = apply(params, transform(x[lo : lo + batch]))
+            out.append((logits if logits_fn is None else logits_fn(z, logits)).argmax(1) == y[lo : lo + batch])
+        return torch.cat(out)
+
+    return for_each_client(hits, (0,), vectorize)(stacked_params)
+
+
 def local_class_accuracy(apply, stacked_params, x, y, num_classes: int, transform, vectorize: bool) -> torch.Tensor:
     """Per-class accuracy [n, C] of each of a stack of (local) models on one shared test set."""
-
-    def per_class(params):
-        hits = torch.zeros(num_classes, device=y.device)
-        for lo in range(0, len(y), EVAL_BATCH):
-            _, logits = apply(params, transform(x[lo : lo + EVAL_BATCH]))
-            yb = y[lo : lo + EVAL_BATCH]
-            hits = hits.index_add(0, yb, (logits.argmax(1) == yb).to(hits.dtype))
-        return hits
-
-    hits = for_each_client(per_class, (0,), vectorize)(stacked_params)
-    return hits / torch.bincount(y, minlength=num_classes).clamp(min=1)
+    ok = stacked_correct(apply, stacked_params, x, y, transform, vectorize).to(torch.float32)
+    onehot = (y[:, None] == torch.arange(num_classes, device=y.device)).to(ok.dtype)
+    return ok @ onehot / torch.bincount(y, minlength=num_classes).clamp(min=1)
 
 
 def in_out_local(class_acc: torch.Tensor, label_counts: np.ndarray) -> tuple[float, float]:
@@ -119,15 +126,10 @@ def in_out_local(class_acc: torch.Tensor, label_counts: np.ndarray) -> tuple[flo
 CROSS_BATCH = 512  # several models at once (vmap) on one batch: a CNN's activations are per model
 
 
-@torch.no_grad()
 def cross_correct(apply, stacked_params, x, y, ptr, transform, logits_fn, vectorize: bool) -> np.ndarray:
     """[n, K]: correct predictions of each of a stack of n models on every client's split (rows ``ptr``)."""
-
-    def hits(params):
-        return torch.cat([logits_fn(*apply(params, transform(x[lo : lo + CROSS_BATCH]))).argmax(1)
-                          == y[lo : lo + CROSS_BATCH] for lo in range(0, len(y), CROSS_BATCH)])
-
-    ok = for_each_client(hits, (0,), vectorize)(stacked_params).cpu().numpy().astype(np.int64)
+    ok = stacked_correct(apply, stacked_params, x, y, transform, vectorize, CROSS_BATCH, logits_fn)
+    ok = ok.cpu().numpy().astype(np.int64)
     c = np.concatenate([np.zeros((len(ok), 1), dtype=np.int64), ok.cumsum(1)], 1)
     return (c[:, ptr[1:]] - c[:, ptr[:-1]]).astype(np.float64)
 
