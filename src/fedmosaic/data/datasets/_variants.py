@@ -46,3 +46,21 @@ def greyscale(read: Callable[[Path], ArrayDataset], name: str) -> Callable[[Path
         return to_greyscale(read(folder), name)
 
     return read_grey
+
+
+def conform(x: np.ndarray, channels: int, size: tuple[int, int]) -> np.ndarray:
+    """uint8 images (N, C, H, W) as (N, ``channels``, *``size``): RGB to greyscale by :func:`luma`, a bilinear
+    (antialiased) resize, greyscale repeated to 3 channels. Other channel counts are returned as they are."""
+    if x.shape[1] == 3 and channels == 1:
+        x = luma(x)
+    if x.shape[2:] != tuple(size):
+        import torch
+        import torch.nn.functional as F
+
+        out = np.empty((len(x), x.shape[1], *size), np.uint8)
+        for lo in range(0, len(x), _CHUNK):
+            t = F.interpolate(torch.as_tensor(x[lo : lo + _CHUNK]).float(), size=tuple(size), mode="bilinear",
+                              align_corners=False, antialias=True)
+            out[lo : lo + _CHUNK] = t.round().clamp(0, 255).to(torch.uint8).numpy()
+        x = out
+    return np.repeat(x, 3, axis=1) if x.shape[1] == 1 and channels == 3 else x

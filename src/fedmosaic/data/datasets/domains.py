@@ -24,6 +24,7 @@ from ..registry import DatasetSpec, Layout, load_dataset, register
 from ._cache import cached, from_arrays
 from ._images import is_image, read_image_splits
 from ._io import abs_paths, archive_members, digit_splits, folder_members
+from ._variants import conform
 from .svhn import _read_split as _read_svhn_mat
 
 SIZE = 32
@@ -69,25 +70,11 @@ register(DatasetSpec(
 ))
 
 
-def as_rgb32(x: np.ndarray) -> np.ndarray:
-    """uint8 images (N, C, H, W) as (N, 3, 32, 32): bilinear resize, greyscale repeated to 3 channels."""
-    import torch
-    import torch.nn.functional as F
-
-    if x.shape[2:] != (SIZE, SIZE):
-        out = np.empty((len(x), x.shape[1], SIZE, SIZE), np.uint8)
-        for lo in range(0, len(x), 8192):
-            t = torch.as_tensor(x[lo : lo + 8192]).float()
-            r = F.interpolate(t, size=(SIZE, SIZE), mode="bilinear", align_corners=False, antialias=True)
-            out[lo : lo + 8192] = r.round().clamp(0, 255).to(torch.uint8).numpy()
-        x = out
-    return np.repeat(x, 3, axis=1) if x.shape[1] == 1 else x
-
-
 def composite(name: str, domains: list[str]) -> ArrayDataset:
     """The ``domains`` datasets as one, 32x32 RGB, each sample's domain in ``groups_train``/``groups_test``."""
     parts = [load_dataset(d) for d in domains]
-    x_tr, x_te = [as_rgb32(p.x_train) for p in parts], [as_rgb32(p.x_test) for p in parts]
+    x_tr = [conform(p.x_train, 3, (SIZE, SIZE)) for p in parts]
+    x_te = [conform(p.x_test, 3, (SIZE, SIZE)) for p in parts]
     return ArrayDataset(
         name=name,
         x_train=np.concatenate(x_tr),
