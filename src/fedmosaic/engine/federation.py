@@ -417,15 +417,16 @@ class Federation:
             shared = self.algo.exchange(self.server, logits, torch.as_tensor(members, device=self.device), t)
             exchanged = nbytes(logits)
         payload = {**self.algo.broadcast(self.server, t), **shared}
-        trained = [self._train_group(g, members, payload, lr, t) for g, members in self._by_group(cohort)]
+        train = self.train_split(t)
+        trained = [self._train_group(g, members, payload, lr, t, train) for g, members in self._by_group(cohort)]
         cohort = np.concatenate([members for _, members, *_ in trained])
         loss = torch.cat([r[4] for r in trained])
         self._check_finite(t, cohort, loss, [r[2] for r in trained])
         for g, members, _, new_state, _, _, bufs in trained:
-            self._write_back(g, members, new_state, bufs, t)
+            self._write_back(g, members, new_state, bufs, train)
         up = self._cat_uploads([r[2] for r in trained])
         steps = np.concatenate([r[5] for r in trained])
-        weights = torch.as_tensor(self.train_split(t).counts(cohort), dtype=torch.float32, device=self.device)
+        weights = torch.as_tensor(train.counts(cohort), dtype=torch.float32, device=self.device)
         local = self._local_in_out(cohort, up) if self.cfg.eval.local_models else {}
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
@@ -499,13 +500,13 @@ class Federation:
         sent = self.algo.client_payload(self.server, ids)
         return {**sent, "cid": ids}, sent
 
-    def _train_group(self, g: Group, members: np.ndarray, payload: dict, lr: float, t: int):
+    def _train_group(self, g: Group, members: np.ndarray, payload: dict, lr: float, t: int, train: ClientTensors):
         rows = torch.as_tensor(self.row_of[members], device=self.device)
         # global-model algorithms start the cohort from the server's running statistics
         bufs = g.global_buffers_like(len(members)) if self.algo.global_model else take(g.buffers, rows)
         g.module.train()
         up, new_state, loss, steps = g.trainer.train(
-            self.train_split(t), members, payload, take(g.store, rows), bufs, own=self._own(members)[0],
+            train, members, payload, take(g.store, rows), bufs, own=self._own(members)[0],
             program=self.algo.program(self.server, t), probes=self.algo.probes(self.server, t), lr=lr,
             seed=self.cfg.seed, round_idx=t)
         return g, members, up, new_state, loss, steps, bufs
@@ -517,11 +518,11 @@ class Federation:
             who = cohort[bad.cpu().numpy()] if bad.any() else cohort
             raise NonFiniteLoss(f"round {t}: non-finite loss or update on clients {who.tolist()[:10]}")
 
-    def _write_back(self, g: Group, members: np.ndarray, new_state: dict, bufs: dict, t: int) -> None:
+    def _write_back(self, g: Group, members: np.ndarray, new_state: dict, bufs: dict, train: ClientTensors) -> None:
         rows = torch.as_tensor(self.row_of[members], device=self.device)
         put((g.store, g.buffers), rows, (new_state, bufs))
         if self.algo.global_model and g.global_buffers:
-            w = torch.as_tensor(self.train_split(t).counts(members), dtype=torch.float32, device=self.device)
+            w = torch.as_tensor(train.counts(members), dtype=torch.float32, device=self.device)
             g.global_buffers = average_buffers(bufs, w)
 
     def _local_in_out(self, cohort: np.ndarray, uploads: dict) -> dict:
