@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from .base import FedModel
-from .resnet import check_width, norm_layer, scaled
+from .resnet import check_images, check_width, norm_layer, scaled
 
 MOBILENET_V2 = [(1, 16, 1, 1), (6, 24, 2, 1), (6, 32, 3, 2), (6, 64, 4, 2), (6, 96, 3, 1), (6, 160, 3, 2),
                 (6, 320, 1, 1)]
@@ -87,7 +87,8 @@ class _Mobile(FedModel):
 
 class MobileNetV2(_Mobile):
     def __init__(self, input_shape, num_classes, norm: str = "group", groups: int = 2, width: float = 1.0):
-        w = check_width(_images(input_shape, width))
+        check_images(input_shape)
+        w = check_width(width)
         c, layers = scaled(32, w), []
         for expansion, out, n, stride in MOBILENET_V2:
             for j in range(n):
@@ -103,7 +104,8 @@ class MobileNetV2(_Mobile):
 
 class EfficientNetB0(_Mobile):
     def __init__(self, input_shape, num_classes, norm: str = "group", groups: int = 2, width: float = 1.0):
-        w = check_width(_images(input_shape, width))
+        check_images(input_shape)
+        w = check_width(width)
         c, layers = scaled(32, w), []
         for expansion, out, n, kernel, stride in EFFICIENTNET_B0:
             for j in range(n):
@@ -113,12 +115,6 @@ class EfficientNetB0(_Mobile):
 
     def features(self, x):
         return self.blocks(_swish(self.stem(x))).mean((2, 3))
-
-
-def _images(input_shape, width):
-    if len(input_shape) != 3:
-        raise ValueError(f"needs images (C, H, W), got inputs of shape {tuple(input_shape)}")
-    return width
 
 
 def mobilenetv2(input_shape, num_classes, norm: str = "group", groups: int = 2, width: float = 1.0):

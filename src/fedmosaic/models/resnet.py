@@ -35,6 +35,11 @@ def check_width(width) -> float:
     return float(width)
 
 
+def check_images(input_shape) -> None:
+    if len(input_shape) != 3:
+        raise ValueError(f"needs images (C, H, W), got inputs of shape {tuple(input_shape)}")
+
+
 def scaled(channels: int, width: float, multiple: int = 2) -> int:
     """``channels * width`` rounded to a multiple of ``multiple`` (at least ``multiple``)."""
     return max(multiple, int(round(channels * width / multiple)) * multiple)
@@ -61,8 +66,7 @@ class ResNet(FedModel):
         super().__init__()
         if not isinstance(groups, int) or isinstance(groups, bool) or groups < 1 or 64 % groups:
             raise ValueError(f"groups: must divide 64 (got {groups!r})")
-        if len(input_shape) != 3:
-            raise ValueError(f"needs images (C, H, W), got inputs of shape {tuple(input_shape)}")
+        check_images(input_shape)
         w = check_width(width)
         widths = [scaled(c, w) for c in (64, 128, 256, 512)]
         c_in, c0 = input_shape[0], widths[0]
