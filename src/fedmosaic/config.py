@@ -47,6 +47,23 @@ class PublicConfig(Schema):
     seed: int | None = Field(None, ge=0, le=MAX_SEED, description="defaults to the run seed")
 
 
+class MemoryConfig(Schema):
+    """Every client's exemplar memory: samples of its earlier tasks it keeps and trains on again (replay)."""
+
+    per_class: int | None = Field(None, ge=1, le=MAX_COUNT, description="strategy A: keep this many per class")
+    total: int | None = Field(None, ge=1, le=MAX_COUNT,
+                              description="strategy B: keep this many in all, shared equally by the classes met")
+    select: Literal["auto", "nearest", "herding", "random"] = Field(
+        "auto", description="which samples: nearest to the class prototype (ProtoFCL), herding (iCaRL), random; "
+        "'auto': the algorithm's choice")
+
+    @model_validator(mode="after")
+    def _budget(self):
+        if (self.per_class is None) == (self.total is None):
+            raise ValueError("memory: set exactly one of per_class (a count per class) and total (one budget)")
+        return self
+
+
 class TasksConfig(Schema):
     """Class-incremental task streams (ProtoFCL): the classes cut into tasks, each client trains on one task at a
     time, ``rounds_per_task`` rounds each."""
@@ -57,6 +74,7 @@ class TasksConfig(Schema):
     order: Literal["shared", "random"] = Field(
         "shared", description="every client meets the tasks in one order, or each in its own random order")
     tasks_per_client: int | None = Field(None, ge=1, le=MAX_COUNT, description="default: every task")
+    memory: MemoryConfig | None = Field(None, description="exemplar memory (replay); none by default")
 
 
 class DataConfig(Schema):
@@ -128,6 +146,9 @@ class AlgorithmConfig(BaseModel):
 
     model_config = ConfigDict(extra="allow", strict=True)
     name: str = "fedavg"
+    memory: MemoryConfig | Literal[False] | None = Field(
+        None, description="with data.tasks: this algorithm's exemplar memory instead of data.tasks.memory (false: "
+        "none) — so one comparison holds fine-tuning and replay, a method and its ablation without memory")
 
     def params(self) -> dict[str, Any]:
         return dict(self.model_extra or {})
@@ -222,6 +243,8 @@ class RunConfig(Schema):
 
     @model_validator(mode="after")
     def _cohort(self):
+        if self.data.tasks is None and any(a.memory is not None for a in [self.algorithm, *(self.compare or [])]):
+            raise ValueError("algorithm.memory: an exemplar memory needs task streams (data.tasks)")
         if self.data.clients is not None and self.train.clients_per_round > self.data.clients:
             raise ValueError(f"train.clients_per_round: must be <= data.clients = {self.data.clients} "
                              f"(got {self.train.clients_per_round})")
@@ -236,10 +259,19 @@ class RunConfig(Schema):
         names = [_BAD_NAME.sub("_", n)[:MAX_NAME_BYTES] for n in names]  # labels stay valid run names
         return [self.model_copy(update={"algorithm": a, "compare": None, "name": n}) for a, n in zip(self.compare, names)]
 
+    def exemplar_memory(self) -> MemoryConfig | None:
+        """The run's exemplar memory: the algorithm's own choice (``algorithm.memory``), else data.tasks.memory."""
+        if self.data.tasks is None:
+            return None
+        mine = self.algorithm.memory
+        return self.data.tasks.memory if mine is None else mine or None
+
 
 def label(algo: AlgorithmConfig) -> str:
     """A short readable name for an algorithm config, e.g. ``fedprox(mu=0.1)``."""
-    params = ",".join(f"{k}={v}" for k, v in algo.params().items())
+    extra = {} if algo.memory is None else {"memory": "off" if algo.memory is False else ",".join(
+        f"{k}:{v}" for k, v in algo.memory.model_dump().items() if v is not None)}
+    params = ",".join(f"{k}={v}" for k, v in {**algo.params(), **extra}.items())
     return f"{algo.name}({params})" if params else algo.name
 
 

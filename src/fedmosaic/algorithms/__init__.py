@@ -10,8 +10,10 @@ from . import (  # noqa: F401  (registration)
     fedavg,
     fedavgm,
     fedcurv,
+    fedewc,
     feddf,
     fedkd,
+    fedlwf,
     fedmd,
     fednova,
     fedntd,
@@ -23,6 +25,7 @@ from . import (  # noqa: F401  (registration)
     moon,
     pfedme,
     pfedsrb,
+    protofcl,
     rhfl,
     scaffold,
 )

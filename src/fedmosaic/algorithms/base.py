@@ -43,6 +43,8 @@ class Algorithm:
     #: True: before each round's training every cohort client sends its logits on the public stream
     #: (``data.public``) and the server folds them into its state with :meth:`exchange` (AHF, FedMD, FedDF, ...).
     exchanges: ClassVar[bool] = False
+    #: How the exemplar memory of a task stream picks the samples it keeps (``data.tasks.memory.select: auto``).
+    memory_select: ClassVar[str] = "herding"
 
     def __init__(self, cfg: AlgoConfig | None = None, setting: Setting | None = None):
         self.cfg = cfg if cfg is not None else self.Config()
@@ -167,6 +169,19 @@ class Algorithm:
         :meth:`accumulate`) and one entry per probe.
         """
         return {"model": params["model"]}, state
+
+    # ---- task streams (class-incremental FL) -----------------------------------------------------------
+    def task_probes(self) -> list[Probe]:
+        """Gradient passes over every client's samples of the task that just ended, at its final model (the model
+        it predicts with), reaching :meth:`end_task` as ``stats`` (FedEWC's Fisher)."""
+        return []
+
+    def end_task(self, state: dict, model: dict, stats: dict, seen: torch.Tensor) -> dict:
+        """A client's state once a task has ended (every client, at the last round of each task; one client,
+        vmapped): ``model`` the parameters it predicts with at that moment (the global model, or its own),
+        ``stats`` the :meth:`task_probes`, ``seen`` [C] the classes the federation has met so far (1/0). Keep
+        the previous task's model as a teacher here (FedLwF, ProtoFCL)."""
+        return state
 
     # ---- evaluation -------------------------------------------------------------------------------
     def global_params(self, server: dict) -> dict | None:

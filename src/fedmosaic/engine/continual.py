@@ -5,7 +5,7 @@
 Table 2 row; the samples of all seen classes pooled). Definitions: average incremental accuracy = mean of ``seen``
 (ProtoFCL's "avg"); final average accuracy ACC = mean_j a[T-1][j] and backward transfer BWT = mean_{j < T-1}
 (a[T-1][j] - a[j][j]) (Lopez-Paz & Ranzato, GEM); forgetting of task j < T-1 = max_{i < T-1} a[i][j] - a[T-1][j]
-(Chaudhry et al.).
+(Chaudhry et al.). A task whose column is empty (NaN) is left out of these means.
 """
 
 from __future__ import annotations
@@ -18,12 +18,15 @@ def continual_summary(a, seen=None) -> dict:
     T = len(a)
     if a.shape != (T, T) or T == 0:
         raise ValueError(f"the accuracy matrix must be square and non-empty (got shape {a.shape})")
-    last = a[-1]
-    out = {"acc_final": float(last.mean()), "bwt": 0.0, "forgetting": [], "forgetting_mean": 0.0}
-    if T > 1:
-        out["bwt"] = float(np.mean(last[:-1] - np.diag(a)[:-1]))
-        f = [float(np.nanmax(a[j:T - 1, j]) - last[j]) for j in range(T - 1)]
-        out["forgetting"], out["forgetting_mean"] = f, float(np.mean(f))
+    # a column with no classes (random task orders: a stage in which the federation met no new class) is NaN
+    # throughout and left out of every mean
+    last, cols = a[-1], ~np.isnan(np.diag(a))
+    out = {"acc_final": float(np.mean(last[cols])), "bwt": 0.0, "forgetting": [], "forgetting_mean": 0.0}
+    old = cols[:-1]
+    if T > 1 and old.any():
+        out["bwt"] = float(np.mean((last[:-1] - np.diag(a)[:-1])[old]))
+        f = [float(np.nanmax(a[j:T - 1, j]) - last[j]) if old[j] else float("nan") for j in range(T - 1)]
+        out["forgetting"], out["forgetting_mean"] = f, float(np.nanmean(f))
     if seen is not None:
         seen = [float(s) for s in seen]
         out["seen"], out["avg_incremental"] = seen, float(np.mean(seen))

@@ -24,12 +24,13 @@ from ..data.public import public_images
 from ..errors import ConfigError, CorruptDataError, FedMosaicError
 from ..models import build_model, head_keys, parameter_count
 from . import evaluate as ev
+from . import memory as mem
 from .augment import black
 from .execution import Execution, ModelFacts, RunFacts, choose, step_profile
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .mapping import for_each_client
 from .program import Setting, Signals
-from .seeding import INIT, POOL, PUBLIC, TASKS, rng, sample_cohort
+from .seeding import INIT, MEMORY, POOL, PUBLIC, TASKS, rng, sample_cohort
 from .transforms import make_normalizer
 from .tree import all_finite, leaves, nbytes, put, take, tmap, weighted_mean
 
@@ -177,6 +178,10 @@ class Federation:
         self._check_family(cfg, algo_cls)
         self.public = self._build_public(cfg, normalize if preload else None, dev)
         self.tasks = self._build_tasks(cfg)
+        #: per client its exemplar memory (``data.tasks.memory``): class -> offsets into its train rows, best first
+        self.exemplars = [{} for _ in range(self.num_clients)] if self.tasks and cfg.exemplar_memory() else None
+        #: ``train.optimizer.plateau``: the learning rate's scale, the best mean loss so far, rounds without progress
+        self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
         self.extra = self._build_extra(algo_cls.extra_models(algo_cfg, cfg.model), dev)
         setting = Setting(self.fd.num_classes, dims.pop() if len(dims) == 1 else 0, self.fd.num_clients,
                           cfg.train.optimizer,
@@ -364,6 +369,9 @@ class Federation:
         if cfg.train.rounds > tc.n_tasks * tc.rounds_per_task:
             raise ConfigError(f"train.rounds: the last of {tc.n_tasks} tasks of {tc.rounds_per_task} rounds ends after "
                               f"round {tc.n_tasks * tc.rounds_per_task} (got {cfg.train.rounds})")
+        if self.global_test is None:
+            raise ConfigError("data.tasks: class-incremental accuracy is measured on the dataset's test split, which "
+                              "this data setting pools away; use data.pool: train")
         ptr = self.split["train"].ptr
         parts = [np.arange(ptr[k], ptr[k + 1]) for k in range(self.num_clients)]
         streams = task_streams(self.fd.y["train"], parts, tc.n_tasks, tc.tasks_per_client, rng(cfg.seed, TASKS),
@@ -372,13 +380,79 @@ class Federation:
             streams = [sorted(st, key=lambda task: task[0]) for st in streams]
         return [[(t, classes, rows - ptr[k]) for t, classes, rows in st] for k, st in enumerate(streams)]
 
-    def train_split(self, t: int) -> ClientTensors:
-        """What clients may train on in round ``t``: their whole train split, or their current task's samples."""
+    def train_split(self, t: int, memory: bool = True) -> ClientTensors:
+        """What clients may train on in round ``t``: their whole train split, or their current task's samples and
+        (``memory``) the samples their exemplar memory keeps. A client whose stream has ended has none."""
         tr = self.split["train"]
         if self.tasks is None:
             return tr
-        stage = t // self.cfg.data.tasks.rounds_per_task
-        return replace(tr, subset={k: st[stage][2] for k, st in enumerate(self.tasks) if stage < len(st)})
+        stage = self.stage(t)
+
+        def offsets(k: int, task: np.ndarray) -> np.ndarray:
+            kept = self.exemplars[k] if memory and self.exemplars is not None else None
+            return np.union1d(task, mem.offsets_of(kept)) if kept else task
+
+        return replace(tr, subset={k: offsets(k, st[stage][2]) for k, st in enumerate(self.tasks) if stage < len(st)})
+
+    def stage(self, t: int) -> int:
+        """The task stage round ``t`` belongs to (the i-th task of every client's stream)."""
+        return t // self.cfg.data.tasks.rounds_per_task
+
+    def task_ends(self, t: int) -> bool:
+        """Round ``t`` is the last of a task."""
+        return self.tasks is not None and (t + 1) % self.cfg.data.tasks.rounds_per_task == 0
+
+    def seen_classes(self, stage: int) -> np.ndarray:
+        """[C] bool: the classes some client has met in its tasks up to ``stage`` (the federation's)."""
+        seen = np.zeros(self.fd.num_classes, dtype=bool)
+        for st in self.tasks:
+            for _, classes, _ in st[: stage + 1]:
+                seen[classes] = True
+        return seen
+
+    def _track_plateau(self, t: int, loss: float) -> None:
+        """``train.optimizer.plateau``: torch's ReduceLROnPlateau on the cohort's mean loss (relative threshold
+        1e-4); a new task starts it afresh."""
+        opt = self.cfg.train.optimizer
+        if opt.plateau is None:
+            return
+        p = self.plateau
+        if loss < p["best"] * (1 - 1e-4):
+            p["best"], p["bad"] = loss, 0
+        else:
+            p["bad"] += 1
+        if p["bad"] > opt.plateau.patience:
+            floor = opt.plateau.min_lr / opt.lr_at(t + 1)
+            p["scale"], p["bad"] = min(p["scale"], max(p["scale"] * opt.plateau.factor, floor)), 0
+        if self.task_ends(t):
+            self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
+
+    def _end_task(self, t: int) -> None:
+        """The last round of a task is over: every client's memory keeps the best of the task's samples under the
+        model it predicts with, the algorithm's task probes run over them and ``end_task`` updates its state."""
+        stage, tr, dev = self.stage(t), self.split["train"], self.device
+        task = self.train_split(t, memory=False)
+        seen = torch.as_tensor(self.seen_classes(stage), dtype=torch.float32, device=dev)
+        payload, probes = self.algo.broadcast(self.server, t), self.algo.task_probes()
+        mc = self.cfg.exemplar_memory()
+        how = self.algo.memory_select if mc is None or mc.select == "auto" else mc.select
+        for g in self.groups:
+            g.module.eval()  # features and probes at the running statistics, which they leave alone
+            params, bufs = self._predictors(g, t)
+            if self.exemplars is not None:
+                for k, z in zip(g.clients, g.trainer.features(task, g.clients, params, bufs), strict=True):
+                    st = self.tasks[k]
+                    if stage >= len(st):
+                        continue
+                    offs = st[stage][2]
+                    labels = tr.y[torch.as_tensor(tr.ptr[k] + offs, device=dev)].cpu().numpy()
+                    new = {int(c): z[torch.as_tensor(labels == c, device=dev)] for c in np.unique(labels)}
+                    self.exemplars[k] = mem.refresh(self.exemplars[k], new, {c: offs[labels == c] for c in new}, how,
+                                                 mc.per_class, mc.total, rng(self.cfg.seed, MEMORY, stage, int(k)))
+            stats = g.trainer.probe_at(task, g.clients, {"model": params}, g.store, payload, self._own(g.clients)[0],
+                                       bufs, probes, seed=self.cfg.seed, round_idx=t) if probes else {}
+            g.store = for_each_client(lambda s, p, st: self.algo.end_task(s, p, st, seen), (0, 0, 0),
+                                      g.trainer.vectorize, fresh=True)(g.store, params, stats)
 
     def _build_extra(self, specs: dict, dev) -> dict:
         """The modules of the slots an algorithm trains with architectures of their own (FedKD's mentor), built
@@ -408,7 +482,7 @@ class Federation:
         server's answer comes down (``Algorithm.exchanges``); the cohort trains (group by group); the server
         aggregates (and trains on the public stream: ``server_program``). Returns the round's metrics."""
         cohort = sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t)
-        lr = self.algo.round_lr(self.server, t, self.cfg.train.optimizer.lr_at(t))
+        lr = self.algo.round_lr(self.server, t, self.cfg.train.optimizer.lr_at(t) * self.plateau["scale"])
         if t == 0 and self.cfg.train.warmup_epochs:
             self._warm_up(lr)
         exchanged, shared = 0, {}
@@ -434,6 +508,9 @@ class Federation:
         phases = self.algo.server_program(self.server, t)
         if phases:
             self._server_train(phases, up, cohort, lr, t)
+        self._track_plateau(t, float(loss.mean()))
+        if self.task_ends(t):
+            self._end_task(t)
         return {
             **local,
             "round": t,
@@ -568,7 +645,7 @@ class Federation:
             correct = {k: np.zeros(self.num_clients) for k in splits}
             cross = np.zeros((self.num_clients, self.num_clients)) if ev_cfg.cross_clients else None
             for g in self.groups if splits else ():
-                mine = self._personal(g, round_idx)
+                mine = {**self._personal(g, round_idx), **g.buffers}
                 apply = partial(g.apply, slot=self.algo.personal_slot)
                 if cross is not None:
                     cross[g.clients] = ev.cross_correct(apply, mine, test.x, test.y, test.ptr, self.transform,
@@ -586,14 +663,54 @@ class Federation:
                 if self.cfg.data.partition.get("scheme") in ("natural", "domains") and names \
                         and len(names) == self.num_clients:
                     out["cross"]["names"] = list(names)  # one client per group: name the rows by the domain
+        if self.tasks is not None:
+            out["continual"] = self._continual(round_idx)
         report = {k: v for g in self.groups for k, v in self.algo.report(self.server, g.store).items()}
         if report:
             out["report"] = report
         return out
 
+    def _continual(self, t: int) -> dict:
+        """Class-incremental accuracy after round ``t``: the model(s) clients predict with — the global one, or each
+        client's own (then the mean over clients) — on the global test samples of every class met so far, choosing
+        among those classes only (no task id). ``tasks[j]``: on the classes first met in stage j (the accuracy
+        matrix's row; for a shared task order, task j's classes)."""
+        stage = self.stage(t)
+        seen = self.seen_classes(stage)
+        x, y = self.global_test
+        keep = torch.as_tensor(seen, device=self.device)[y]
+        x, y = x[keep], y[keep]
+        unseen = torch.as_tensor(~seen, device=self.device)
+
+        def masked(z, logits):
+            return self.algo.eval_logits(z, logits, self.server).masked_fill(unseen, float("-inf"))
+
+        ok = []
+        for g in self.groups[:1] if self.algo.global_model else self.groups:
+            g.module.eval()
+            params, bufs = self._predictors(g, t, 1 if self.algo.global_model else None)
+            ok.append(ev.stacked_correct(g.apply, {**params, **bufs}, x, y, self.transform, g.trainer.vectorize,
+                                         logits_fn=masked).double())
+        hit = torch.cat(ok).mean(0)  # per sample: the share of the models that got it right
+        first = np.full(self.fd.num_classes, -1)
+        for j in range(stage, -1, -1):
+            first[self.seen_classes(j)] = j
+        group = torch.as_tensor(first, device=self.device)[y]
+        tasks = [float(hit[group == j].mean()) if (group == j).any() else None for j in range(stage + 1)]
+        return {"stage": stage, "task_end": self.task_ends(t), "seen_acc": float(hit.mean()), "tasks": tasks}
+
+    def _predictors(self, g: Group, t: int, n: int | None = None) -> tuple[dict, dict]:
+        """(parameters, buffers) of the model each client of ``g`` predicts with, stacked: the global model
+        (``n`` copies; default one per client), or its personal one."""
+        n = len(g.clients) if n is None else n
+        if self.algo.global_model:
+            gp = self.algo.global_params(self.server)
+            return tmap(lambda v: v.unsqueeze(0).repeat(n, *([1] * v.dim())), gp), g.global_buffers_like(n)
+        return self._personal(g, t), g.buffers
+
     def _personal(self, g: Group, t: int) -> dict:
-        """Every client's personal model in group ``g`` (stacked, with its buffers): fine-tuned from ``local_init``
-        when the algorithm fine-tunes before evaluation, else ``personal_params`` of its state and the server's."""
+        """Every client's personal model in group ``g`` (stacked): fine-tuned from ``local_init`` when the
+        algorithm fine-tunes before evaluation, else ``personal_params`` of its state and the server's."""
         phases = self.algo.finetune()
         if phases is not None:
             params = g.trainer.adapt(self.split["train"], g.clients, self.algo.broadcast(self.server, t),
@@ -603,15 +720,22 @@ class Federation:
         else:
             params = for_each_client(lambda s, o: self.algo.personal_params(s, self.server, o), (0, 0),
                                      g.trainer.vectorize)(g.store, self._own(g.clients)[0])
-        return {**params, **g.buffers}
+        return params
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"server": self.server, "stores": [g.store for g in self.groups],
-                "buffers": [(g.buffers, g.global_buffers) for g in self.groups]}
+                "buffers": [(g.buffers, g.global_buffers) for g in self.groups],
+                "memory": None if self.exemplars is None else [mem.pack(m) for m in self.exemplars],
+                "plateau": dict(self.plateau)}
 
     def load_state_dict(self, state: dict) -> None:
         self.server = state["server"]
+        if self.exemplars is not None:
+            if state.get("memory") is None or len(state["memory"]) != self.num_clients:
+                raise ValueError("written without this run's exemplar memory")
+            self.exemplars = [mem.unpack(m) for m in state["memory"]]
+        self.plateau = dict(state.get("plateau", self.plateau))
         # Checkpoints written before BatchNorm support carry no "buffers"; that is only
         # equivalent when the model has none.
         buffers = state.get("buffers")

@@ -35,7 +35,7 @@ from . import augment, optim
 from .augment import AugmentConfig
 from .mapping import for_each_client
 from .program import Phase, Probe, Step, View
-from .seeding import FINETUNE, SERVER, VIEWS, WARMUP, batch_plan, rng
+from .seeding import FINETUNE, SERVER, TASK_END, VIEWS, WARMUP, batch_plan, rng
 from .tree import leaves, put, take, tmap
 
 
@@ -331,6 +331,30 @@ class LocalTrainer:
         with self._threads():
             return torch.cat([fn(params, tmap(torch.clone, buffers), x[lo : lo + batch])
                               for lo in range(0, len(x), batch)], 1)
+
+    @torch.no_grad()
+    def features(self, data: ClientTensors, clients: np.ndarray, params: dict, buffers: dict,
+                 batch: int = 1024) -> list[torch.Tensor]:
+        """Per client of ``clients`` the features of its samples ``data.available`` (all of its rows if there is no
+        subset) under its own row of the stacked ``params`` (buffers: copies, left untouched)."""
+        base = data.available(clients) or [np.arange(n) for n in data.sizes[clients]]
+        out = []
+        with self._threads():
+            for i, (k, offs) in enumerate(zip(clients, base, strict=True)):
+                p, b = tmap(lambda t, i=i: t[i], (params, tmap(torch.clone, buffers)))
+                rows = torch.as_tensor(data.ptr[k] + offs, device=data.x.device)
+                z = [self.apply(p, self.transform(data.x[rows[lo : lo + batch]]), b)[0]
+                     for lo in range(0, len(rows), batch)]
+                out.append(torch.cat(z) if z else torch.zeros(0, device=data.x.device))
+        return out
+
+    def probe_at(self, data: ClientTensors, clients: np.ndarray, params: dict, states, payload: dict, own: dict,
+                 buffers, probes: list[Probe], *, seed: int, round_idx: int) -> dict:
+        """``probes`` at the given trainable trees over one pass of each client's samples (``data.available``):
+        what the end of a task measures (FedEWC's Fisher at the task's final model)."""
+        plan = self._plan(data, clients, Phase(epochs=1), 0, seed, round_idx, (TASK_END,))
+        with self._threads():
+            return {pr.name: self._probe(data, plan, params, states, payload, own, buffers, pr) for pr in probes}
 
     @contextlib.contextmanager
     def _threads(self):

@@ -17,6 +17,16 @@ from pydantic import Field, field_validator, model_validator
 from ..schema import Schema
 
 
+class PlateauConfig(Schema):
+    """The learning rate cut by ``factor`` when the cohort's mean training loss has not improved for ``patience``
+    rounds (torch's ReduceLROnPlateau, relative threshold 1e-4), never below ``min_lr``; with task streams it
+    starts again at each new task."""
+
+    patience: int = Field(3, ge=0, le=10**6)
+    factor: float = Field(0.1, gt=0, lt=1)
+    min_lr: float = Field(1e-4, ge=0)
+
+
 class OptimizerConfig(Schema):
     name: Literal["sgd", "adam"] = "sgd"
     lr: float = Field(0.01, gt=0)
@@ -26,6 +36,7 @@ class OptimizerConfig(Schema):
     lr_decay: float = Field(1.0, gt=0, le=1, description="lr of round t is lr * lr_decay**t")
     betas: tuple[float, float] = Field((0.9, 0.999), description="Adam's decay rates, each in [0, 1)")
     eps: float = Field(1e-8, gt=0)
+    plateau: PlateauConfig | None = Field(None, description="reduce the learning rate on loss plateaus")
 
     @field_validator("betas", mode="before")
     @classmethod

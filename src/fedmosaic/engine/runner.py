@@ -26,6 +26,7 @@ from ..config import RunConfig, dump, load_config, yaml_scalar
 from ..data.federated import FederatedData
 from ..errors import FedMosaicError, RunError
 from ..files import atomic_write, remove_temp_files
+from .continual import continual_summary
 from .federation import Federation, NonFiniteLoss
 
 TIMING_KEYS = ("time_round_s", "time_eval_s")
@@ -214,7 +215,7 @@ def config_changes(saved: RunConfig, cfg: RunConfig, where: Path, amend: bool) -
 
 def summarize(records: list[dict], cfg: RunConfig) -> dict:
     """Headline numbers. Never "best on test": the best round is chosen on validation accuracy when there is one."""
-    ev = [r for r in records if any(k in r for k in ("global", "global_clients", "personal"))]
+    ev = [r for r in records if any(k in r for k in ("global", "global_clients", "personal", "continual"))]
     out: dict = {"name": cfg.name, "algorithm": cfg.algorithm.name, "rounds": len(records)}
     for key in ("global", "global_clients", "personal"):
         accs = [r[key]["acc"] for r in ev if key in r]
@@ -242,6 +243,17 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
         out["inter_last3"] = float(np.mean([c["inter_avg"] for c in cross]))
     if ev and "report" in ev[-1]:  # the algorithm's own measures (e.g. sparsity of personal parts)
         out.update({f"{k}_final": v for k, v in ev[-1]["report"].items()})
+    ends = [r["continual"] for r in ev if r.get("continual", {}).get("task_end")]
+    if ends:  # class-incremental: the accuracy matrix from the evaluations at the end of each task
+        T = len(ends)
+        a = np.full((T, T), np.nan)
+        for i, c in enumerate(ends):
+            a[i, : len(c["tasks"])] = [np.nan if v is None else v for v in c["tasks"]]
+        cs = continual_summary(a, [c["seen_acc"] for c in ends])
+        out.update({"continual_avg": cs["avg_incremental"], "continual_final": cs["seen"][-1],
+                    "continual_seen": cs["seen"], "continual_bwt": cs["bwt"],
+                    "continual_forgetting": cs["forgetting_mean"],
+                    "continual_matrix": [[None if np.isnan(v) else float(v) for v in row] for row in a]})
     history = [r["global"]["class_acc"] for r in ev if "global" in r]
     if len(history) > 1:
         out["forgetting"] = forgetting(history)
@@ -384,7 +396,7 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
                 raise RunError(f"{e} (learning rate {lr:g}); stopped {where}",
                                amend=f"train.optimizer.lr={yaml_scalar(smaller)}") from None
             rec["time_round_s"] = time.perf_counter() - t0
-            if (t + 1) % cfg.eval.every == 0 or t == rounds - 1:
+            if (t + 1) % cfg.eval.every == 0 or t == rounds - 1 or fed.task_ends(t):
                 t1 = time.perf_counter()
                 rec.update(fed.evaluate(t))
                 rec["time_eval_s"] = time.perf_counter() - t1

@@ -1,0 +1,41 @@
+"""FedEWC: FedAvg with elastic weight consolidation across tasks (Kirkpatrick et al.; online EWC, Schwarz et al.).
+
+At the end of every task each client measures the diagonal Fisher of the task loss over its task's samples at the
+global model (mean squared minibatch gradient, one pass: ``task_probes``), folds it into its running importance
+F <- gamma F + F_task and anchors at that model; its local loss then adds (lam / 2) sum F (w - anchor)^2."""
+
+import torch
+from pydantic import Field
+
+from ..engine.program import Probe
+from ..engine.tree import clone, leaves, tmap
+from .base import AlgoConfig, Algorithm, register_algorithm
+from .terms import TaskLoss
+
+
+class FedEWCConfig(AlgoConfig):
+    lam: float = Field(1000.0, ge=0, description="weight of the penalty (minibatch Fisher: scale ~ batch size)")
+    gamma: float = Field(1.0, ge=0, le=1, description="decay of the earlier tasks' importance (online EWC)")
+
+
+@register_algorithm
+class FedEWC(Algorithm):
+    name = "fedewc"
+    Config = FedEWCConfig
+
+    def init_client(self, server, init_params):
+        return {"anchor": clone(init_params), "fisher": tmap(torch.zeros_like, init_params)}
+
+    def task_probes(self):
+        return [Probe("fisher", kind="grad_sq", slots=("model",))]
+
+    def end_task(self, state, model, stats, seen):
+        fisher = tmap(lambda f, new: self.cfg.gamma * f + new, state["fisher"], stats["fisher"]["model"])
+        return {"anchor": model, "fisher": fisher}
+
+    def loss(self, ctx):
+        task = TaskLoss()(ctx)
+        if self.cfg.lam == 0:
+            return task
+        w, a, f = (leaves(t) for t in (ctx.params["model"], ctx.state["anchor"], ctx.state["fisher"]))
+        return task + 0.5 * self.cfg.lam * sum((fi * (wi - ai) ** 2).sum() for wi, ai, fi in zip(w, a, f, strict=True))

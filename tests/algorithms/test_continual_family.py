@@ -1,0 +1,317 @@
+"""The continual family: task streams with exemplar memory, the previous task's model, continual evaluation,
+ProtoFCL's prototype library, FedLwF / FedEWC reductions, vectorized == sequential and resume mid-task."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from fedtest import assert_trees_close, train, with_overrides
+
+from fedmosaic.algorithms.protofcl import ProtoFCL, distances
+from fedmosaic.algorithms.terms import LocalContext, TaskLoss
+from fedmosaic.engine import memory as mem
+from fedmosaic.engine.federation import Federation
+from fedmosaic.engine.program import Phase, Setting, Signals
+from fedmosaic.engine.seeding import TASK_END
+from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run, summarize
+from fedmosaic.engine.tree import leaves
+from fedmosaic.errors import ConfigError
+
+R = 2  # rounds per task
+
+
+def make_cfg(**over):
+    """Four digits clients (sklearn's 8x8 digits), five tasks of two classes, two rounds each."""
+    raw = {
+        "seed": 5,
+        "data": {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"},
+                 "tasks": {"n_tasks": 5, "rounds_per_task": R, "memory": {"per_class": 3}}},
+        "model": {"name": "mlp", "options": {"hidden": 16}},
+        "algorithm": {"name": "protofcl"},
+        "train": {"rounds": 10, "clients_per_round": 3, "batch_size": 16, "optimizer": {"lr": 0.05}},
+        "eval": {"every": 100, "client_test": False},
+        "checkpoint_every": 1,
+    }
+    return with_overrides(raw, **over)
+
+
+def strip_timing(records):
+    return [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in records]
+
+
+# ---- exemplar memory ---------------------------------------------------------------------------------------
+def test_batches_come_only_from_the_current_task_and_the_memory():
+    fed = Federation(make_cfg(train__clients_per_round=4))
+    trainer, seen = fed.groups[0].trainer, []
+    plan = trainer._plan
+
+    def spy(data, clients, phase, *args):
+        out = plan(data, clients, phase, *args)
+        if phase.epochs is None:  # the training phase (not the task-end probe's pass)
+            seen.append((clients, out["rows"], out["mask"]))
+        return out
+
+    trainer._plan = spy
+    tr = fed.split["train"]
+    for t in range(10):
+        kept = [mem.offsets_of(m) for m in fed.exemplars]  # the memory this round trains with
+        seen.clear()
+        fed.round(t)
+        assert seen
+        for clients, rows, mask in seen:
+            for i, k in enumerate(clients):
+                _, classes, task = fed.tasks[k][t // R]
+                drawn = rows[:, i][mask[:, i] > 0].numpy() - tr.ptr[k]
+                assert sorted(drawn) == sorted(np.concatenate([task, kept[k]]))  # one epoch: each sample once
+                old = set(tr.y[torch.as_tensor(kept[k] + tr.ptr[k])].tolist())
+                assert set(tr.y[torch.as_tensor(drawn + tr.ptr[k])].tolist()) <= set(classes.tolist()) | old
+                if t >= R:
+                    assert len(kept[k]) and not old & set(classes.tolist())  # earlier classes only
+
+
+@pytest.mark.parametrize("budget", [{"per_class": 3}, {"total": 7}])
+def test_the_memory_never_exceeds_its_budget_and_shrinks_by_keeping_prefixes(budget):
+    fed = Federation(make_cfg(data__tasks__memory=budget, train__clients_per_round=4))
+    tr, before = fed.split["train"], [{} for _ in range(4)]
+    for t in range(10):
+        fed.round(t)
+        if not fed.task_ends(t):
+            continue
+        for k, m in enumerate(fed.exemplars):
+            sizes = [len(o) for o in m.values()]
+            assert len(m) == 2 * (t // R + 1)  # every class met so far
+            if "per_class" in budget:
+                assert max(sizes) <= 3
+            else:
+                assert sum(sizes) <= 7 and max(sizes) == 7 // len(m)
+            for c, o in m.items():
+                assert (tr.y[torch.as_tensor(o + tr.ptr[k])] == c).all()  # each class holds its own samples
+                if c in before[k]:
+                    np.testing.assert_array_equal(o, before[k][c][: len(o)])
+            before[k] = m
+
+
+def test_rank_by_hand():
+    gen = np.random.default_rng(0)
+    f = torch.tensor([[0.0], [1.0], [2.0], [10.0], [-3.0]])  # mean 2: distances 2, 1, 0, 8, 5
+    assert mem.rank(f, "nearest", 3, gen).tolist() == [2, 1, 0]
+    assert mem.rank(f, "nearest", 9, gen).tolist() == [2, 1, 0, 4, 3]
+    # herding on normalised features: two of +x, one of +y; the mean (2/3, 1/3) is best approached by +x, then +y
+    h = torch.tensor([[1.0, 0.0], [0.0, 1.0], [2.0, 0.0]])
+    assert mem.rank(h, "herding", 3, gen).tolist() == [0, 1, 2]
+    r = mem.rank(f, "random", 5, np.random.default_rng(1))
+    assert sorted(r.tolist()) == list(range(5))
+    offs = {7: np.array([40, 41, 42, 43, 44])}
+    out = mem.refresh({3: np.array([9, 8, 7])}, {7: f}, offs, "nearest", None, 4, gen)
+    assert out[7].tolist() == [42, 41] and out[3].tolist() == [9, 8]  # total 4 over two classes
+    assert mem.unpack(mem.pack(out)).keys() == out.keys()
+    assert all((mem.unpack(mem.pack(out))[c] == out[c]).all() for c in out)
+
+
+def test_the_memory_holds_the_samples_nearest_to_each_class_prototype_under_the_clients_model():
+    fed = Federation(make_cfg(train__clients_per_round=4))
+    for t in range(R):
+        fed.round(t)
+    g, tr = fed.groups[0], fed.split["train"]
+    for k in range(4):
+        _, classes, task = fed.tasks[k][0]
+        params = {n: v[k] for n, v in g.store["model"].items()}
+        rows = torch.as_tensor(tr.ptr[k] + task)
+        with torch.no_grad():
+            z = g.apply(params, fed.transform(tr.x[rows]))[0]
+        for c in classes.tolist():
+            zc, oc = z[tr.y[rows] == c], task[(tr.y[rows] == c).numpy()]
+            nearest = oc[np.argsort((zc - zc.mean(0)).norm(dim=1).numpy(), kind="stable")[:3]]
+            assert fed.exemplars[k][c].tolist() == nearest.tolist()
+
+
+# ---- the previous task's model, FedLwF, FedEWC --------------------------------------------------------------
+def test_every_client_keeps_the_model_it_predicted_with_at_the_end_of_each_task():
+    fed = train(make_cfg(algorithm={"name": "fedlwf"}), None, rounds=R)
+    seen = fed.seen_classes(0).astype(np.float32)
+    for k in range(4):
+        assert_trees_close({n: v[k] for n, v in fed.groups[0].store["teacher"].items()}, fed.server["model"],
+                           exact=True)
+        np.testing.assert_array_equal(fed.groups[0].store["known"][k].numpy(), seen)
+    fed = train(make_cfg(), None, rounds=R)  # ProtoFCL: each client its own model
+    assert_trees_close(fed.groups[0].store["teacher"], fed.groups[0].store["model"], exact=True)
+
+
+@pytest.mark.parametrize("algo", [{"name": "fedlwf", "lam": 0.0}, {"name": "fedewc", "lam": 0.0}])
+def test_fedlwf_and_fedewc_with_weight_0_are_fine_tuning(algo):
+    ft = train(make_cfg(algorithm={"name": "fedavg"}), None, rounds=6)
+    zero = train(make_cfg(algorithm=algo), None, rounds=6)
+    assert_trees_close(zero.server["model"], ft.server["model"], exact=True)
+    on = train(make_cfg(algorithm={**algo, "lam": 5.0}), None, rounds=6)  # (the test can fail)
+    assert not torch.equal(leaves(on.server["model"])[0], leaves(ft.server["model"])[0])
+
+
+def test_fedewc_anchors_at_the_global_model_with_the_fisher_of_the_task():
+    fed = train(make_cfg(algorithm={"name": "fedewc"}), None, rounds=R)
+    store = fed.groups[0].store
+    assert_trees_close({n: v[1] for n, v in store["anchor"].items()}, fed.server["model"], exact=True)
+    assert all((f >= 0).all() for f in leaves(store["fisher"])) and any(f.sum() > 0 for f in leaves(store["fisher"]))
+    # the Fisher of client 0: the mean squared minibatch gradient over one pass of its task at the global model
+    g, tr = fed.groups[0], fed.split["train"]
+    task_split = fed.train_split(R - 1, memory=False)
+    plan = g.trainer._plan(task_split, np.array([0]), Phase(epochs=1), 0, fed.cfg.seed, R - 1, (TASK_END,))
+    total, n = None, 0
+    for r, m in zip(plan["rows"][:, 0], plan["mask"][:, 0]):
+        p = {k: v.clone().requires_grad_() for k, v in fed.server["model"].items()}
+        real = m > 0
+        ctx = LocalContext(g.apply, {"model": p}, {}, {}, fed.transform(tr.x[r[real]]), tr.y[r[real]],
+                           torch.ones(int(real.sum())))
+        grads = torch.autograd.grad(TaskLoss()(ctx), list(p.values()))
+        sq = [gr * gr for gr in grads]
+        total = sq if total is None else [a + b for a, b in zip(total, sq)]
+        n += 1
+    for mine, ref in zip(leaves({n_: v[0] for n_, v in store["fisher"].items()}), [t / n for t in total]):
+        torch.testing.assert_close(mine, ref, atol=1e-6, rtol=1e-4)
+
+
+# ---- ProtoFCL -----------------------------------------------------------------------------------------------
+def test_the_prototype_library_is_the_unweighted_mean_over_the_clients_that_sent_each_class():
+    algo = ProtoFCL(setting=Setting(num_classes=4, feature_dim=2))
+    server = algo.init_server([{"w": torch.zeros(1)}])
+    server["protos"][3] = torch.tensor([9.0, 9.0])
+    server["has"][3] = 1.0  # a class from an earlier round that nobody sends now
+    protos = torch.tensor([[[1.0, 0], [2, 2], [0, 0], [5, 5]],
+                           [[3.0, 0], [0, 0], [0, 0], [0, 0]],
+                           [[5.0, 6], [4, 4], [0, 0], [0, 0]]])
+    has = torch.tensor([[1.0, 1, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]])
+    weights = torch.tensor([100.0, 1.0, 10.0])  # sample counts: ignored (unweighted)
+    sig = Signals(torch.arange(3), torch.zeros(3), torch.ones(3), 0.1)
+    out = algo.aggregate(server, {"protos": protos, "has": has}, weights, 0, sig)
+    torch.testing.assert_close(out["protos"][0], torch.tensor([3.0, 2.0]))
+    torch.testing.assert_close(out["protos"][1], torch.tensor([3.0, 3.0]))
+    torch.testing.assert_close(out["protos"][3], torch.tensor([9.0, 9.0]))  # kept
+    assert out["has"].tolist() == [1, 1, 0, 1]
+
+
+def test_protofcl_loss_by_hand():
+    algo = ProtoFCL(setting=Setting(num_classes=3, feature_dim=2))
+    z = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]], requires_grad=True)
+    old = torch.tensor([[0.5, 0.0], [1.0, 1.0], [0.0, 1.0]])
+    teacher, student = {"w": torch.tensor(0.0)}, {"w": torch.tensor(1.0)}
+
+    def apply(params, x, slot=None):
+        return (z if params is student else old), None
+
+    glob = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 0.0]])
+    payload = {"protos": glob, "has": torch.tensor([1.0, 1.0, 0.0])}
+    state = {"teacher": teacher, "known": torch.tensor([1.0, 0.0, 0.0])}
+    y = torch.tensor([0, 1, 2])
+    ctx = LocalContext(apply, {"model": student}, state, payload, None, y, torch.ones(3))
+    T = algo.cfg.T
+    protos = torch.stack([glob[0], glob[1], z[2].detach()])  # class 2 has no global prototype: its batch mean
+    d = torch.cdist(z, protos)
+    lc = torch.nn.functional.cross_entropy(-d / T, y)
+    # L_D: only class 0 was known to the teacher: a softmax over one class is 1, its CE is 0
+    lr = ((z[0] - glob[0]).norm() + (z[1] - glob[1]).norm()) / 3  # classes 0 and 1, one sample each of 3
+    torch.testing.assert_close(algo.loss(ctx), lc + lr)
+    state["known"] = torch.tensor([1.0, 1.0, 0.0])
+    dt = torch.cdist(old, protos)[:, :2]
+    ld = -(torch.softmax(-dt / T, 1) * torch.log_softmax(-d[:, :2] / T, 1)).sum(1).mean()
+    torch.testing.assert_close(algo.loss(ctx), lc + ld + lr)
+    torch.testing.assert_close(distances(z.detach(), glob), torch.cdist(z.detach(), glob), atol=2e-4, rtol=0)
+
+
+# ---- every method: vectorized == sequential, resume mid-task ------------------------------------------------
+FAMILY = [{"name": "protofcl"}, {"name": "fedlwf"}, {"name": "fedewc", "lam": 50.0}, {"name": "fedavg"}]
+
+
+@pytest.mark.parametrize("algo", FAMILY, ids=lambda a: a["name"])
+def test_vectorized_equals_sequential(algo):
+    ref = train(make_cfg(algorithm=algo, engine={"backend": "sequential"}), None, rounds=5)
+    vec = train(make_cfg(algorithm=algo, engine={"backend": "vectorized", "chunk_size": 2}), None, rounds=5)
+    # (five rounds of distances of features: the summation orders of the two paths differ by ~1e-4 relative)
+    if leaves(ref.groups[0].store):
+        assert_trees_close(ref.groups[0].store, vec.groups[0].store, atol=1e-4, rtol=1e-3)
+    assert_trees_close(ref.server, vec.server, atol=1e-4, rtol=1e-3)
+    assert all(a.keys() == b.keys() and all((a[c] == b[c]).all() for c in a)
+               for a, b in zip(ref.exemplars, vec.exemplars))
+
+
+@pytest.mark.parametrize("algo", FAMILY, ids=lambda a: a["name"])
+def test_resume_in_the_middle_of_a_task_equals_uninterrupted(algo, tmp_path):
+    cfg = make_cfg(algorithm=algo, data__tasks__rounds_per_task=3, train__rounds=9,
+                   train__optimizer={"lr": 0.05, "plateau": {"patience": 0, "factor": 0.5}})
+    run(cfg, tmp_path / "full", progress=False)
+    run(cfg, tmp_path / "cut", progress=False, stop_after=4)  # round 4: the middle of the second task
+    run(cfg, tmp_path / "cut", progress=False, resume=True)
+    assert strip_timing(read_metrics(tmp_path / "cut")) == strip_timing(read_metrics(tmp_path / "full"))
+    s = json.loads((tmp_path / "full" / "summary.json").read_text())
+    assert len(s["continual_seen"]) == 3 and len(s["continual_matrix"]) == 3
+
+
+def test_the_learning_rate_falls_on_plateaus_and_starts_again_with_each_task():
+    fed = Federation(make_cfg(data__tasks__rounds_per_task=3, train__optimizer={
+        "lr": 0.1, "plateau": {"patience": 0, "factor": 0.5, "min_lr": 0.03}}))
+    scales = []
+    for t, loss in enumerate([1.0, 1.0, 0.5, 1.0, 0.9, 0.9]):
+        fed._track_plateau(t, loss)
+        scales.append(fed.plateau["scale"])
+    # round 1 makes no progress: halved; round 2 ends the task: a fresh start; round 4 improves, round 5 does not
+    # but ends the task
+    assert scales == [1.0, 0.5, 1.0, 1.0, 1.0, 1.0] and fed.plateau["best"] == float("inf")
+    fed.plateau = {"scale": 0.5, "best": 1.0, "bad": 0}
+    for t in (6, 7):  # no progress: 0.25 is below the floor 0.03 / 0.1 = 0.3
+        fed._track_plateau(t, 1.0)
+        assert fed.plateau["scale"] == pytest.approx(0.3)
+
+
+# ---- continual evaluation -----------------------------------------------------------------------------------
+def test_continual_accuracy_is_the_global_model_on_the_seen_classes_without_task_id():
+    fed = train(make_cfg(algorithm={"name": "fedavg"}), None, rounds=2 * R)
+    out = fed.evaluate(2 * R - 1)["continual"]
+    x, y = fed.global_test
+    seen = fed.seen_classes(1)
+    keep = torch.as_tensor(seen)[y]
+    with torch.no_grad():
+        logits = fed.groups[0].apply(fed.server["model"], fed.transform(x[keep]))[1]
+    pred = logits.masked_fill(~torch.as_tensor(seen), float("-inf")).argmax(1)
+    ok = (pred == y[keep]).double()
+    first = torch.as_tensor(np.isin(y[keep].numpy(), fed.tasks[0][0][1]))
+    assert out["stage"] == 1 and out["task_end"]
+    assert out["seen_acc"] == pytest.approx(float(ok.mean()))
+    assert out["tasks"] == pytest.approx([float(ok[first].mean()), float(ok[~first].mean())])
+
+
+def test_task_ends_are_always_evaluated_and_summarised_as_an_accuracy_matrix(tmp_path):
+    cfg = make_cfg(algorithm={"name": "fedavg"}, train__rounds=6)
+    run(cfg, tmp_path / "r", progress=False)
+    records = read_metrics(tmp_path / "r")
+    assert [r["round"] for r in records if "continual" in r] == [1, 3, 5]
+    # the summary's numbers from the matrix, by hand
+    rows = [r["continual"]["tasks"] for r in records if "continual" in r]
+    s = summarize(records, cfg)
+    a = np.full((3, 3), np.nan)
+    for i, row in enumerate(rows):
+        a[i, : len(row)] = row
+    assert s["continual_matrix"][2] == pytest.approx(list(a[2]))
+    assert s["continual_bwt"] == pytest.approx(np.mean([a[2, 0] - a[0, 0], a[2, 1] - a[1, 1]]))
+    assert s["continual_avg"] == pytest.approx(np.mean([r["continual"]["seen_acc"] for r in records
+                                                        if "continual" in r]))
+
+
+def test_bytes_protofcl_sends_prototypes_not_models():
+    fed = Federation(make_cfg(train__clients_per_round=4))
+    rec = fed.round(0)
+    C, d = fed.fd.num_classes, 16
+    assert rec["bytes_up"] == 4 * 4 * (C * d + C)
+    assert rec["bytes_down"] == 4 * 4 * (C * d + C)
+
+
+# ---- configuration ------------------------------------------------------------------------------------------
+def test_memory_and_plateau_settings_are_one_line_errors():
+    with pytest.raises(ConfigError, match="exactly one of per_class"):
+        make_cfg(data__tasks__memory={"per_class": 2, "total": 10})
+    with pytest.raises(ConfigError, match="needs task streams"):
+        make_cfg(data__tasks=None, algorithm={"name": "fedavg", "memory": False})
+    cfg = make_cfg(compare=[{"name": "fedavg", "memory": False}, {"name": "fedavg"}])
+    a, b = cfg.variants()
+    assert a.exemplar_memory() is None and b.exemplar_memory().per_class == 3
+    assert Federation(a).exemplars is None and Federation(b).exemplars is not None
