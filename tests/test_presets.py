@@ -328,3 +328,23 @@ def test_ahf_office_partition_matches_the_papers_private_sizes():
     fd = build(data_spec(cfg), dataset=real("office-caltech10"), cache=False)
     paper = np.array([764, 895, 121, 232])  # Amazon, Caltech, DSLR, Webcam
     assert np.abs(fd.sizes("train") - paper).max() <= 4
+
+
+# ---- the continual presets (ProtoFCL paper) ---------------------------------------------------------------------
+@pytest.mark.parametrize("name,classes", [("protofcl-cifar100", 10), ("protofcl-tiny-imagenet", 20)])
+def test_protofcl_presets_state_the_papers_settings(name, classes):
+    from fedmosaic.config import load_config
+
+    cfg = load_config(preset_path(name))
+    t, tr = cfg.data.tasks, cfg.train
+    assert (t.n_tasks, t.rounds_per_task, cfg.data.clients, tr.local_epochs, tr.rounds) == (10, 10, 10, 3, 100)
+    assert tr.clients_per_round == 10 and tr.optimizer.name == "sgd" and tr.optimizer.lr == 0.01
+    assert tr.optimizer.plateau.min_lr == 1e-4 and cfg.model.name == "resnet34"
+    names = {a.name for a in cfg.compare}
+    assert names == {"protofcl", "fedavg", "fedlwf", "fedewc", "glfc", "cfed", "fedweit"}
+    ablations = [a for a in cfg.compare if a.name == "protofcl"]
+    assert any(a.memory is False for a in ablations) and {"alpha", "beta"} <= {k for a in ablations
+                                                                             for k in a.params()}
+    assert cfg.data.dataset in name and (t.classes_per_task or 100 // t.n_tasks) * t.n_tasks <= 200
+    if classes == 10:
+        assert t.classes_per_task is None  # CIFAR-100: 100 classes / 10 tasks

@@ -220,13 +220,16 @@ def test_protofcl_loss_by_hand():
 
 
 # ---- every method: vectorized == sequential, resume mid-task ------------------------------------------------
-FAMILY = [{"name": "protofcl"}, {"name": "fedlwf"}, {"name": "fedewc", "lam": 50.0}, {"name": "fedavg"}]
+FAMILY = [{"name": "protofcl"}, {"name": "fedlwf"}, {"name": "fedewc", "lam": 50.0}, {"name": "fedavg"},
+          {"name": "glfc"}, {"name": "cfed", "review_steps": 3}, {"name": "fedweit", "lam1": 1e-3}]
+SURROGATE = {"source": "noise", "size": 40}  # CFeD's unlabeled stream
 
 
 @pytest.mark.parametrize("algo", FAMILY, ids=lambda a: a["name"])
 def test_vectorized_equals_sequential(algo):
-    ref = train(make_cfg(algorithm=algo, engine={"backend": "sequential"}), None, rounds=5)
-    vec = train(make_cfg(algorithm=algo, engine={"backend": "vectorized", "chunk_size": 2}), None, rounds=5)
+    ref = train(make_cfg(algorithm=algo, engine={"backend": "sequential"}, data__public=SURROGATE), None, rounds=5)
+    vec = train(make_cfg(algorithm=algo, engine={"backend": "vectorized", "chunk_size": 2}, data__public=SURROGATE),
+                None, rounds=5)
     # (five rounds of distances of features: the summation orders of the two paths differ by ~1e-4 relative)
     if leaves(ref.groups[0].store):
         assert_trees_close(ref.groups[0].store, vec.groups[0].store, atol=1e-4, rtol=1e-3)
@@ -237,7 +240,7 @@ def test_vectorized_equals_sequential(algo):
 
 @pytest.mark.parametrize("algo", FAMILY, ids=lambda a: a["name"])
 def test_resume_in_the_middle_of_a_task_equals_uninterrupted(algo, tmp_path):
-    cfg = make_cfg(algorithm=algo, data__tasks__rounds_per_task=3, train__rounds=9,
+    cfg = make_cfg(algorithm=algo, data__tasks__rounds_per_task=3, train__rounds=9, data__public=SURROGATE,
                    train__optimizer={"lr": 0.05, "plateau": {"patience": 0, "factor": 0.5}})
     run(cfg, tmp_path / "full", progress=False)
     run(cfg, tmp_path / "cut", progress=False, stop_after=4)  # round 4: the middle of the second task
@@ -249,7 +252,7 @@ def test_resume_in_the_middle_of_a_task_equals_uninterrupted(algo, tmp_path):
 
 def test_the_learning_rate_falls_on_plateaus_and_starts_again_with_each_task():
     fed = Federation(make_cfg(data__tasks__rounds_per_task=3, train__optimizer={
-        "lr": 0.1, "plateau": {"patience": 0, "factor": 0.5, "min_lr": 0.03}}))
+        "lr": 0.1, "plateau": {"patience": 0, "factor": 0.5, "min_lr": 0.03, "skip": 0}}))
     scales = []
     for t, loss in enumerate([1.0, 1.0, 0.5, 1.0, 0.9, 0.9]):
         fed._track_plateau(t, loss)
@@ -261,6 +264,14 @@ def test_the_learning_rate_falls_on_plateaus_and_starts_again_with_each_task():
     for t in (6, 7):  # no progress: 0.25 is below the floor 0.03 / 0.1 = 0.3
         fed._track_plateau(t, 1.0)
         assert fed.plateau["scale"] == pytest.approx(0.3)
+    # skip 1: a task's first loss is not compared (not even as the best so far)
+    fed = Federation(make_cfg(data__tasks__rounds_per_task=3, train__optimizer={
+        "lr": 0.1, "plateau": {"patience": 0, "factor": 0.5, "skip": 1}}))
+    for t, loss in enumerate([0.1, 1.0, 1.0]):
+        fed._track_plateau(t, loss)
+        if t == 1:
+            assert fed.plateau == {"scale": 1.0, "best": 1.0, "bad": 0}
+    assert fed.plateau["best"] == float("inf")  # (round 2 cut the rate, then the task ended)
 
 
 # ---- continual evaluation -----------------------------------------------------------------------------------
@@ -315,3 +326,59 @@ def test_memory_and_plateau_settings_are_one_line_errors():
     a, b = cfg.variants()
     assert a.exemplar_memory() is None and b.exemplar_memory().per_class == 3
     assert Federation(a).exemplars is None and Federation(b).exemplars is not None
+
+
+# ---- GLFC, CFeD, FedWeIT by hand ------------------------------------------------------------------------------
+def test_glfc_loss_by_hand():
+    from fedmosaic.algorithms.glfc import GLFC
+
+    algo = GLFC(setting=Setting(num_classes=4))
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0], [0.0, 1.0, 3.0, 0.0], [1.0, 1.0, 0.0, 2.0]], requires_grad=True)
+    old = torch.tensor([[1.0, 2.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0], [0.0, 1.0, 5.0, 5.0]])
+    teacher, student = {"t": 0}, {"s": 0}
+
+    def apply(params, x, slot=None):
+        return None, (logits if params is student else old)
+
+    y = torch.tensor([0, 2, 3])  # class 0 (and 1) old, 2 and 3 new
+    state = {"teacher": teacher, "known": torch.tensor([1.0, 1.0, 0.0, 0.0])}
+    ctx = LocalContext(apply, {"model": student}, state, {}, None, y, torch.ones(3))
+    T, p = algo.cfg.T, logits.softmax(1)
+    g = [1 - p[i, y[i]].item() for i in range(3)]  # |p_y - 1|
+    w = [1.0, g[1] / ((g[1] + g[2]) / 2), g[2] / ((g[1] + g[2]) / 2)]  # sample 0 alone in the old group
+    ce = torch.nn.functional.cross_entropy(logits, y, reduction="none")
+    gc = sum(w[i] * ce[i] for i in range(3)) / 3
+    p_old = torch.softmax(old[:, :2] / T, 1)  # the teacher over the old classes 0 and 1
+    rd = 0
+    for i in range(3):
+        target = torch.zeros(4)
+        target[:2] = p_old[i]
+        if y[i] >= 2:
+            target[y[i]] += 1
+        target = target / target.sum()
+        rd = rd - (target * torch.log_softmax(logits[i] / T, 0)).sum()  # seen: classes 0-3 (2 and 3 in the batch)
+    torch.testing.assert_close(algo.loss(ctx), gc + rd / 3)
+
+
+def test_cfed_reviews_on_the_surrogate_stream_after_learning_the_task():
+    fed = Federation(make_cfg(algorithm={"name": "cfed", "review_steps": 2}, data__public=SURROGATE))
+    first, review = fed.algo.program(fed.server, 0)
+    assert first.view.part == "all" and review.view.part == "public" and review.steps == 2
+    rec = fed.round(0)
+    assert rec["local_steps_max"] > 2
+
+
+def test_fedweit_starts_as_its_base_and_fills_its_knowledge_base_at_each_task_end():
+    fed = Federation(make_cfg(algorithm={"name": "fedweit"}, train__clients_per_round=4))
+    g = fed.groups[0]
+    mine = fed._personal(g, 0)
+    s = torch.sigmoid(torch.tensor(4.0))
+    for k, v in fed.server["B"].items():
+        torch.testing.assert_close(mine[k][0], v * s)  # A = 0, no knowledge yet
+    fed.round(0)
+    assert fed.server["kb_has"].tolist() == [0.0] * 5
+    fed.round(1)  # the end of task 0
+    assert fed.server["kb_has"].tolist() == [1.0, 0, 0, 0, 0]
+    assert all(float(a.abs().sum()) == 0 for a in leaves(g.store["A"]))  # a new task starts a new A
+    assert_trees_close(fed.server["B_prev"], fed.server["B"], exact=True)
+    assert float(g.store["has_prev"].sum()) == 4

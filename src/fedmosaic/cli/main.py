@@ -136,7 +136,7 @@ def _run(args) -> None:
 
 def _report(args) -> None:
     from ..reports.compare import from_runs, table
-    from ..reports.plots import learning_curves
+    from ..reports.plots import accuracy_per_task, learning_curves
 
     plot = Path(args.plot) if args.plot else None
     if plot is not None and plot.exists():
@@ -149,6 +149,12 @@ def _report(args) -> None:
         plot.parent.mkdir(parents=True, exist_ok=True)
         learning_curves(curves, plot, title=args.title or "")
         print(f"\nlearning curves: {plot}")
+        seen = {s["name"]: s["continual_seen"] for s in summaries if "continual_seen" in s}
+        if seen:  # class-incremental runs: their accuracy after each task too
+            tasks = plot.with_name(f"{plot.stem}-tasks.png")
+            if not tasks.exists():
+                accuracy_per_task(seen, tasks, title=args.title or "")
+                print(f"accuracy after each task: {tasks}")
 
 
 def _partition(args) -> None:

@@ -187,7 +187,7 @@ class Federation:
                           cfg.train.optimizer,
                           cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module),
                           {s: {k: v.detach().clone() for k, v in m.named_parameters()} for s, m in self.extra.items()},
-                          cfg.train.rounds)
+                          cfg.train.rounds, cfg.data.tasks.rounds_per_task if cfg.data.tasks else 0)
         self.algo = algo_cls(algo_cfg, setting)
         if self.algo.pooled:
             self._pool_train_split()
@@ -412,18 +412,19 @@ class Federation:
 
     def _track_plateau(self, t: int, loss: float) -> None:
         """``train.optimizer.plateau``: torch's ReduceLROnPlateau on the cohort's mean loss (relative threshold
-        1e-4); a new task starts it afresh."""
+        1e-4) from the ``skip``-th round (of the run, or of each task) on; a new task starts it afresh."""
         opt = self.cfg.train.optimizer
         if opt.plateau is None:
             return
-        p = self.plateau
-        if loss < p["best"] * (1 - 1e-4):
-            p["best"], p["bad"] = loss, 0
-        else:
-            p["bad"] += 1
-        if p["bad"] > opt.plateau.patience:
-            floor = opt.plateau.min_lr / opt.lr_at(t + 1)
-            p["scale"], p["bad"] = min(p["scale"], max(p["scale"] * opt.plateau.factor, floor)), 0
+        p, pc = self.plateau, opt.plateau
+        if (t % self.cfg.data.tasks.rounds_per_task if self.tasks is not None else t) >= pc.skip:
+            if loss < p["best"] * (1 - 1e-4):
+                p["best"], p["bad"] = loss, 0
+            else:
+                p["bad"] += 1
+            if p["bad"] > pc.patience:
+                floor = pc.min_lr / opt.lr_at(t + 1)
+                p["scale"], p["bad"] = min(p["scale"], max(p["scale"] * pc.factor, floor)), 0
         if self.task_ends(t):
             self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
 

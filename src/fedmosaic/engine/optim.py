@@ -20,9 +20,11 @@ from ..schema import Schema
 class PlateauConfig(Schema):
     """The learning rate cut by ``factor`` when the cohort's mean training loss has not improved for ``patience``
     rounds (torch's ReduceLROnPlateau, relative threshold 1e-4), never below ``min_lr``; with task streams it
-    starts again at each new task."""
+    starts again at each new task. The first ``skip`` rounds (of the run, or of each task) are not compared: a new
+    task's first loss measures something else (ProtoFCL's new classes have no global prototype yet)."""
 
     patience: int = Field(3, ge=0, le=10**6)
+    skip: int = Field(1, ge=0, le=10**6)
     factor: float = Field(0.1, gt=0, lt=1)
     min_lr: float = Field(1e-4, ge=0)
 

@@ -113,6 +113,7 @@ class Setting:
     head_keys: tuple[str, ...] = ()  # the parameters of the model's classifier head (the others: its features)
     models: dict = field(default_factory=dict)  # slot -> initial parameters of its own architecture (extra_models)
     rounds: int = 1  # train.rounds (schedules over the run: FedKD's SVD energy threshold)
+    rounds_per_task: int = 0  # data.tasks.rounds_per_task (0: no task stream); FedWeIT's server fills its knowledge base
 
 
 @dataclass

@@ -12,7 +12,7 @@ from ..engine.federation import data_spec
 from ..engine.runner import check_out, claim, config_changes, read_metrics, run, summarize
 from ..errors import FedMosaicError
 from ..files import atomic_write
-from .plots import cross_heatmap, learning_curves
+from .plots import accuracy_matrix, accuracy_per_task, cross_heatmap, learning_curves
 
 COLUMNS = (
     ("algorithm", "name", "{}"),
@@ -34,6 +34,10 @@ COLUMNS = (
     ("personal non-zeros", "personal_nonzero_final", "{:,.0f}"),
     ("personal sparsity", "personal_sparsity_final", "{:.2%}"),
     ("intra (last 3)", "intra_last3", "{:.2%}"),
+    ("CIL avg", "continual_avg", "{:.2%}"),
+    ("CIL last task", "continual_final", "{:.2%}"),
+    ("BWT", "continual_bwt", "{:+.3f}"),
+    ("forgetting", "continual_forgetting", "{:.3f}"),
     ("inter (last 3)", "inter_last3", "{:.2%}"),
     ("bytes/round", "bytes_per_round", "{:,.0f}"),
     ("wall s", "wall_time_s", "{:.1f}"),
@@ -82,12 +86,17 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
             raise
     atomic_write(out / "comparison.json", json.dumps(summaries, indent=2).encode())
     learning_curves(curves, out / "learning_curves.png", title=f"{cfg.name}: {cfg.data.dataset}")
-    for name, recs in curves.items():  # the last cross-client matrix of each run, beside its metrics
+    for (name, recs), s in zip(curves.items(), summaries, strict=True):  # per run, beside its metrics:
+        where = out if len(variants) == 1 else out / dir_name(name)
         last = next((r["cross"] for r in reversed(recs) if "cross" in r), None)
-        if last is not None:
-            where = out if len(variants) == 1 else out / dir_name(name)
+        if last is not None:  # the last cross-client matrix
             cross_heatmap(last["matrix"], where / "cross_matrix.png", title=f"{name}: round {len(recs)}",
                           names=last.get("names"))
+        if "continual_matrix" in s:  # the continual accuracy matrix
+            accuracy_matrix(s["continual_matrix"], where / "accuracy_matrix.png", title=name)
+    seen = {s["name"]: s["continual_seen"] for s in summaries if "continual_seen" in s}
+    if seen:
+        accuracy_per_task(seen, out / "accuracy_per_task.png", title=f"{cfg.name}: {cfg.data.dataset}")
     return summaries
 
 

@@ -13,7 +13,8 @@ import numpy as np  # noqa: E402
 from ..files import atomic_write  # noqa: E402
 
 CURVE_KEYS = (("global", "global model, global test"), ("global_clients", "global model, client tests"),
-              ("personal", "personalized, client tests"), ("cross", "intra-domain (solid), inter-domain (dashed)"))
+              ("personal", "personalized, client tests"), ("cross", "intra-domain (solid), inter-domain (dashed)"),
+              ("continual", "classes seen so far (no task id); | = task end"))
 
 
 def learning_curves(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> Path:
@@ -22,11 +23,17 @@ def learning_curves(runs: dict[str, list[dict]], path: str | Path, title: str = 
     fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(5.2 * max(1, len(kinds)), 3.8), squeeze=False)
     for ax, (key, label) in zip(axes[0], kinds):
         for i, (name, recs) in enumerate(runs.items()):
-            fields = (("intra_avg", "-"), ("inter_avg", "--")) if key == "cross" else (("acc", "-"),)
+            fields = {"cross": (("intra_avg", "-"), ("inter_avg", "--")), "continual": (("seen_acc", "-o"),)}.get(
+                key, (("acc", "-"),))
             for field, style in fields:
                 pts = [(r["round"] + 1, 100 * r[key][field]) for r in recs if key in r]
                 if pts:
-                    ax.plot(*zip(*pts), style, color=f"C{i % 10}", label=name if style == "-" else None, lw=1.6)
+                    ax.plot(*zip(*pts), style, color=f"C{i % 10}", label=name if style[0] == "-" and
+                            style != "--" else None, lw=1.6, ms=3)
+            if key == "continual" and i == 0:
+                for r in recs:
+                    if r.get("continual", {}).get("task_end"):
+                        ax.axvline(r["round"] + 1, color="grey", lw=0.6, alpha=0.5)
         ax.set(xlabel="round", ylabel="accuracy (%)", title=label)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -53,6 +60,39 @@ def partition_bubbles(counts: np.ndarray, path: str | Path, title: str = "", max
     ax.scatter(ys, xs, s=area, alpha=0.6, color="tab:red", edgecolors="none")
     ax.set(xlabel="client", ylabel="class", xlim=(-1, k), ylim=(-1, n_cls))
     ax.set_title(title + (f" (first {k} of {len(counts)} clients)" if len(counts) > k else ""), fontsize=10)
+    return _save(fig, path)
+
+
+def accuracy_matrix(matrix, path: str | Path, title: str = "") -> Path:
+    """The continual accuracy matrix: row i after task i, column j on the classes of task j (lower triangle)."""
+    a = 100 * np.array([[np.nan if v is None else v for v in row] for row in matrix], dtype=float)
+    k = len(a)
+    fig, ax = plt.subplots(figsize=(min(12, 3.5 + 0.55 * k), min(10, 3 + 0.5 * k)))
+    im = ax.imshow(np.ma.masked_invalid(a), cmap="viridis", vmin=0, vmax=100)
+    ticks = [str(i + 1) for i in range(k)]
+    ax.set_xticks(range(k), ticks)
+    ax.set_yticks(range(k), ticks)
+    if k <= 20:
+        for i in range(k):
+            for j in range(k):
+                if not np.isnan(a[i, j]):
+                    ax.text(j, i, f"{a[i, j]:.0f}", ha="center", va="center", fontsize=7,
+                            color="white" if a[i, j] < 60 else "black")
+    ax.set(xlabel="on the classes of task", ylabel="after task")
+    ax.set_title(title, fontsize=10)
+    fig.colorbar(im, ax=ax, label="accuracy (%)")
+    return _save(fig, path)
+
+
+def accuracy_per_task(runs: dict[str, list[float]], path: str | Path, title: str = "") -> Path:
+    """Class-incremental accuracy on every class seen so far after each task, one line per method."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for i, (name, seen) in enumerate(runs.items()):
+        ax.plot(range(1, len(seen) + 1), [100 * v for v in seen], "-o", color=f"C{i % 10}", label=name, lw=1.6,
+                ms=3)
+    ax.set(xlabel="task", ylabel="accuracy on the classes seen (%)", title=title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
     return _save(fig, path)
 
 

@@ -1,0 +1,39 @@
+"""CFeD (Ma et al., 2022): continual federated learning by knowledge distillation on surrogate data.
+
+Every round a client first learns its current task (cross-entropy on its task samples and memory), then reviews
+the old classes: its model is distilled from the previous task's model (kept at every task's end) on a batch stream
+of unlabeled surrogate data (``data.public``: another image dataset, or noise), over the classes that model knew —
+so old knowledge is rehearsed without old samples. Simplified (docs/design.md): CFeD's server-side distillation
+against intra-task forgetting and its split of clients into learners and reviewers are left out; every client both
+learns and reviews.
+"""
+
+from pydantic import Field
+
+from ..engine.program import Phase, Step, View
+from .base import AlgoConfig, Algorithm, register_algorithm
+from .continual import KeepsTeacher, soft_ce
+from .terms import LocalContext
+
+
+class CFeDConfig(AlgoConfig):
+    lam: float = Field(1.0, ge=0, description="weight of the distillation on surrogate data")
+    T: float = Field(2.0, gt=0, description="distillation temperature")
+    review_steps: int | None = Field(None, ge=1, le=10**6,
+                                     description="steps on the surrogate stream per round (None: one pass)")
+
+
+@register_algorithm
+class CFeD(KeepsTeacher, Algorithm):
+    name = "cfed"
+    Config = CFeDConfig
+
+    def review(self, ctx: LocalContext):
+        known = ctx.state["known"]
+        _, logits = ctx.forward()
+        _, old = ctx.apply(ctx.state["teacher"], ctx.x)
+        return self.cfg.lam * ctx.mean(soft_ce(old, logits, known, self.cfg.T)) * (known.sum() > 0)
+
+    def program(self, server, round_idx):
+        review = Phase(epochs=1, steps=self.cfg.review_steps, view=View("public"), updates=(Step(objective=self.review),))
+        return [Phase(), review]
