@@ -382,3 +382,16 @@ def test_fedweit_starts_as_its_base_and_fills_its_knowledge_base_at_each_task_en
     assert all(float(a.abs().sum()) == 0 for a in leaves(g.store["A"]))  # a new task starts a new A
     assert_trees_close(fed.server["B_prev"], fed.server["B"], exact=True)
     assert float(g.store["has_prev"].sum()) == 4
+
+
+def test_a_continual_comparison_writes_its_matrices_table_and_accuracy_per_task(tmp_path):
+    from fedmosaic.reports.compare import run_all, table
+
+    cfg = make_cfg(train__rounds=4, compare=[{"name": "fedavg", "memory": False}, {"name": "protofcl"}])
+    summaries = run_all(cfg, tmp_path / "cmp", progress=False)
+    for name in ("fedavg_memory=off", "protofcl"):
+        assert (tmp_path / "cmp" / name / "accuracy_matrix.png").stat().st_size > 1000
+    assert (tmp_path / "cmp" / "accuracy_per_task.png").stat().st_size > 1000
+    text = table(summaries)
+    assert "CIL avg" in text and "BWT" in text and "fedavg(memory=off)" in text
+    assert all(len(s["continual_seen"]) == 2 for s in summaries)
