@@ -22,13 +22,8 @@ class FedProtoConfig(AlgoConfig):
     )
 
 
-@register_algorithm
-class FedProto(Algorithm):
-    name = "fedproto"
-    personalized = True
-    Config = FedProtoConfig
-    global_model = False
-    shares_features = True
+class PrototypeServer:
+    """Mixin: a server that holds one prototype per class (``protos`` [C, d], ``has`` [C]) and sends it to all."""
 
     def init_server(self, init_params):
         dev = next(iter(init_params[0].values())).device
@@ -38,10 +33,24 @@ class FedProto(Algorithm):
     def broadcast(self, server, round_idx):
         return {"protos": server["protos"], "has": server["has"]}
 
-    def aggregate(self, server, uploads, weights, round_idx, signals):
+    @staticmethod
+    def senders_mean(uploads) -> tuple[torch.Tensor, torch.Tensor]:
+        """([C, d] each class's unweighted mean prototype over the clients that sent it, [C] how many did)."""
         has = uploads["has"]  # [n, C]
         count = has.sum(0)
-        protos = torch.einsum("nc,ncd->cd", has, uploads["protos"]) / count.clamp(min=1)[:, None]
+        return torch.einsum("nc,ncd->cd", has, uploads["protos"]) / count.clamp(min=1)[:, None], count
+
+
+@register_algorithm
+class FedProto(PrototypeServer, Algorithm):
+    name = "fedproto"
+    personalized = True
+    Config = FedProtoConfig
+    global_model = False
+    shares_features = True
+
+    def aggregate(self, server, uploads, weights, round_idx, signals):
+        protos, count = self.senders_mean(uploads)
         return {"protos": protos, "has": (count > 0).to(protos.dtype)}
 
     def init_client(self, server, init_params):

@@ -26,6 +26,7 @@ from ..engine.program import Probe
 from ..engine.tree import clone
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .continual import KeepsTeacher, soft_ce
+from .fedproto import PrototypeServer
 from .terms import LocalContext
 
 
@@ -46,7 +47,7 @@ def onehot(y: torch.Tensor, num_classes: int, mask: torch.Tensor) -> torch.Tenso
 
 
 @register_algorithm
-class ProtoFCL(KeepsTeacher, Algorithm):
+class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
     name = "protofcl"
     Config = ProtoFCLConfig
     global_model = False
@@ -54,18 +55,8 @@ class ProtoFCL(KeepsTeacher, Algorithm):
     shares_features = True
     memory_select = "nearest"
 
-    def init_server(self, init_params):
-        dev = next(iter(init_params[0].values())).device
-        return {"protos": torch.zeros(self.num_classes, self.feature_dim, device=dev),
-                "has": torch.zeros(self.num_classes, device=dev)}
-
-    def broadcast(self, server, round_idx):
-        return {"protos": server["protos"], "has": server["has"]}
-
     def aggregate(self, server, uploads, weights, round_idx, signals):
-        sent = uploads["has"]  # [n, C]
-        count = sent.sum(0)
-        mean = torch.einsum("nc,ncd->cd", sent, uploads["protos"]) / count.clamp(min=1)[:, None]
+        mean, count = self.senders_mean(uploads)  # (a class no one sent keeps its prototype)
         return {"protos": torch.where(count[:, None] > 0, mean, server["protos"]),
                 "has": torch.maximum(server["has"], (count > 0).to(mean.dtype))}
 

@@ -66,22 +66,8 @@ def partition_bubbles(counts: np.ndarray, path: str | Path, title: str = "", max
 def accuracy_matrix(matrix, path: str | Path, title: str = "") -> Path:
     """The continual accuracy matrix: row i after task i, column j on the classes of task j (lower triangle)."""
     a = 100 * np.array([[np.nan if v is None else v for v in row] for row in matrix], dtype=float)
-    k = len(a)
-    fig, ax = plt.subplots(figsize=(min(12, 3.5 + 0.55 * k), min(10, 3 + 0.5 * k)))
-    im = ax.imshow(np.ma.masked_invalid(a), cmap="viridis", vmin=0, vmax=100)
-    ticks = [str(i + 1) for i in range(k)]
-    ax.set_xticks(range(k), ticks)
-    ax.set_yticks(range(k), ticks)
-    if k <= 20:
-        for i in range(k):
-            for j in range(k):
-                if not np.isnan(a[i, j]):
-                    ax.text(j, i, f"{a[i, j]:.0f}", ha="center", va="center", fontsize=7,
-                            color="white" if a[i, j] < 60 else "black")
-    ax.set(xlabel="on the classes of task", ylabel="after task")
-    ax.set_title(title, fontsize=10)
-    fig.colorbar(im, ax=ax, label="accuracy (%)")
-    return _save(fig, path)
+    ticks = [str(i + 1) for i in range(len(a))]
+    return _heatmap(a, path, title, ticks, ("on the classes of task", "after task"), "{:.0f}", 20)
 
 
 def accuracy_per_task(runs: dict[str, list[float]], path: str | Path, title: str = "") -> Path:
@@ -99,18 +85,25 @@ def accuracy_per_task(runs: dict[str, list[float]], path: str | Path, title: str
 def cross_heatmap(matrix, path: str | Path, title: str = "", names: list[str] | None = None) -> Path:
     """The K x K cross-client accuracy matrix: row i client i's model, column j client j's test split."""
     a = 100 * np.asarray(matrix)
+    labels = names if names is not None and len(names) == len(a) else [str(i) for i in range(len(a))]
+    return _heatmap(a, path, title, labels, ("test split of client", "model of client"), "{:.1f}", 16)
+
+
+def _heatmap(a: np.ndarray, path, title: str, labels: list[str], axes: tuple[str, str], fmt: str,
+             annotate_up_to: int) -> Path:
+    """A square accuracy heatmap (%, NaN cells blank), each cell written when there are few."""
     k = len(a)
     fig, ax = plt.subplots(figsize=(min(12, 4 + 0.6 * k), min(10, 3 + 0.55 * k)))
-    im = ax.imshow(a, cmap="viridis", vmin=0, vmax=100)
-    labels = names if names is not None and len(names) == k else [str(i) for i in range(k)]
+    im = ax.imshow(np.ma.masked_invalid(a), cmap="viridis", vmin=0, vmax=100)
     ax.set_xticks(range(k), labels, rotation=45 if k > 4 else 0, ha="right" if k > 4 else "center")
     ax.set_yticks(range(k), labels)
-    if k <= 16:
+    if k <= annotate_up_to:
         for i in range(k):
             for j in range(k):
-                ax.text(j, i, f"{a[i, j]:.1f}", ha="center", va="center", fontsize=8,
-                        color="white" if a[i, j] < 60 else "black")
-    ax.set(xlabel="test split of client", ylabel="model of client")
+                if not np.isnan(a[i, j]):
+                    ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=8,
+                            color="white" if a[i, j] < 60 else "black")
+    ax.set(xlabel=axes[0], ylabel=axes[1])
     ax.set_title(title, fontsize=10)
     fig.colorbar(im, ax=ax, label="accuracy (%)")
     return _save(fig, path)
