@@ -180,6 +180,11 @@ def test_tiny_imagenet_real(shared):
     check_images(d, (3, 64, 64), 10000, 10000, 200, ([50] * 200, [50] * 200))
     assert d.classes == sorted(d.classes) and d.classes[0] == "n01443537"
     assert "50 train images per class" in d.meta["subset"]
+    small = load_dataset("tiny-imagenet-32")  # the 32x32 variant: the same samples, resized
+    check_images(small, (3, 32, 32), 10000, 10000, 200, ([50] * 200, [50] * 200))
+    assert np.array_equal(small.y_train, d.y_train) and "32x32" in small.meta["resized"]
+    # a 2x downsampling of a constant image is that constant: the mean colour of every image barely moves
+    assert np.abs(small.x_train[:50].mean((2, 3)) - d.x_train[:50].mean((2, 3))).max() < 1.0
 
 
 SVHN_MISSING = "shared/data/README.md marks SVHN as missing (not available offline); reader tested below"
@@ -203,7 +208,7 @@ def test_registry_names_and_alias():
     assert set(dataset_names()) - {"blobs"} == {  # blobs: the test suite's own registered dataset
         "mnist", "fashion-mnist", "cifar10", "cifar100", "usps", "femnist", "office-caltech10", "vehicle",
         "tiny-imagenet", "svhn", "digits", "cinic10", "cifar10-gray", "mnist-m", "syn", "digits-domains",
-        "digits-offline", "office-caltech10-images",
+        "digits-offline", "office-caltech10-images", "tiny-imagenet-32",
     }
     assert get_spec("FMNIST") is get_spec("fashion-mnist")
 

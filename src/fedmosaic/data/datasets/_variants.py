@@ -48,6 +48,20 @@ def greyscale(read: Callable[[Path], ArrayDataset], name: str) -> Callable[[Path
     return read_grey
 
 
+def resized(read: Callable[[Path], ArrayDataset], name: str, size: int) -> Callable[[Path], ArrayDataset]:
+    """A layout reader that reads with ``read`` and resizes every image to ``size`` x ``size`` (:func:`conform`)."""
+
+    def read_resized(folder: Path) -> ArrayDataset:
+        ds = read(folder)
+        c = ds.x_train.shape[1]
+        return replace(ds, name=name, x_train=conform(ds.x_train, c, (size, size)),
+                       x_test=None if ds.x_test is None else conform(ds.x_test, c, (size, size)),
+                       meta={**ds.meta, "resized": f"{ds.name} resized to {size}x{size} (bilinear, antialiased)"},
+                       derived={})
+
+    return read_resized
+
+
 def conform(x: np.ndarray, channels: int, size: tuple[int, int]) -> np.ndarray:
     """uint8 images (N, C, H, W) as (N, ``channels``, *``size``): RGB to greyscale by :func:`luma`, a bilinear
     (antialiased) resize, greyscale repeated to 3 channels. Other channel counts are returned as they are."""

@@ -16,6 +16,7 @@ from ..base import ArrayDataset
 from ..registry import DatasetSpec, Layout, Source, register
 from ._cache import cached, from_arrays
 from ._images import decode_images, is_image
+from ._variants import resized
 from ._io import abs_paths, archive_members, folder_members, reading
 
 SIZE = (64, 64)
@@ -91,4 +92,14 @@ TINY_IMAGENET = register(DatasetSpec(
     description="Tiny-ImageNet-200: 200 ImageNet classes, 100k train / 10k val 64x64 RGB",
     # no SHA-256 pinned: no published checksum for this zip could be confirmed
     downloads=(Source(ZIP, "http://cs231n.stanford.edu/tiny-imagenet-200.zip"),),
+))
+
+
+TINY_IMAGENET_32 = register(DatasetSpec(
+    name="tiny-imagenet-32",
+    folder=TINY_IMAGENET.folder,
+    layouts=tuple(Layout(lo.name, lo.files, resized(lo.read, "tiny-imagenet-32", 32)) for lo in TINY_IMAGENET.layouts),
+    description="Tiny-ImageNet-200 downsampled to 32x32 (bilinear, antialiased; as ImageNet32): CPU-sized runs",
+    downloads=TINY_IMAGENET.downloads,
+    variant_of="tiny-imagenet",
 ))
