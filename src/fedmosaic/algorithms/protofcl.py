@@ -25,7 +25,7 @@ from pydantic import Field
 from ..engine.program import Probe
 from ..engine.tree import clone
 from .base import AlgoConfig, Algorithm, register_algorithm
-from .continual import KeepsTeacher, soft_ce
+from .continual import UNKNOWN, KeepsTeacher, soft_ce
 from .fedproto import PrototypeServer
 from .terms import LocalContext
 
@@ -75,7 +75,7 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         in_batch = (count > 0).to(z.dtype)
         protos = torch.where(has[:, None] > 0, glob, local.detach())
         known = torch.maximum(has, in_batch)
-        logits = torch.where(known > 0, -distances(z, protos) / cfg.T, -1e9)
+        logits = torch.where(known > 0, -distances(z, protos) / cfg.T, UNKNOWN)
         loss = ctx.mean(-logits.log_softmax(-1).gather(1, ctx.y[:, None])[:, 0])
         if cfg.alpha:
             old = ctx.state["known"]

@@ -731,10 +731,10 @@ class Federation:
                 "plateau": dict(self.plateau)}
 
     def load_state_dict(self, state: dict) -> None:
+        if self.exemplars is not None and (state.get("memory") is None or len(state["memory"]) != self.num_clients):
+            raise ValueError("written without this run's exemplar memory")  # (before anything is replaced)
         self.server = state["server"]
         if self.exemplars is not None:
-            if state.get("memory") is None or len(state["memory"]) != self.num_clients:
-                raise ValueError("written without this run's exemplar memory")
             self.exemplars = [mem.unpack(m) for m in state["memory"]]
         self.plateau = dict(state.get("plateau", self.plateau))
         # Checkpoints written before BatchNorm support carry no "buffers"; that is only
