@@ -136,8 +136,9 @@ def test_every_client_keeps_the_model_it_predicted_with_at_the_end_of_each_task(
         assert_trees_close({n: v[k] for n, v in fed.groups[0].store["teacher"].items()}, fed.server["model"],
                            exact=True)
         np.testing.assert_array_equal(fed.groups[0].store["known"][k].numpy(), seen)
-    fed = train(make_cfg(), None, rounds=R)  # ProtoFCL: each client its own model
+    fed = train(make_cfg(), None, rounds=R)  # ProtoFCL: each client its own model, and the library of then
     assert_trees_close(fed.groups[0].store["teacher"], fed.groups[0].store["model"], exact=True)
+    assert all(torch.equal(p, fed.server["protos"]) for p in fed.groups[0].store["teacher_protos"])
 
 
 @pytest.mark.parametrize("algo", [{"name": "fedlwf", "lam": 0.0}, {"name": "fedewc", "lam": 0.0}])
@@ -202,7 +203,8 @@ def test_protofcl_loss_by_hand():
 
     glob = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 0.0]])
     payload = {"protos": glob, "has": torch.tensor([1.0, 1.0, 0.0])}
-    state = {"teacher": teacher, "known": torch.tensor([1.0, 0.0, 0.0])}
+    tp = torch.tensor([[1.0, 1.0], [0.0, -1.0], [0.0, 0.0]])  # the library the teacher predicted with
+    state = {"teacher": teacher, "known": torch.tensor([1.0, 0.0, 0.0]), "teacher_protos": tp}
     y = torch.tensor([0, 1, 2])
     ctx = LocalContext(apply, {"model": student}, state, payload, None, y, torch.ones(3))
     T = algo.cfg.T
@@ -213,7 +215,7 @@ def test_protofcl_loss_by_hand():
     lr = ((z[0] - glob[0]).norm() + (z[1] - glob[1]).norm()) / 3  # classes 0 and 1, one sample each of 3
     torch.testing.assert_close(algo.loss(ctx), lc + lr)
     state["known"] = torch.tensor([1.0, 1.0, 0.0])
-    dt = torch.cdist(old, protos)[:, :2]
+    dt = torch.cdist(old, tp)[:, :2]
     ld = -(torch.softmax(-dt / T, 1) * torch.log_softmax(-d[:, :2] / T, 1)).sum(1).mean()
     torch.testing.assert_close(algo.loss(ctx), lc + ld + lr)
     torch.testing.assert_close(distances(z.detach(), glob), torch.cdist(z.detach(), glob), atol=2e-4, rtol=0)

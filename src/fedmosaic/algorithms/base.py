@@ -176,11 +176,12 @@ class Algorithm:
         it predicts with), reaching :meth:`end_task` as ``stats`` (FedEWC's Fisher)."""
         return []
 
-    def end_task(self, state: dict, model: dict, stats: dict, seen: torch.Tensor) -> dict:
+    def end_task(self, state: dict, model: dict, stats: dict, seen: torch.Tensor, payload: dict) -> dict:
         """A client's state once a task has ended (every client, at the last round of each task; one client,
         vmapped): ``model`` the parameters it predicts with at that moment (the global model, or its own),
-        ``stats`` the :meth:`task_probes`, ``seen`` [C] the classes the federation has met so far (1/0). Keep
-        the previous task's model as a teacher here (FedLwF, ProtoFCL)."""
+        ``stats`` the :meth:`task_probes`, ``seen`` [C] the classes the federation has met so far (1/0),
+        ``payload`` what the server would broadcast now. Keep the previous task's model as a teacher here (FedLwF,
+        ProtoFCL, with the prototypes it predicted with)."""
         return state
 
     # ---- evaluation -------------------------------------------------------------------------------

@@ -32,8 +32,8 @@ class KeepsTeacher:
         return {**super().init_client(server, init_params), "teacher": clone(init_params),
                 "known": torch.zeros(self.num_classes, device=dev)}
 
-    def end_task(self, state, model, stats, seen):
-        return {**super().end_task(state, model, stats, seen), "teacher": model, "known": seen}
+    def end_task(self, state, model, stats, seen, payload):
+        return {**super().end_task(state, model, stats, seen, payload), "teacher": model, "known": seen}
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ class FedEWC(Algorithm):
     def task_probes(self):
         return [Probe("fisher", kind="grad_sq", slots=("model",))]
 
-    def end_task(self, state, model, stats, seen):
+    def end_task(self, state, model, stats, seen, payload):
         fisher = tmap(lambda f, new: self.cfg.gamma * f + new, state["fisher"], stats["fisher"]["model"])
         return {"anchor": model, "fisher": fisher}
 

@@ -98,7 +98,7 @@ class FedWeIT(Algorithm):
         return {"B": params["B"], "A": params["A"]}, {**state, "mask": params["mask"], "A": params["A"],
                                                        "alpha": params["alpha"]}
 
-    def end_task(self, state, model, stats, seen):
+    def end_task(self, state, model, stats, seen, payload):
         return {**state, "A": tmap(torch.zeros_like, state["A"]), "mask_prev": state["mask"],
                 "has_prev": torch.ones_like(state["has_prev"])}
 

@@ -8,7 +8,8 @@ Local loss L = L_C + alpha L_D + beta L_R:
 - L_C: cross-entropy of the distance softmax p(k|x) = softmax_k(-||f(x) - p_k|| / T) over every known class —
   the library's (detached), plus the batch's own classes the library lacks yet (their batch mean, detached);
 - L_D: cross-entropy between the previous task's model's distance softmax (the teacher, kept at the end of each
-  task) and the current one's, at temperature T, over the classes the teacher knew (none in the first task);
+  task with the prototype library it predicted with) and the current one's, at temperature T, over the classes the
+  teacher knew (none in the first task);
 - L_R: the sum over the batch's classes with a global prototype of the distance between the batch's (differentiable)
   local prototype and the global one.
 
@@ -61,7 +62,13 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
                 "has": torch.maximum(server["has"], (count > 0).to(mean.dtype))}
 
     def init_client(self, server, init_params):
-        return {**super().init_client(server, init_params), "model": clone(init_params)}
+        return {**super().init_client(server, init_params), "model": clone(init_params),
+                "teacher_protos": torch.zeros_like(server["protos"])}
+
+    def end_task(self, state, model, stats, seen, payload):
+        # the teacher predicts with the library it had: its distances to today's prototypes (made by models that
+        # have moved on) would be no prediction of it at all
+        return {**super().end_task(state, model, stats, seen, payload), "teacher_protos": payload["protos"]}
 
     def local_init(self, payload, state):
         return {"model": state["model"]}
@@ -80,7 +87,7 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         if cfg.alpha:
             old = ctx.state["known"]
             z_old = ctx.apply(ctx.state["teacher"], ctx.x)[0].detach()
-            soft = soft_ce(-distances(z_old, protos), -distances(z, protos), old, cfg.T)
+            soft = soft_ce(-distances(z_old, ctx.state["teacher_protos"]), -distances(z, protos), old, cfg.T)
             loss = loss + cfg.alpha * ctx.mean(soft) * (old.sum() > 0)
         if cfg.beta:
             gap = ((local - glob) ** 2).sum(1).clamp(min=1e-8).sqrt()

@@ -452,7 +452,7 @@ class Federation:
                                                  mc.per_class, mc.total, rng(self.cfg.seed, MEMORY, stage, int(k)))
             stats = g.trainer.probe_at(task, g.clients, {"model": params}, g.store, payload, self._own(g.clients)[0],
                                        bufs, probes, seed=self.cfg.seed, round_idx=t) if probes else {}
-            g.store = for_each_client(lambda s, p, st: self.algo.end_task(s, p, st, seen), (0, 0, 0),
+            g.store = for_each_client(lambda s, p, st: self.algo.end_task(s, p, st, seen, payload), (0, 0, 0),
                                       g.trainer.vectorize, fresh=True)(g.store, params, stats)
 
     def _build_extra(self, specs: dict, dev) -> dict:
