@@ -12,8 +12,7 @@ from pydantic import Field
 
 from ..engine.program import Phase, Step, View
 from .base import AlgoConfig, Algorithm, register_algorithm
-from .continual import KeepsTeacher, soft_ce
-from .terms import LocalContext
+from .continual import Distill, KeepsTeacher
 
 
 class CFeDConfig(AlgoConfig):
@@ -28,12 +27,6 @@ class CFeD(KeepsTeacher, Algorithm):
     name = "cfed"
     Config = CFeDConfig
 
-    def review(self, ctx: LocalContext):
-        known = ctx.state["known"]
-        _, logits = ctx.forward()
-        _, old = ctx.apply(ctx.state["teacher"], ctx.x)
-        return self.cfg.lam * ctx.mean(soft_ce(old, logits, known, self.cfg.T)) * (known.sum() > 0)
-
     def program(self, server, round_idx):
-        review = Phase(epochs=1, steps=self.cfg.review_steps, view=View("public"), updates=(Step(objective=self.review),))
-        return [Phase(), review]
+        review = Step(objective=Distill(self.cfg.lam, self.cfg.T))  # LwF's term, on the surrogate batches
+        return [Phase(), Phase(epochs=1, steps=self.cfg.review_steps, view=View("public"), updates=(review,))]
