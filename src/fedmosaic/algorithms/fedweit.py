@@ -38,7 +38,7 @@ class FedWeIT(Algorithm):
     personalized = True
 
     @property
-    def slots(self) -> int:
+    def kb_size(self) -> int:
         """Knowledge-base entries: one per task of the run."""
         R = self.setting.rounds_per_task
         return max(1, -(-self.setting.rounds // R)) if R else 1
@@ -46,8 +46,8 @@ class FedWeIT(Algorithm):
     def init_server(self, init_params):
         B = init_params[0]
         dev = next(iter(B.values())).device
-        return {"B": B, "B_prev": clone(B), "kb": tmap(lambda v: torch.zeros(self.slots, *v.shape, device=dev), B),
-                "kb_has": torch.zeros(self.slots, device=dev)}
+        return {"B": B, "B_prev": clone(B), "kb": tmap(lambda v: torch.zeros(self.kb_size, *v.shape, device=dev), B),
+                "kb_has": torch.zeros(self.kb_size, device=dev)}
 
     def broadcast(self, server, round_idx):
         return {"global": server["B"], "B_prev": server["B_prev"], "kb": server["kb"], "kb_has": server["kb_has"]}
@@ -56,7 +56,7 @@ class FedWeIT(Algorithm):
         out = {**server, "B": weighted_mean(uploads["B"], weights)}
         R = self.setting.rounds_per_task
         if R and (round_idx + 1) % R == 0:  # a task ends: its adaptive parameters join the knowledge base
-            j = min(round_idx // R, self.slots - 1)
+            j = min(round_idx // R, self.kb_size - 1)
             A = weighted_mean(uploads["A"], weights)
             out["kb"] = {k: v.index_copy(0, torch.tensor([j], device=v.device), A[k][None])
                          for k, v in server["kb"].items()}
@@ -67,7 +67,7 @@ class FedWeIT(Algorithm):
     def init_client(self, server, init_params):
         dev = next(iter(init_params.values())).device
         units = {_unit(k): torch.full((v.shape[0],), self.cfg.mask_init, device=dev) for k, v in init_params.items()}
-        return {"mask": units, "A": tmap(torch.zeros_like, init_params), "alpha": torch.zeros(self.slots, device=dev),
+        return {"mask": units, "A": tmap(torch.zeros_like, init_params), "alpha": torch.zeros(self.kb_size, device=dev),
                 "mask_prev": clone(units), "has_prev": torch.zeros((), device=dev)}
 
     def local_init(self, payload, state):

@@ -402,13 +402,17 @@ class Federation:
         """Round ``t`` is the last of a task."""
         return self.tasks is not None and (t + 1) % self.cfg.data.tasks.rounds_per_task == 0
 
+    def first_met(self, stage: int) -> np.ndarray:
+        """[C] the stage at which some client first met each class, up to ``stage`` (``stage + 1``: not yet)."""
+        first = np.full(self.fd.num_classes, stage + 1)
+        for st in self.tasks:
+            for j, (_, classes, _) in enumerate(st[: stage + 1]):
+                first[classes] = np.minimum(first[classes], j)
+        return first
+
     def seen_classes(self, stage: int) -> np.ndarray:
         """[C] bool: the classes some client has met in its tasks up to ``stage`` (the federation's)."""
-        seen = np.zeros(self.fd.num_classes, dtype=bool)
-        for st in self.tasks:
-            for _, classes, _ in st[: stage + 1]:
-                seen[classes] = True
-        return seen
+        return self.first_met(stage) <= stage
 
     def _track_plateau(self, t: int, loss: float) -> None:
         """``train.optimizer.plateau``: torch's ReduceLROnPlateau on the cohort's mean loss (relative threshold
@@ -677,7 +681,8 @@ class Federation:
         among those classes only (no task id). ``tasks[j]``: on the classes first met in stage j (the accuracy
         matrix's row; for a shared task order, task j's classes)."""
         stage = self.stage(t)
-        seen = self.seen_classes(stage)
+        first = self.first_met(stage)
+        seen = first <= stage
         x, y = self.global_test
         keep = torch.as_tensor(seen, device=self.device)[y]
         x, y = x[keep], y[keep]
@@ -693,9 +698,6 @@ class Federation:
             ok.append(ev.stacked_correct(g.apply, {**params, **bufs}, x, y, self.transform, g.trainer.vectorize,
                                          logits_fn=masked).double())
         hit = torch.cat(ok).mean(0)  # per sample: the share of the models that got it right
-        first = np.full(self.fd.num_classes, -1)
-        for j in range(stage, -1, -1):
-            first[self.seen_classes(j)] = j
         group = torch.as_tensor(first, device=self.device)[y]
         tasks = [float(hit[group == j].mean()) if (group == j).any() else None for j in range(stage + 1)]
         return {"stage": stage, "task_end": self.task_ends(t), "seen_acc": float(hit.mean()), "tasks": tasks}
