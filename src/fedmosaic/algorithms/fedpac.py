@@ -32,7 +32,7 @@ from pydantic import Field
 from ..engine.program import Phase, Probe, Step
 from ..engine.tree import tmap, weighted_mean
 from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import LocalContext, PrototypeMSE, TaskLoss
+from .terms import LocalContext, PrototypeMSE, TaskLoss, class_sums
 
 BOTH = ("body", "head")
 
@@ -107,8 +107,7 @@ class FedPAC(Algorithm):
 
     def statistics(self, ctx: LocalContext) -> dict:
         z, _ = ctx.forward(BOTH)
-        onehot = (ctx.y[:, None] == torch.arange(self.num_classes, device=z.device)).to(z.dtype) * ctx.mask[:, None]
-        return {"sum": onehot.T @ z, "count": onehot.sum(0), "sq": ((z * z).sum(1) * ctx.mask).sum()}
+        return {**class_sums(ctx, self.num_classes, BOTH), "sq": ((z * z).sum(1) * ctx.mask).sum()}
 
     def finish(self, params, state, payload, stats):
         return {"body": params["body"], "head": params["head"], **stats["stats"]}, state

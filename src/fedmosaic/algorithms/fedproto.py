@@ -12,7 +12,7 @@ from pydantic import Field
 
 from ..engine.tree import clone
 from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import PrototypeMSE, TaskLoss
+from .terms import PrototypeMSE, TaskLoss, class_sums
 
 
 class FedProtoConfig(AlgoConfig):
@@ -63,10 +63,7 @@ class FedProto(PrototypeServer, Algorithm):
         return [TaskLoss(), PrototypeMSE(self.cfg.lam)]
 
     def accumulate(self, ctx):
-        z, _ = ctx.forward()
-        # F.one_hot does not vmap (it checks the label range with .item())
-        onehot = (ctx.y[:, None] == torch.arange(self.num_classes, device=z.device)).to(z.dtype) * ctx.mask[:, None]
-        return {"sum": onehot.T @ z.detach(), "count": onehot.sum(0)}
+        return class_sums(ctx, self.num_classes)  # (the engine detaches what is accumulated)
 
     def finish(self, params, state, payload, stats):
         count = stats["acc"]["count"]

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .continual import UNKNOWN, KeepsTeacher
-from .terms import LocalContext, per_sample_task_loss
+from .terms import LocalContext, onehot, per_sample_task_loss
 
 
 class GLFCConfig(AlgoConfig):
@@ -50,11 +50,11 @@ class GLFC(KeepsTeacher, Algorithm):
         loss = ctx.mean(ce)
         if not cfg.lam:
             return loss
-        hot = (ctx.y[:, None] == torch.arange(self.num_classes, device=ctx.y.device)).to(logits.dtype)
+        hot = onehot(ctx.y, self.num_classes)
         _, old = ctx.apply(ctx.state["teacher"], ctx.x)
         p_old = torch.where(known > 0, old.detach() / cfg.T, UNKNOWN).softmax(-1) * (known.sum() > 0)
         target = p_old * known + hot * (1 - group)[:, None]  # old classes: the teacher; a new class: its label
         target = target / target.sum(-1, keepdim=True)
-        seen = torch.maximum(known, (hot * ctx.mask[:, None]).amax(0))  # the classes met so far (here or before)
+        seen = torch.maximum(known, onehot(ctx.y, self.num_classes, ctx.mask).amax(0))  # met so far, here or before
         student = torch.where(seen > 0, logits / cfg.T, UNKNOWN).log_softmax(-1)
         return loss + cfg.lam * ctx.mean(-(target * student).sum(-1))

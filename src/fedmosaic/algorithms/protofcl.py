@@ -28,7 +28,7 @@ from ..engine.tree import clone
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .continual import UNKNOWN, KeepsTeacher, soft_ce
 from .fedproto import PrototypeServer
-from .terms import LocalContext
+from .terms import LocalContext, class_sums, onehot
 
 
 class ProtoFCLConfig(AlgoConfig):
@@ -41,10 +41,6 @@ def distances(z: torch.Tensor, protos: torch.Tensor) -> torch.Tensor:
     """[B, C] Euclidean distances (the gradient at distance 0 kept finite)."""
     sq = (z * z).sum(1, keepdim=True) + (protos * protos).sum(1) - 2 * z @ protos.T
     return sq.clamp(min=1e-8).sqrt()
-
-
-def onehot(y: torch.Tensor, num_classes: int, mask: torch.Tensor) -> torch.Tensor:
-    return (y[:, None] == torch.arange(num_classes, device=y.device)).to(mask.dtype) * mask[:, None]
 
 
 @register_algorithm
@@ -98,9 +94,7 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         return [Probe("protos", kind="sums", objective=self._class_sums)]
 
     def _class_sums(self, ctx):
-        z, _ = ctx.forward()
-        hot = onehot(ctx.y, self.num_classes, ctx.mask)
-        return {"sum": hot.T @ z, "count": hot.sum(0)}
+        return class_sums(ctx, self.num_classes)
 
     def finish(self, params, state, payload, stats):
         count = stats["protos"]["count"]

@@ -55,6 +55,21 @@ class LocalContext:
         return self.mean(per_sample_task_loss(self.task_loss, logits, y), mask)
 
 
+def onehot(y: torch.Tensor, num_classes: int, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, C] float one-hot labels, the rows of padding samples zero when ``mask`` is given (F.one_hot does not vmap:
+    it checks the label range with .item())."""
+    hot = (y[:, None] == torch.arange(num_classes, device=y.device)).to(torch.float32)
+    return hot if mask is None else hot * mask[:, None]
+
+
+def class_sums(ctx: LocalContext, num_classes: int, slot: str | tuple[str, ...] = "model") -> dict:
+    """Per class the sum of the batch's features of the model in ``slot`` and the number of (real) samples:
+    prototypes are their ratio (FedProto, FedPAC, ProtoFCL)."""
+    z, _ = ctx.forward(slot)
+    hot = onehot(ctx.y, num_classes, ctx.mask).to(z.dtype)
+    return {"sum": hot.T @ z, "count": hot.sum(0)}
+
+
 def per_sample_task_loss(kind: str, logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if kind == "ce":
         if is_batchedtensor(logits):  # under vmap nll_loss runs as a slow Python decomposition: the same numbers

@@ -16,8 +16,8 @@ from ..base import ArrayDataset
 from ..registry import DatasetSpec, Layout, Source, register
 from ._cache import cached, from_arrays
 from ._images import decode_images, is_image
-from ._variants import resized
 from ._io import abs_paths, archive_members, folder_members, reading
+from ._variants import resized
 
 SIZE = (64, 64)
 ZIP, TOP = "tiny-imagenet-200.zip", "tiny-imagenet-200/"
