@@ -149,12 +149,9 @@ def _report(args) -> None:
         plot.parent.mkdir(parents=True, exist_ok=True)
         learning_curves(curves, plot, title=args.title or "")
         print(f"\nlearning curves: {plot}")
-        seen = {s["name"]: s["continual_seen"] for s in summaries if "continual_seen" in s}
-        if seen:  # class-incremental runs: their accuracy after each task too
-            tasks = plot.with_name(f"{plot.stem}-tasks.png")
-            if not tasks.exists():
-                accuracy_per_task(seen, tasks, title=args.title or "")
-                print(f"accuracy after each task: {tasks}")
+        tasks = plot.with_name(f"{plot.stem}-tasks.png")  # class-incremental runs: accuracy after each task too
+        if not tasks.exists() and accuracy_per_task(summaries, tasks, title=args.title or ""):
+            print(f"accuracy after each task: {tasks}")
 
 
 def _partition(args) -> None:

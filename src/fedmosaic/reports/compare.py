@@ -34,11 +34,11 @@ COLUMNS = (
     ("personal non-zeros", "personal_nonzero_final", "{:,.0f}"),
     ("personal sparsity", "personal_sparsity_final", "{:.2%}"),
     ("intra (last 3)", "intra_last3", "{:.2%}"),
+    ("inter (last 3)", "inter_last3", "{:.2%}"),
     ("CIL avg", "continual_avg", "{:.2%}"),
     ("CIL last task", "continual_final", "{:.2%}"),
     ("BWT", "continual_bwt", "{:+.3f}"),
     ("forgetting", "continual_forgetting", "{:.3f}"),
-    ("inter (last 3)", "inter_last3", "{:.2%}"),
     ("bytes/round", "bytes_per_round", "{:,.0f}"),
     ("wall s", "wall_time_s", "{:.1f}"),
 )
@@ -94,9 +94,7 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
                           names=last.get("names"))
         if "continual_matrix" in s:  # the continual accuracy matrix
             accuracy_matrix(s["continual_matrix"], where / "accuracy_matrix.png", title=name)
-    seen = {s["name"]: s["continual_seen"] for s in summaries if "continual_seen" in s}
-    if seen:
-        accuracy_per_task(seen, out / "accuracy_per_task.png", title=f"{cfg.name}: {cfg.data.dataset}")
+    accuracy_per_task(summaries, out / "accuracy_per_task.png", title=f"{cfg.name}: {cfg.data.dataset}")
     return summaries
 
 

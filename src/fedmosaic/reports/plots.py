@@ -25,11 +25,10 @@ def learning_curves(runs: dict[str, list[dict]], path: str | Path, title: str = 
         for i, (name, recs) in enumerate(runs.items()):
             fields = {"cross": (("intra_avg", "-"), ("inter_avg", "--")), "continual": (("seen_acc", "-o"),)}.get(
                 key, (("acc", "-"),))
-            for field, style in fields:
+            for j, (field, style) in enumerate(fields):  # (the run's name on its first line only)
                 pts = [(r["round"] + 1, 100 * r[key][field]) for r in recs if key in r]
                 if pts:
-                    ax.plot(*zip(*pts), style, color=f"C{i % 10}", label=name if style[0] == "-" and
-                            style != "--" else None, lw=1.6, ms=3)
+                    ax.plot(*zip(*pts), style, color=f"C{i % 10}", label=None if j else name, lw=1.6, ms=3)
             if key == "continual" and i == 0:
                 for r in recs:
                     if r.get("continual", {}).get("task_end"):
@@ -70,8 +69,12 @@ def accuracy_matrix(matrix, path: str | Path, title: str = "") -> Path:
     return _heatmap(a, path, title, ticks, ("on the classes of task", "after task"), "{:.0f}", 20)
 
 
-def accuracy_per_task(runs: dict[str, list[float]], path: str | Path, title: str = "") -> Path:
-    """Class-incremental accuracy on every class seen so far after each task, one line per method."""
+def accuracy_per_task(summaries: list[dict], path: str | Path, title: str = "") -> Path | None:
+    """Class-incremental accuracy on every class seen so far after each task, one line per run summary that has it
+    (``continual_seen``); None, and no file, when none has."""
+    runs = {s["name"]: s["continual_seen"] for s in summaries if "continual_seen" in s}
+    if not runs:
+        return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for i, (name, seen) in enumerate(runs.items()):
         ax.plot(range(1, len(seen) + 1), [100 * v for v in seen], "-o", color=f"C{i % 10}", label=name, lw=1.6,
