@@ -11,6 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .data.partition.tasks import count_range
 from .engine.augment import AugmentConfig
 from .engine.optim import OptimizerConfig
 from .errors import ConfigError
@@ -73,8 +74,14 @@ class TasksConfig(Schema):
     rounds_per_task: int = Field(10, ge=1, le=MAX_COUNT)
     order: Literal["shared", "random"] = Field(
         "shared", description="every client meets the tasks in one order, or each in its own random order")
-    tasks_per_client: int | None = Field(None, ge=1, le=MAX_COUNT, description="default: every task")
+    tasks_per_client: int | list[int] | None = Field(
+        None, description="default: every task; a pair [lo, hi]: each client a random count in lo..hi")
     memory: MemoryConfig | None = Field(None, description="exemplar memory (replay); none by default")
+
+    @model_validator(mode="after")
+    def _counts(self):
+        count_range(self.tasks_per_client, self.n_tasks)
+        return self
 
 
 class DataConfig(Schema):

@@ -72,6 +72,20 @@ def test_batches_come_only_from_the_current_task_and_the_memory():
                     assert len(kept[k]) and not old & set(classes.tolist())  # earlier classes only
 
 
+def test_a_client_whose_task_stream_ends_drops_out_of_the_cohort(tmp_path):
+    over = {"data__tasks__tasks_per_client": [2, 5], "data__tasks__order": "random", "train__clients_per_round": 4}
+    lengths = [len(st) for st in Federation(make_cfg(train__rounds=4, **over)).tasks]
+    assert len(set(lengths)) > 1
+    with pytest.raises(ConfigError, match=rf"longest client task stream \({max(lengths)} tasks of {R} rounds\)"):
+        Federation(make_cfg(train__rounds=R * max(lengths) + 1, **over))
+    cfg = make_cfg(train__rounds=R * max(lengths), **over)
+    run(cfg, tmp_path / "r", progress=False)
+    records = read_metrics(tmp_path / "r")
+    assert [r["clients"] for r in records] == [sum(n > t // R for n in lengths) for t in range(R * max(lengths))]
+    s = summarize(records, cfg)
+    assert len(s["continual_seen"]) == max(lengths) and np.isfinite(s["continual_avg"])
+
+
 @pytest.mark.parametrize("budget", [{"per_class": 3}, {"total": 7}])
 def test_the_memory_never_exceeds_its_budget_and_shrinks_by_keeping_prefixes(budget):
     fed = Federation(make_cfg(data__tasks__memory=budget, train__clients_per_round=4))

@@ -349,6 +349,22 @@ def test_task_streams_invariants():
     assert same([i for _, _, i in streams[0]], [i for _, _, i in task_streams(y, parts, 10, 6, rng(1))[0]])
 
 
+def test_task_streams_of_random_length():
+    y = rng().integers(0, 100, 20000)
+    parts = IID().split(y, 40, rng())
+    streams = task_streams(y, parts, 10, (2, 5), rng(1))
+    lengths = [len(s) for s in streams]
+    assert set(lengths) == {2, 3, 4, 5}  # every count in the range occurs among 40 clients, no other
+    assert all(len({t for t, _, _ in s}) == len(s) for s in streams)
+    assert [len(s) for s in task_streams(y, parts, 10, (2, 5), rng(1))] == lengths
+    fixed = task_streams(y, parts, 10, 3, rng(1))
+    assert [[t for t, _, _ in s] for s in task_streams(y, parts, 10, (3, 3), rng(1))] == [[t for t, _, _ in s]
+                                                                                          for s in fixed]
+    for bad in [(4, 2), (0, 3), (2, 11), (1, 2, 3), 11]:
+        with pytest.raises(ConfigError, match=r"^tasks_per_client: must be a count or a pair lo <= hi"):
+            task_streams(y, parts, 10, bad, rng(1))
+
+
 def test_task_streams_skip_tasks_a_client_lacks():
     y = np.repeat(np.arange(4), 5)
     parts = [np.arange(10), np.arange(10, 20)]

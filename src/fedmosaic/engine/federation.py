@@ -234,7 +234,7 @@ class Federation:
         tc = self.cfg.train
         picks = np.unique(np.linspace(0, tc.rounds - 1, min(tc.rounds, sample)).astype(np.int64))
         cohorts = [c[self.group_of[c] == g.gid] for c in
-                   (sample_cohort(self.num_clients, tc.clients_per_round, self.cfg.seed, int(t)) for t in picks)]
+                   (self.cohort(int(t)) for t in picks)]
         sizes = self.split["train"].sizes
         program = self.algo.program(self.server, 0)
         active = np.zeros(0)
@@ -366,9 +366,6 @@ class Federation:
         tc = cfg.data.tasks
         if tc is None:
             return None
-        if cfg.train.rounds > tc.n_tasks * tc.rounds_per_task:
-            raise ConfigError(f"train.rounds: the last of {tc.n_tasks} tasks of {tc.rounds_per_task} rounds ends after "
-                              f"round {tc.n_tasks * tc.rounds_per_task} (got {cfg.train.rounds})")
         if self.global_test is None:
             raise ConfigError("data.tasks: class-incremental accuracy is measured on the dataset's test split, which "
                               "this data setting pools away; use data.pool: train")
@@ -378,6 +375,10 @@ class Federation:
                                tc.classes_per_task)
         if tc.order == "shared":
             streams = [sorted(st, key=lambda task: task[0]) for st in streams]
+        longest = max(map(len, streams))
+        if cfg.train.rounds > longest * tc.rounds_per_task:
+            raise ConfigError(f"train.rounds: the longest client task stream ({longest} tasks of {tc.rounds_per_task} "
+                              f"rounds) ends after round {longest * tc.rounds_per_task} (got {cfg.train.rounds})")
         return [[(t, classes, rows - ptr[k]) for t, classes, rows in st] for k, st in enumerate(streams)]
 
     def train_split(self, t: int, memory: bool = True) -> ClientTensors:
@@ -482,11 +483,19 @@ class Federation:
         return out
 
     # ---- one round ---------------------------------------------------------------------------------
+    def cohort(self, t: int) -> np.ndarray:
+        """The clients of round ``t``: ``clients_per_round`` drawn among those with a task in that round's stage
+        (a client whose task stream has ended drops out), or among all."""
+        live = None
+        if self.tasks is not None and any(len(st) <= self.stage(t) for st in self.tasks):
+            live = np.array([k for k, st in enumerate(self.tasks) if self.stage(t) < len(st)], dtype=np.int64)
+        return sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t, live)
+
     def round(self, t: int) -> dict:
         """Round ``t``: (round 0: every client's warm-up;) the cohort's logits on the public stream go up and the
         server's answer comes down (``Algorithm.exchanges``); the cohort trains (group by group); the server
         aggregates (and trains on the public stream: ``server_program``). Returns the round's metrics."""
-        cohort = sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t)
+        cohort = self.cohort(t)
         lr = self.algo.round_lr(self.server, t, self.cfg.train.optimizer.lr_at(t) * self.plateau["scale"])
         if t == 0 and self.cfg.train.warmup_epochs:
             self._warm_up(lr)

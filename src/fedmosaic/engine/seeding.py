@@ -13,10 +13,13 @@ def rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), stream, *(int(k) for k in keys)])
 
 
-def sample_cohort(num_clients: int, per_round: int, seed: int, round_idx: int) -> np.ndarray:
-    """Clients of round ``round_idx`` (sorted), sampled uniformly without replacement."""
-    m = min(per_round, num_clients)
-    return np.sort(rng(seed, COHORT, round_idx).choice(num_clients, size=m, replace=False))
+def sample_cohort(num_clients: int, per_round: int, seed: int, round_idx: int,
+                  among: np.ndarray | None = None) -> np.ndarray:
+    """Clients of round ``round_idx`` (sorted), sampled uniformly without replacement from all ``num_clients``
+    or from the client ids ``among``."""
+    pool = num_clients if among is None else len(among)
+    picked = rng(seed, COHORT, round_idx).choice(pool, size=min(per_round, pool), replace=False)
+    return np.sort(picked if among is None else np.asarray(among)[picked])
 
 
 def batch_plan(counts: np.ndarray, clients: np.ndarray, epochs: int, batch: int, seed: int, round_idx: int,

@@ -14,7 +14,7 @@ def task_streams(
     labels: np.ndarray,
     parts: Parts,
     n_tasks: int,
-    tasks_per_client: int | None,
+    tasks_per_client: int | tuple[int, int] | None,
     rng: np.random.Generator,
     classes_per_task: int | None = None,
     shuffle_classes: bool = True,
@@ -28,21 +28,19 @@ def task_streams(
 
     Each client then draws its own sequence: a random order of ``tasks_per_client`` (None = all) distinct
     tasks, chosen among the tasks it holds at least one sample of, so a client whose partition lacks some
-    classes gets fewer tasks. ``indices`` are the client's samples (from ``parts``) of that task's classes,
+    classes gets fewer tasks. A pair ``(lo, hi)`` draws each client's count uniformly from lo..hi (the paper's
+    sequences of random length). ``indices`` are the client's samples (from ``parts``) of that task's classes,
     sorted; different clients may receive the same task (and hence classes), but since ``parts`` are disjoint
     no sample is shared. A client's samples of tasks it was not dealt are unused.
     """
     labels = as_labels(labels)
-    counts = {"n_tasks": n_tasks, "tasks_per_client": tasks_per_client, "classes_per_task": classes_per_task}
+    counts = {"n_tasks": n_tasks, "classes_per_task": classes_per_task}
     for name, value in counts.items():
         if not (is_count(value) or (value is None and name != "n_tasks")):
             raise ConfigError(f"{name}: must be an integer (got {shown(value)})")
     classes = np.unique(labels)
     cpt = _classes_per_task(len(classes), n_tasks, classes_per_task)
-    if tasks_per_client is not None and not 1 <= tasks_per_client <= n_tasks:
-        raise ConfigError(
-            f"tasks_per_client: must be between 1 and n_tasks={n_tasks} (got {tasks_per_client})"
-        )
+    lo, hi = count_range(tasks_per_client, n_tasks)
 
     order = rng.permutation(classes) if shuffle_classes else classes
     used = order[: n_tasks * cpt]
@@ -56,9 +54,21 @@ def task_streams(
     for part in parts:
         part = np.asarray(part, dtype=np.int64)
         t_of = task_of[rank[part]]
-        held = rng.permutation(np.unique(t_of[t_of >= 0]))[:tasks_per_client]
+        count = hi if lo == hi else int(rng.integers(lo, hi + 1))
+        held = rng.permutation(np.unique(t_of[t_of >= 0]))[:count]
         streams.append([(int(t), task_classes[t], np.sort(part[t_of == t])) for t in held])
     return streams
+
+
+def count_range(tasks_per_client, n_tasks: int) -> tuple[int, int]:
+    """``tasks_per_client`` (None, a count or a pair lo, hi) as the range lo..hi inside 1..n_tasks."""
+    if tasks_per_client is None:
+        return n_tasks, n_tasks
+    pair = tasks_per_client if isinstance(tasks_per_client, (tuple, list)) else (tasks_per_client,) * 2
+    if len(pair) != 2 or not all(is_count(v) for v in pair) or not 1 <= pair[0] <= pair[1] <= n_tasks:
+        raise ConfigError(f"tasks_per_client: must be a count or a pair lo <= hi, between 1 and n_tasks={n_tasks} "
+                          f"(got {shown(tasks_per_client)})")
+    return int(pair[0]), int(pair[1])
 
 
 def _classes_per_task(n_classes: int, n_tasks: int, classes_per_task: int | None) -> int:
