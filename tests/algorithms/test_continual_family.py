@@ -374,6 +374,9 @@ def test_glfc_loss_by_hand():
         target = target / target.sum()
         rd = rd - (target * torch.log_softmax(logits[i] / T, 0)).sum()  # seen: classes 0-3 (2 and 3 in the batch)
     torch.testing.assert_close(algo.loss(ctx), gc + rd / 3)
+    # the first task: no teacher, so no relation distillation; the compensated CE puts everyone in the new group
+    first = LocalContext(apply, {"model": student}, {**state, "known": torch.zeros(4)}, {}, None, y, torch.ones(3))
+    torch.testing.assert_close(algo.loss(first), sum(g[i] / (sum(g) / 3) * ce[i] for i in range(3)) / 3)
 
 
 def test_cfed_reviews_on_the_surrogate_stream_after_learning_the_task():

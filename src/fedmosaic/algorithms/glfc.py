@@ -52,9 +52,9 @@ class GLFC(KeepsTeacher, Algorithm):
             return loss
         hot = onehot(ctx.y, self.num_classes)
         _, old = ctx.apply(ctx.state["teacher"], ctx.x)
-        p_old = torch.where(known > 0, old.detach() / cfg.T, UNKNOWN).softmax(-1) * (known.sum() > 0)
+        p_old = torch.where(known > 0, old.detach() / cfg.T, UNKNOWN).softmax(-1)
         target = p_old * known + hot * (1 - group)[:, None]  # old classes: the teacher; a new class: its label
         target = target / target.sum(-1, keepdim=True)
         seen = torch.maximum(known, onehot(ctx.y, self.num_classes, ctx.mask).amax(0))  # met so far, here or before
         student = torch.where(seen > 0, logits / cfg.T, UNKNOWN).log_softmax(-1)
-        return loss + cfg.lam * ctx.mean(-(target * student).sum(-1))
+        return loss + cfg.lam * ctx.mean(-(target * student).sum(-1)) * (known.sum() > 0)  # none in the first task
