@@ -10,6 +10,7 @@ import pytest
 import torch
 from fedtest import assert_trees_close, train, with_overrides
 
+from fedmosaic.algorithms.apfl_pd import _unit
 from fedmosaic.algorithms.protofcl import ProtoFCL, distances
 from fedmosaic.algorithms.terms import LocalContext, TaskLoss
 from fedmosaic.engine import memory as mem
@@ -188,6 +189,14 @@ def test_fedewc_anchors_at_the_global_model_with_the_fisher_of_the_task():
 
 
 # ---- ProtoFCL -----------------------------------------------------------------------------------------------
+def test_protofcls_teacher_knows_the_classes_its_library_holds():
+    fed = Federation(make_cfg(train__clients_per_round=1, data__tasks__order="random"))
+    fed.round(0), fed.round(1)  # the end of task 0, one client in each round
+    has, seen = fed.server["has"], torch.as_tensor(fed.seen_classes(0), dtype=torch.float32)
+    assert has.sum() < seen.sum()  # some classes met by clients whose prototypes never reached the server
+    assert (fed.groups[0].store["known"] == has).all()
+
+
 def test_the_prototype_library_is_the_unweighted_mean_over_the_clients_that_sent_each_class():
     algo = ProtoFCL(setting=Setting(num_classes=4, feature_dim=2))
     server = algo.init_server([{"w": torch.zeros(1)}])
@@ -394,13 +403,27 @@ def test_fedweit_starts_as_its_base_and_fills_its_knowledge_base_at_each_task_en
     s = torch.sigmoid(torch.tensor(4.0))
     for k, v in fed.server["B"].items():
         torch.testing.assert_close(mine[k][0], v * s)  # A = 0, no knowledge yet
-    fed.round(0)
+    model = sum(v.numel() for v in fed.server["B"].values()) * 4  # bytes of one model
+    rec = fed.round(0)
     assert fed.server["kb_has"].tolist() == [0.0] * 5
+    assert rec["bytes_down"] == 4 * (2 * model + 5 * 4)  # B and B_prev, kb_has; the empty knowledge base: nothing
     fed.round(1)  # the end of task 0
     assert fed.server["kb_has"].tolist() == [1.0, 0, 0, 0, 0]
     assert all(float(a.abs().sum()) == 0 for a in leaves(g.store["A"]))  # a new task starts a new A
     assert_trees_close(fed.server["B_prev"], fed.server["B"], exact=True)
     assert float(g.store["has_prev"].sum()) == 4
+    # each client keeps the task it learned: the stored entry (the cohort's mean A) mixed in with alpha 1
+    assert g.store["alpha"].tolist() == [[1.0, 0, 0, 0, 0]] * 4
+    after = fed._personal(g, 1)
+    for k, b in fed.server["B"].items():
+        m = torch.sigmoid(g.store["mask"][_unit(k)]).view(4, -1, *([1] * (b.dim() - 1)))
+        torch.testing.assert_close(after[k], b * m + fed.server["kb"][k][0])
+    assert all(float(v[0].abs().sum()) > 0 for v in fed.server["kb"].values())  # (the entry is not empty)
+    assert fed.round(2)["bytes_down"] == 4 * (3 * model + 5 * 4)  # one entry more
+    fed.round(3)  # the end of task 1
+    assert fed.server["kb_has"].tolist() == [1.0, 1.0, 0, 0, 0] and (g.store["alpha"][:, 1] == 1).all()
+    # the knowledge base has one entry per task, whatever train.rounds says (a resume may amend it)
+    assert Federation(make_cfg(algorithm={"name": "fedweit"}, train__rounds=3)).server["kb_has"].shape == (5,)
 
 
 def test_a_continual_comparison_writes_its_matrices_table_and_accuracy_per_task(tmp_path):

@@ -78,6 +78,10 @@ class Algorithm:
         compresses (FedKD's truncated SVD factors, padded to fixed shapes so they vmap) counts what it would send."""
         return nbytes(uploads)
 
+    def broadcast_bytes(self, payload: dict) -> int:
+        """The bytes one client's payload takes on the wire (default: every tensor, dense)."""
+        return nbytes(payload)
+
     # ---- server side -------------------------------------------------------------------------------
     def init_server(self, init_params: list[dict]) -> dict:
         """Server state from the initial parameters of each architecture group."""

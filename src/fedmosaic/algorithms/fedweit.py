@@ -16,7 +16,7 @@ the KB, so their retroactive terms vanish; no L1 on the masks; dense A and B on 
 import torch
 from pydantic import Field
 
-from ..engine.tree import clone, tmap, weighted_mean
+from ..engine.tree import clone, nbytes, tmap, weighted_mean
 from .apfl_pd import _unit
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .terms import LocalContext
@@ -39,9 +39,9 @@ class FedWeIT(Algorithm):
 
     @property
     def kb_size(self) -> int:
-        """Knowledge-base entries: one per task of the run."""
-        R = self.setting.rounds_per_task
-        return max(1, -(-self.setting.rounds // R)) if R else 1
+        """Knowledge-base entries: one per task a stream may hold (not derived from train.rounds, which a resume
+        may amend: the checkpoint's shapes must not change)."""
+        return max(1, self.setting.n_tasks)
 
     def init_server(self, init_params):
         B = init_params[0]
@@ -63,6 +63,11 @@ class FedWeIT(Algorithm):
             out["kb_has"] = server["kb_has"].index_fill(0, torch.tensor([j], device=weights.device), 1.0)
             out["B_prev"] = out["B"]
         return out
+
+    def broadcast_bytes(self, payload):
+        """The knowledge base's empty entries are not sent: the payload grows by one model per task."""
+        empty = self.kb_size - int(payload["kb_has"].sum())
+        return nbytes(payload) - empty * nbytes(payload["kb"]) // self.kb_size
 
     def init_client(self, server, init_params):
         dev = next(iter(init_params.values())).device
@@ -99,8 +104,11 @@ class FedWeIT(Algorithm):
                                                        "alpha": params["alpha"]}
 
     def end_task(self, state, model, stats, seen, payload):
-        return {**state, "A": tmap(torch.zeros_like, state["A"]), "mask_prev": state["mask"],
-                "has_prev": torch.ones_like(state["has_prev"])}
+        """A new task starts a new A at 0; the entry the server just stored from the cohort's A's (the newest:
+        entries fill in order) is mixed in with α = 1, so the model keeps the task it learned."""
+        newest = torch.arange(self.kb_size, device=payload["kb_has"].device) == payload["kb_has"].sum() - 1
+        return {**state, "A": tmap(torch.zeros_like, state["A"]), "alpha": torch.where(newest, 1.0, state["alpha"]),
+                "mask_prev": state["mask"], "has_prev": torch.ones_like(state["has_prev"])}
 
     def personal_params(self, state, server, own):
         return self.compose(server["B"], state["mask"], state["A"], state["alpha"], server["kb"], server["kb_has"])

@@ -63,8 +63,10 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
 
     def end_task(self, state, model, stats, seen, payload):
         # the teacher predicts with the library it had: its distances to today's prototypes (made by models that
-        # have moved on) would be no prediction of it at all
-        return {**super().end_task(state, model, stats, seen, payload), "teacher_protos": payload["protos"]}
+        # have moved on) would be no prediction of it at all; over the classes that library holds (a class met by
+        # clients none of whose prototypes reached the server has none: it would be a fake class at the origin)
+        return {**super().end_task(state, model, stats, seen, payload), "teacher_protos": payload["protos"],
+                "known": seen * payload["has"]}
 
     def local_init(self, payload, state):
         return {"model": state["model"]}

@@ -187,7 +187,8 @@ class Federation:
                           cfg.train.optimizer,
                           cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module),
                           {s: {k: v.detach().clone() for k, v in m.named_parameters()} for s, m in self.extra.items()},
-                          cfg.train.rounds, cfg.data.tasks.rounds_per_task if cfg.data.tasks else 0)
+                          cfg.train.rounds, *((cfg.data.tasks.rounds_per_task, cfg.data.tasks.n_tasks)
+                                               if cfg.data.tasks else ()))
         self.algo = algo_cls(algo_cfg, setting)
         if self.algo.pooled:
             self._pool_train_split()
@@ -532,7 +533,7 @@ class Federation:
             "train_loss": float(loss.mean()),
             "clients": len(cohort),
             "local_steps_max": int(steps.max(initial=0)),
-            "bytes_down": (nbytes(payload) + self._buffer_bytes()) * len(cohort) + nbytes(self._own(cohort)[1]),
+            "bytes_down": (self.algo.broadcast_bytes(payload) + self._buffer_bytes()) * len(cohort) + nbytes(self._own(cohort)[1]),
             "bytes_up": self.algo.sent_bytes(up) + self._buffer_bytes() * len(cohort) + exchanged,
         }
 
