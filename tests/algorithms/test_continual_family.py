@@ -275,6 +275,11 @@ def test_resume_in_the_middle_of_a_task_equals_uninterrupted(algo, tmp_path):
     assert len(s["continual_seen"]) == 3 and len(s["continual_matrix"]) == 3
 
 
+def test_a_plateau_schedule_that_can_never_fire_is_warned_about():
+    with pytest.warns(UserWarning, match="a task of 5 rounds compares 4 losses .* patience 3: the learning rate is"):
+        Federation(make_cfg(data__tasks__rounds_per_task=5, train__optimizer={"plateau": {"patience": 3}}))
+
+
 def test_the_learning_rate_falls_on_plateaus_and_starts_again_with_each_task():
     fed = Federation(make_cfg(data__tasks__rounds_per_task=3, train__optimizer={
         "lr": 0.1, "plateau": {"patience": 0, "factor": 0.5, "min_lr": 0.03, "skip": 0}}))

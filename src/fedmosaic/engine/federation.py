@@ -182,6 +182,11 @@ class Federation:
         self.exemplars = [{} for _ in range(self.num_clients)] if self.tasks and cfg.exemplar_memory() else None
         #: ``train.optimizer.plateau``: the learning rate's scale, the best mean loss so far, rounds without progress
         self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
+        pc, tc = cfg.train.optimizer.plateau, cfg.data.tasks
+        if pc is not None and tc is not None and tc.rounds_per_task - pc.skip - 1 <= pc.patience:
+            warnings.warn(f"train.optimizer.plateau: a task of {tc.rounds_per_task} rounds compares "
+                          f"{max(0, tc.rounds_per_task - pc.skip)} losses (skip {pc.skip}), too few to exceed patience "
+                          f"{pc.patience}: the learning rate is never reduced", stacklevel=2)
         self.extra = self._build_extra(algo_cls.extra_models(algo_cfg, cfg.model), dev)
         setting = Setting(self.fd.num_classes, dims.pop() if len(dims) == 1 else 0, self.fd.num_clients,
                           cfg.train.optimizer,
