@@ -50,5 +50,6 @@ def test_a_clients_batches_in_a_task_come_only_from_that_tasks_classes(order):
 
 
 def test_rounds_beyond_the_last_task_are_a_one_line_error():
-    with pytest.raises(ConfigError, match=r"train.rounds: the longest client task stream \(5 tasks of 1 rounds\) ends after round 5"):
+    with pytest.raises(ConfigError, match=r"train.rounds: the longest client task stream \(5 tasks of 1 rounds\) ends "
+                                          r"after round 5"):
         Federation(make_cfg(rounds_per_task=1))

@@ -538,7 +538,8 @@ class Federation:
             "train_loss": float(loss.mean()),
             "clients": len(cohort),
             "local_steps_max": int(steps.max(initial=0)),
-            "bytes_down": (self.algo.broadcast_bytes(payload) + self._buffer_bytes()) * len(cohort) + nbytes(self._own(cohort)[1]),
+            "bytes_down": ((self.algo.broadcast_bytes(payload) + self._buffer_bytes()) * len(cohort)
+                           + nbytes(self._own(cohort)[1])),
             "bytes_up": self.algo.sent_bytes(up) + self._buffer_bytes() * len(cohort) + exchanged,
         }
 
