@@ -17,6 +17,11 @@ CURVE_KEYS = (("global", "global model, global test"), ("global_clients", "globa
               ("continual", "classes seen so far (no task id); | = task end"))
 
 
+def _color(i: int, n: int):
+    """The i-th of n lines' colour: matplotlib's ten defaults, or twenty (tab20) when ten would repeat."""
+    return f"C{i % 10}" if n <= 10 else plt.get_cmap("tab20")(i % 20)
+
+
 def learning_curves(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> Path:
     """Test accuracy per round for each run (one panel per kind of accuracy present)."""
     kinds = [(k, label) for k, label in CURVE_KEYS if any(k in r for recs in runs.values() for r in recs)]
@@ -28,7 +33,7 @@ def learning_curves(runs: dict[str, list[dict]], path: str | Path, title: str = 
             for j, (field, style) in enumerate(fields):  # (the run's name on its first line only)
                 pts = [(r["round"] + 1, 100 * r[key][field]) for r in recs if key in r]
                 if pts:
-                    ax.plot(*zip(*pts), style, color=f"C{i % 10}", label=None if j else name, lw=1.6, ms=3)
+                    ax.plot(*zip(*pts), style, color=_color(i, len(runs)), label=None if j else name, lw=1.6, ms=3)
             if key == "continual" and i == 0:
                 for r in recs:
                     if r.get("continual", {}).get("task_end"):
@@ -77,7 +82,7 @@ def accuracy_per_task(summaries: list[dict], path: str | Path, title: str = "") 
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for i, (name, seen) in enumerate(runs.items()):
-        ax.plot(range(1, len(seen) + 1), [100 * v for v in seen], "-o", color=f"C{i % 10}", label=name, lw=1.6,
+        ax.plot(range(1, len(seen) + 1), [100 * v for v in seen], "-o", color=_color(i, len(runs)), label=name, lw=1.6,
                 ms=3)
     ax.set(xlabel="task", ylabel="accuracy on the classes seen (%)", title=title)
     ax.grid(alpha=0.3)
