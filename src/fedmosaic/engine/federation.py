@@ -192,8 +192,7 @@ class Federation:
                           cfg.train.optimizer,
                           cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module),
                           {s: {k: v.detach().clone() for k, v in m.named_parameters()} for s, m in self.extra.items()},
-                          cfg.train.rounds, *((cfg.data.tasks.rounds_per_task, cfg.data.tasks.n_tasks)
-                                               if cfg.data.tasks else ()))
+                          cfg.train.rounds, tc.rounds_per_task if tc else 0, tc.n_tasks if tc else 0)
         self.algo = algo_cls(algo_cfg, setting)
         if self.algo.pooled:
             self._pool_train_split()
