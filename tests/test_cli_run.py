@@ -155,7 +155,7 @@ def test_report_compares_existing_runs_at_a_common_round(tmp_path, capsys):
     capsys.readouterr()
     plot = tmp_path / "cmp.png"
     assert main(["report", *runs, "--rounds", "2", "--plot", str(plot)]) == 0
-    out = capsys.readouterr().out
+    out = capsys.readouterr().out.split("\n\n")[0]  # the summary table (the loss terms' table follows)
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.startswith(("fedavg", "fedprox"))}
     assert rows["fedavg"][1] == rows["fedprox"][1] == "2"
     fedavg_round2 = json.loads((tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()[1])["global"]["acc"]

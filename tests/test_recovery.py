@@ -375,8 +375,10 @@ def test_report_of_a_comparison_directory_lists_its_variants(tmp_path, capsys):
                "--set", "compare=[{name: fedavg}, {name: fedprox, mu: 0.1}]")[0] == 0
     capsys.readouterr()
     assert main(["report", str(out)]) == 0
-    rows = [ln.split()[0] for ln in capsys.readouterr().out.splitlines()[2:]]
-    assert rows == ["fedavg", "fedprox(mu=0.1)"]
+    summary, terms = capsys.readouterr().out.split("\n\n")
+    assert [ln.split()[0] for ln in summary.splitlines()[2:]] == ["fedavg", "fedprox(mu=0.1)"]
+    rows = {ln.split()[0]: ln.split()[1:] for ln in terms.splitlines()[2:]}
+    assert rows["fedavg"] == ["-", "-"] and len(rows["fedprox(mu=0.1)"]) == 2  # FedAvg has one term: none named
 
 
 def test_interrupting_any_command_is_one_line(monkeypatch, capsys):

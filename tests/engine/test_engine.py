@@ -80,11 +80,11 @@ def test_finished_client_does_not_move_under_momentum_and_weight_decay(fd):
     kw = dict(epochs=2, batch=8, lr=0.05, seed=cfg.seed, round_idx=0)
     states = g.store
     both = np.array(sorted([small, big]))
-    _, together, _, steps = g.trainer.train(fed.split["train"], both, payload,
+    _, together, _, steps, _ = g.trainer.train(fed.split["train"], both, payload,
                                             {k: {n: t[both] for n, t in v.items()} for k, v in states.items()}, {},
                                             **kw)
     alone_ids = np.array([small])
-    _, alone, _, _ = g.trainer.train(fed.split["train"], alone_ids, payload,
+    _, alone, _, _, _ = g.trainer.train(fed.split["train"], alone_ids, payload,
                                      {k: {n: t[alone_ids] for n, t in v.items()} for k, v in states.items()}, {},
                                      **kw)
     row = int(np.flatnonzero(both == small)[0])

@@ -181,10 +181,10 @@ def test_the_finished_client_stays_put_on_the_looped_path(fd):
     payload = fed.algo.broadcast(fed.server, 0)
     kw = {"epochs": 2, "batch": 8, "lr": 0.05, "seed": 3, "round_idx": 0}
     both = np.array(sorted([small, big]))
-    _, together, _, _ = g.trainer.train(fed.split["train"], both, payload, {k: {n: t[both] for n, t in v.items()}
+    _, together, _, _, _ = g.trainer.train(fed.split["train"], both, payload, {k: {n: t[both] for n, t in v.items()}
                                                                            for k, v in g.store.items()}, {}, **kw)
     alone = np.array([small])
-    _, solo, _, _ = g.trainer.train(fed.split["train"], alone, payload, {k: {n: t[alone] for n, t in v.items()}
+    _, solo, _, _, _ = g.trainer.train(fed.split["train"], alone, payload, {k: {n: t[alone] for n, t in v.items()}
                                                                         for k, v in g.store.items()}, {}, **kw)
     row = int(np.flatnonzero(both == small)[0])
     for name, t in together["model"].items():

@@ -20,7 +20,7 @@ import torch
 from ..engine.program import Phase, Probe, Setting, Signals
 from ..engine.tree import nbytes, weighted_mean
 from ..schema import Schema
-from .terms import LocalContext, TaskLoss
+from .terms import LocalContext, TaskLoss, term_name
 
 
 class AlgoConfig(Schema):
@@ -43,6 +43,8 @@ class Algorithm:
     #: True: before each round's training every cohort client sends its logits on the public stream
     #: (``data.public``) and the server folds them into its state with :meth:`exchange` (AHF, FedMD, FedDF, ...).
     exchanges: ClassVar[bool] = False
+    #: True when the algorithm keeps the warmed-up model as a teacher (FCCL): ``train.warmup_epochs`` must be >= 1.
+    needs_warmup: ClassVar[bool] = False
     #: How the exemplar memory of a task stream picks the samples it keeps (``data.tasks.memory.select: auto``).
     memory_select: ClassVar[str] = "herding"
 
@@ -151,10 +153,13 @@ class Algorithm:
         return [TaskLoss()]
 
     def loss(self, ctx: LocalContext) -> torch.Tensor:
+        """The sum of :meth:`terms`; with several, each is recorded under its name (:func:`term_name`)."""
         first, *rest = self.terms()
-        loss = first(ctx)  # (not ``sum``: its 0 + loss is one more op in every step)
+        if not rest:
+            return first(ctx)
+        loss = ctx.term(term_name(first), first(ctx))  # (not ``sum``: its 0 + loss is one more op in every step)
         for term in rest:
-            loss = loss + term(ctx)
+            loss = loss + ctx.term(term_name(term), term(ctx))
         return loss
 
     def post_grad_loss(self, ctx: LocalContext) -> torch.Tensor:

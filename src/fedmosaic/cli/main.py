@@ -92,7 +92,7 @@ def _interrupted(e: KeyboardInterrupt, what: str) -> Stopped:
 def _run(args) -> None:
     from ..config import load_config
     from ..engine.runner import new_run_dir
-    from ..reports.compare import run_all, table
+    from ..reports.compare import run_all
 
     algorithms = getattr(args, "algorithms", None)
     updates = {"compare": [_algorithm_spec(a) for a in algorithms]} if algorithms else None
@@ -130,12 +130,21 @@ def _run(args) -> None:
     finally:
         if reserved and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # failed before writing anything: leave no empty run directory
-    print(table(summaries))
+    _print_tables(summaries)
     print(f"\nrun directory: {out}\nlearning curves: {out / 'learning_curves.png'}")
 
 
+def _print_tables(summaries: list[dict]) -> None:
+    from ..reports.compare import table, terms_table
+
+    print(table(summaries))
+    parts = terms_table(summaries)
+    if parts:
+        print(f"\n{parts}")
+
+
 def _report(args) -> None:
-    from ..reports.compare import from_runs, table
+    from ..reports.compare import from_runs
     from ..reports.plots import accuracy_per_task, learning_curves
 
     plot = Path(args.plot) if args.plot else None
@@ -144,7 +153,7 @@ def _report(args) -> None:
     summaries, curves, notes = from_runs([Path(d) for d in args.runs], args.rounds)
     for n in notes:
         print(f"fedmosaic: warning: {n}", file=sys.stderr)
-    print(table(summaries))
+    _print_tables(summaries)
     if plot is not None:
         plot.parent.mkdir(parents=True, exist_ok=True)
         learning_curves(curves, plot, title=args.title or "")

@@ -49,7 +49,8 @@ class Group:
     """Clients that share one architecture: its module, its trainer and its rows of the client store.
 
     ``buffers`` holds every client's module buffers (BatchNorm running statistics), stacked; ``global_buffers``
-    the server's copy for algorithms with a global model (broadcast with it, averaged like it).
+    the server's copy for algorithms with a global model (broadcast with it, averaged like it); ``task_buffers``
+    per client those of the model it predicted with at the end of its previous task (a continual teacher's).
     """
 
     def __init__(self, gid: int, module: torch.nn.Module, clients: np.ndarray):
@@ -57,6 +58,7 @@ class Group:
         self.init = {k: v.detach().clone() for k, v in module.named_parameters()}
         self.global_buffers = {k: v.detach().clone() for k, v in module.named_buffers()}
         self.buffers = tmap(lambda t: t.unsqueeze(0).repeat(len(clients), *([1] * t.dim())), self.global_buffers)
+        self.task_buffers = tmap(torch.clone, self.buffers)
         self.trainer: LocalTrainer | None = None
         self.execution: Execution | None = None
         self.store: dict = {}
@@ -336,6 +338,9 @@ class Federation:
         if cfg.train.warmup_epochs and algo_cls.global_model:
             raise ConfigError(f"train.warmup_epochs: {cfg.algorithm.name!r} trains one global model, there is no "
                               "client model to warm up; set it to 0")
+        if algo_cls.needs_warmup and not cfg.train.warmup_epochs:
+            raise ConfigError(f"train.warmup_epochs: {cfg.algorithm.name!r} distils from the model warmed up on the "
+                              "private data (without it, a random model); set it to at least 1")
         if (algo_cls.exchanges or algo_cls.server_program is not Algorithm.server_program) and cfg.data.public is None:
             raise ConfigError(f"algorithm {cfg.algorithm.name!r} exchanges outputs on a public stream: set data.public "
                               "(e.g. {source: noise, size: 5000})")
@@ -460,10 +465,11 @@ class Federation:
                     new = {int(c): z[torch.as_tensor(labels == c, device=dev)] for c in np.unique(labels)}
                     self.exemplars[k] = mem.refresh(self.exemplars[k], new, {c: offs[labels == c] for c in new}, how,
                                                  mc.per_class, mc.total, rng(self.cfg.seed, MEMORY, stage, int(k)))
-            stats = g.trainer.probe_at(task, g.clients, {"model": params}, g.store, payload, self._own(g.clients)[0],
+            stats = g.trainer.probe_at(task, g.clients, {"model": params}, g.store, payload, self._own(g.clients, t)[0],
                                        bufs, probes, seed=self.cfg.seed, round_idx=t) if probes else {}
             g.store = for_each_client(lambda s, p, st: self.algo.end_task(s, p, st, seen, payload), (0, 0, 0),
                                       g.trainer.vectorize, fresh=True)(g.store, params, stats)
+            g.task_buffers = tmap(torch.clone, bufs)
 
     def _build_extra(self, specs: dict, dev) -> dict:
         """The modules of the slots an algorithm trains with architectures of their own (FedKD's mentor), built
@@ -515,7 +521,7 @@ class Federation:
         cohort = np.concatenate([members for _, members, *_ in trained])
         loss = torch.cat([r[4] for r in trained])
         self._check_finite(t, cohort, loss, [r[2] for r in trained])
-        for g, members, _, new_state, _, _, bufs in trained:
+        for g, members, _, new_state, _, _, bufs, _ in trained:
             self._write_back(g, members, new_state, bufs, train)
         up = self._cat_uploads([r[2] for r in trained])
         steps = np.concatenate([r[5] for r in trained])
@@ -535,12 +541,22 @@ class Federation:
             "round": t,
             "lr": lr,
             "train_loss": float(loss.mean()),
+            **self._terms([r[7] for r in trained]),
             "clients": len(cohort),
             "local_steps_max": int(steps.max(initial=0)),
             "bytes_down": ((self.algo.broadcast_bytes(payload) + self._buffer_bytes()) * len(cohort)
                            + nbytes(self._own(cohort)[1])),
             "bytes_up": self.algo.sent_bytes(up) + self._buffer_bytes() * len(cohort) + exchanged,
         }
+
+    @staticmethod
+    def _terms(groups: list[dict]) -> dict:
+        """``terms``: each named part of the local objective, its mean over the cohort of the clients' mean over
+        their steps (a client whose objective has no such part, in another architecture group, does not count)."""
+        names = dict.fromkeys(n for g in groups for n in g)
+        if not names:
+            return {}
+        return {"terms": {n: float(torch.cat([g[n] for g in groups if n in g]).mean()) for n in names}}
 
     def _cat_uploads(self, uploads: list) -> dict:
         """The architecture groups' uploads as one stack: they must share a layout (logits, prototypes, statistics;
@@ -591,22 +607,42 @@ class Federation:
             if len(members):
                 yield g, members
 
-    def _own(self, clients: np.ndarray) -> tuple[dict, dict]:
-        """(the per-client payload of ``clients`` with their ids, the part the server really sends)."""
+    def _own(self, clients: np.ndarray, t: int | None = None) -> tuple[dict, dict]:
+        """(the per-client payload of ``clients`` with their ids — and in round ``t`` of a task stream the classes
+        they are told of (:meth:`_classes`) —, the part the server really sends)."""
         ids = torch.as_tensor(clients, device=self.device)
         sent = self.algo.client_payload(self.server, ids)
-        return {**sent, "cid": ids}, sent
+        told = self._classes(clients, self.stage(t)) if t is not None and self.tasks is not None else {}
+        return {**sent, "cid": ids, **told}, sent
+
+    def _classes(self, clients: np.ndarray, stage: int) -> dict:
+        """[n, C] 1/0 each: ``task_classes`` the classes of each client's task at ``stage``, ``memory_classes`` those
+        its exemplar memory holds samples of, ``seen_classes`` those the federation has met by then — from which a
+        classification term picks its output columns (``LocalContext.classes``). Metadata, not counted as sent."""
+        n, C = len(clients), self.fd.num_classes
+        task, kept = np.zeros((n, C), dtype=np.float32), np.zeros((n, C), dtype=np.float32)
+        for i, k in enumerate(clients):
+            st, memory = self.tasks[k], self.exemplars[k] if self.exemplars is not None else {}
+            task[i, st[stage][1] if stage < len(st) else []] = 1
+            kept[i, [c for c, offs in memory.items() if len(offs)]] = 1
+        seen = np.repeat(self.seen_classes(stage)[None].astype(np.float32), n, 0)
+        return {k: torch.as_tensor(v, device=self.device)
+                for k, v in (("task_classes", task), ("memory_classes", kept), ("seen_classes", seen))}
 
     def _train_group(self, g: Group, members: np.ndarray, payload: dict, lr: float, t: int, train: ClientTensors):
         rows = torch.as_tensor(self.row_of[members], device=self.device)
         # global-model algorithms start the cohort from the server's running statistics
         bufs = g.global_buffers_like(len(members)) if self.algo.global_model else take(g.buffers, rows)
+        own = self._own(members, t)[0]
+        if g.global_buffers:  # the running statistics of the teachers a client may distil from (frozen copies)
+            payload = {**payload, "global_buffers": g.global_buffers}
+            own = {**own, "local_buffers": take(g.buffers, rows), "task_buffers": take(g.task_buffers, rows)}
         g.module.train()
-        up, new_state, loss, steps = g.trainer.train(
-            train, members, payload, take(g.store, rows), bufs, own=self._own(members)[0],
+        up, new_state, loss, steps, terms = g.trainer.train(
+            train, members, payload, take(g.store, rows), bufs, own=own,
             program=self.algo.program(self.server, t), probes=self.algo.probes(self.server, t), lr=lr,
             seed=self.cfg.seed, round_idx=t)
-        return g, members, up, new_state, loss, steps, bufs
+        return g, members, up, new_state, loss, steps, bufs, terms
 
     @staticmethod
     def _check_finite(t: int, cohort: np.ndarray, loss: torch.Tensor, uploads: list) -> None:
@@ -743,7 +779,7 @@ class Federation:
     # ---- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
         return {"server": self.server, "stores": [g.store for g in self.groups],
-                "buffers": [(g.buffers, g.global_buffers) for g in self.groups],
+                "buffers": [(g.buffers, g.global_buffers, g.task_buffers) for g in self.groups],
                 "memory": None if self.exemplars is None else [mem.pack(m) for m in self.exemplars],
                 "plateau": dict(self.plateau)}
 
@@ -761,6 +797,9 @@ class Federation:
             if any(g.buffers or g.global_buffers for g in self.groups):
                 raise CorruptDataError("checkpoint has no BatchNorm statistics but the model has buffers; "
                                        "it was written for a different model")
-            buffers = [({}, {})] * len(self.groups)
-        for g, s, (b, gb) in zip(self.groups, state["stores"], buffers, strict=True):
-            g.store, g.buffers, g.global_buffers = s, b, gb
+            buffers = [({}, {}, {})] * len(self.groups)
+        for g, s, (b, gb, *tb) in zip(self.groups, state["stores"], buffers, strict=True):
+            if not tb and b:  # written before teachers had statistics of their own
+                raise CorruptDataError("checkpoint has no teacher BatchNorm statistics; it was written by an older "
+                                       "fedmosaic")
+            g.store, g.buffers, g.global_buffers, g.task_buffers = s, b, gb, (tb[0] if tb else {})

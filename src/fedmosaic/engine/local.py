@@ -100,6 +100,9 @@ LOOP_BLOCK = 64
 #: ``loop_below`` of the sequential path: every step is looped.
 LOOP_ALWAYS = 2**62
 
+#: The key of the objective's named parts (``LocalContext.term``) among a step's accumulated statistics.
+TERMS = "_terms"
+
 
 def _sub(params: dict, slots) -> dict:
     return params if slots is None else {k: params[k] for k in slots}
@@ -170,10 +173,26 @@ class LocalTrainer:
         return functional_call(self.module, {**params, **(buffers or {})}, (x,), {"with_features": True},
                                tie_weights=self._ties)
 
+    def frozen(self, params, x, buffers=None):
+        """(features, logits) of a teacher: no gradient, and with BatchNorm in eval mode on the teacher's own
+        running statistics ``buffers``, which nothing updates (:meth:`LocalContext.teacher`)."""
+        with torch.no_grad():
+            if not self._has_buffers:  # eval and train mode compute the same: no mode switch, nothing to pass
+                return self.apply(params, x)
+            if not buffers:
+                raise ValueError("a teacher of a model with buffers (BatchNorm) needs its running statistics")
+            was = self.module.training
+            self.module.eval()
+            try:
+                return functional_call(self.module, {**params, **buffers}, (x,), {"with_features": True},
+                                       tie_weights=self._ties)
+            finally:
+                self.module.train(was)
+
     # ---- per-client functions -----------------------------------------------------------------------
     def _ctx(self, params, state, payload, x, y, mask, pair, buffers, full=False) -> LocalContext:
         return LocalContext(partial(self.apply, buffers=buffers), params, state, payload, x, y, mask, self.task_loss,
-                            pair or None, full)
+                            pair or None, full, self.frozen)
 
     def _grad_fn(self, step: Step, objective=None, with_acc: bool = True):
         """The mapped gradient function of one update (cached): grads of its slots, loss, accumulated stats."""
@@ -194,7 +213,7 @@ class LocalTrainer:
         """One client's objective and accumulated stats (mapped forward of :meth:`_stacked_grads`)."""
         ctx = self._ctx(params, state, {**shared, "own": own}, x, y, mask, pair, buffers)
         loss = objective(ctx)
-        return loss, (tmap(torch.detach, self.algo.accumulate(ctx)) if with_acc else {})
+        return loss, (self._stats(ctx) if with_acc else {})
 
     def _stacked_grads(self, fwd, params, state, shared, own, x, y, mask, pair, buffers, slots):
         """Every client's gradient at once: the objectives mapped forward, then one backward of their sum, whose
@@ -214,8 +233,7 @@ class LocalTrainer:
         def f(p, b):  # buffers are an argument, not captured: torch.func allows in-place updates of inputs only
             ctx = self._ctx({**held, **p}, state, payload, x, y, mask, pair, b)
             loss = objective(ctx)
-            acc = tmap(torch.detach, self.algo.accumulate(ctx)) if with_acc else {}
-            return loss, (loss.detach(), acc)
+            return loss, (loss.detach(), self._stats(ctx) if with_acc else {})
 
         grads, (loss, acc) = grad(f, has_aux=True)(_sub(params, slots), buffers)
         return grads, loss, acc
@@ -227,6 +245,14 @@ class LocalTrainer:
         grads, loss, acc = self._autograd(tree, live, state, {**shared, "own": own}, x, y, mask, pair, buffers,
                                           objective, with_acc)
         return pytree.tree_unflatten(grads, pytree.tree_structure(_sub(params, slots))), loss, acc
+
+    def _stats(self, ctx: LocalContext) -> dict:
+        """What a step adds up over the round (detached): the algorithm's ``accumulate`` and, under ``TERMS``, the
+        named parts of its objective (``ctx.term``)."""
+        acc = self.algo.accumulate(ctx)
+        if ctx.terms:
+            acc = {**acc, TERMS: ctx.terms}
+        return tmap(torch.detach, acc)
 
     @staticmethod
     def _live(params, slots):
@@ -245,8 +271,8 @@ class LocalTrainer:
         with torch.enable_grad():
             ctx = self._ctx(tree, state, payload, x, y, mask, pair, buffers, full)
             loss = objective(ctx)
-            acc = self.algo.accumulate(ctx) if with_acc else {}
-        return self._grad_list(loss, live), loss.detach(), (tmap(torch.detach, acc) if acc else {})
+            acc = self._stats(ctx) if with_acc else {}
+        return self._grad_list(loss, live), loss.detach(), acc
 
     @staticmethod
     def _grad_list(loss: torch.Tensor, live: list) -> list:
@@ -264,7 +290,8 @@ class LocalTrainer:
         the same order; the buffers — BatchNorm running statistics — are updated in place). ``program`` defaults to
         one phase of ``epochs`` (default: the trainer's) with ``batch``.
 
-        Returns (uploads, new_states, mean_loss[n], steps[n]) stacked in the order of ``clients``.
+        Returns (uploads, new_states, mean_loss[n], steps[n], terms) stacked in the order of ``clients``; ``terms``:
+        per named part of the objective (``LocalContext.term``) its mean over each client's steps, [n].
         """
         program = program or [Phase(epochs=epochs, batch=batch)]
         if own is None:
@@ -273,8 +300,9 @@ class LocalTrainer:
             outs = [self._train_chunk(data, clients[sl], payload, *self._rows((own, states, buffers), sl), program,
                                       probes, lr, seed, round_idx, ())
                     for sl in self._chunks(len(clients))]
-        uploads, new_states, losses, steps = zip(*outs)
-        return cat_trees(list(uploads)), cat_trees(list(new_states)), torch.cat(losses), np.concatenate(steps)
+        uploads, new_states, losses, steps, terms = zip(*outs)
+        return (cat_trees(list(uploads)), cat_trees(list(new_states)), torch.cat(losses), np.concatenate(steps),
+                cat_trees(list(terms)))
 
     def adapt(self, data: ClientTensors, clients: np.ndarray, payload: dict, own: dict, states, buffers, *,
               program: list[Phase], lr: float, seed: int, round_idx: int) -> dict:
@@ -379,7 +407,7 @@ class LocalTrainer:
         n, dev = len(clients), data.x.device
         params = self._init(payload, own, states)
         loss_sum, step_sum, acc_sum = torch.zeros(n, device=dev), np.zeros(n, dtype=np.int64), {}
-        stats, first = {}, None
+        stats, first, terms = {}, None, {}
         for p, phase in enumerate(program):
             params, states, plan, loss, steps, acc = self._phase(
                 data, clients, params, states, payload, own, buffers, phase, p, lr, seed, round_idx, keys,
@@ -387,6 +415,9 @@ class LocalTrainer:
             first = first or (None if phase.view.part == "public" else plan)  # (probes read the client's data)
             loss_sum += loss
             step_sum += steps
+            for name, total in acc.pop(TERMS, {}).items():  # a part's sum and the steps of the phases it is in
+                old_total, old_steps = terms.get(name, (0, 0))
+                terms[name] = (old_total + total, old_steps + steps)
             acc_sum = acc if not acc_sum else tmap(torch.add, acc_sum, acc)
         for pr in probes:
             if pr.at == "final":
@@ -399,7 +430,9 @@ class LocalTrainer:
         })
         uploads, new_states = self._finish(params, states, payload, own, stats)
         mean_loss = loss_sum / torch.as_tensor(np.maximum(step_sum, 1), dtype=torch.float32, device=dev)
-        return uploads, new_states, mean_loss, step_sum
+        per_step = {name: total / torch.as_tensor(np.maximum(k, 1), dtype=torch.float32, device=dev)
+                    for name, (total, k) in terms.items()}
+        return uploads, new_states, mean_loss, step_sum, per_step
 
     # ---- one phase ---------------------------------------------------------------------------------------
     def _plan(self, data, clients, phase: Phase, p: int, seed: int, round_idx: int, keys: tuple) -> dict:
@@ -417,7 +450,7 @@ class LocalTrainer:
         keys = keys + ((k,) if k else ())  # schedule 0 (the first phase by default) is the single-phase order
         epochs = phase.epochs or self.epochs
 
-        def rows_of(view, extra, steps):
+        def rows_of(view, extra, steps, batch=batch):
             offs = None if view.part in ("all", "public") else [view_offsets(view, int(n), seed, int(k), round_idx)
                                                                 for n, k in zip(sizes, clients, strict=True)]
             counts = sizes if offs is None else np.array([len(o) for o in offs], dtype=np.int64)
@@ -434,9 +467,15 @@ class LocalTrainer:
             return (torch.as_tensor(rows, device=dev), torch.as_tensor(mask, dtype=torch.float32, device=dev),
                     st, -(-counts // batch))
 
-        rows, mask, steps, per_epoch = rows_of(phase.view, (), phase.steps)
-        plan = {"rows": rows, "mask": mask, "steps": steps, "per_epoch": per_epoch, "batch": batch}
-        if phase.pair is not None:
+        if phase.pair is not None and phase.pair.part == "next":  # batches of 2B, halved: D and D' never overlap
+            rows, mask, steps, per_epoch = rows_of(phase.view, (), phase.steps, 2 * batch)
+            plan = {"rows": rows[..., :batch].contiguous(), "mask": mask[..., :batch].contiguous(),
+                    "rows2": rows[..., batch:].contiguous(), "mask2": mask[..., batch:].contiguous()}
+        else:
+            rows, mask, steps, per_epoch = rows_of(phase.view, (), phase.steps)
+            plan = {"rows": rows, "mask": mask}
+        plan.update(steps=steps, per_epoch=per_epoch, batch=batch)
+        if phase.pair is not None and "rows2" not in plan:
             rows2, mask2, *_ = rows_of(phase.pair, (1,), steps)
             short = len(rows) - len(rows2)  # clients with nothing to pair with (e.g. no query samples) take none
             plan["rows2"] = torch.cat([rows2, rows[:short]]) if short else rows2
@@ -459,10 +498,42 @@ class LocalTrainer:
         plan = self._plan(data, clients, phase, p, seed, round_idx, keys)
         for pr in probes:
             stats[pr.name] = self._probe(data, plan, params, states, payload, own, buffers, pr)
-        loss, acc = self._run_phase(data, plan, params, states, payload, own, buffers, phase, lr)
+        last = None if phase.until is None else torch.zeros(len(clients), device=data.x.device)
+        loss, acc = self._run_phase(data, plan, params, states, payload, own, buffers, phase, lr, last)
+        steps = plan["steps"]
+        if phase.until is not None:
+            steps = self._repeat(data, plan, params, states, payload, own, buffers, phase, lr, loss, acc, last)
         if phase.after is not None:
             params, states = self._hook(phase.after)(params, states, payload, own)
-        return params, states, plan, loss, plan["steps"], acc
+        return params, states, plan, loss, steps, acc
+
+    def _repeat(self, data, plan, params, states, payload, own, buffers, phase: Phase, lr, loss, acc, last):
+        """``Phase.until``: the plan's batches run again, lockstep, by the clients not yet done (their rows taken
+        out, trained, put back); their losses and stats are added to ``loss`` and ``acc`` in place. Returns the
+        steps each client took in all."""
+        key = ("until", phase.until)
+        if key not in self._fns:
+            self._fns[key] = self._each(lambda h, p, s, shared, o: phase.until(h, p, s, {**shared, "own": o}),
+                                        (0, 0, 0, None, 0))
+        steps, losses = plan["steps"].copy(), [last]
+        left = np.ones(len(steps), dtype=bool)
+        for _ in range(phase.max_repeats):
+            left &= ~self._fns[key](torch.stack(losses, 1), params, states, payload, own).cpu().numpy()
+            idx = np.flatnonzero(left)
+            if not len(idx):
+                break
+            i = torch.as_tensor(idx, device=data.x.device)
+            sub = {k: v.index_select(1, i) if isinstance(v, torch.Tensor) else v[idx] if isinstance(v, np.ndarray)
+                   else v for k, v in plan.items()}
+            p_, b_, last_ = take(params, i), take(buffers, i), torch.zeros(len(idx), device=data.x.device)
+            loss_, acc_ = self._run_phase(data, sub, p_, take(states, i), payload, take(own, i), b_, phase, lr, last_)
+            put((params, buffers), i, (p_, b_))
+            loss.index_add_(0, i, loss_)
+            tmap(lambda a, b, i=i: a.index_add_(0, i, b), acc, acc_)
+            steps[idx] += sub["steps"]
+            losses.append(last.index_copy(0, i, last_))
+            last = losses[-1]
+        return steps
 
     def _hook(self, fn):
         key = ("hook", fn)
@@ -471,9 +542,10 @@ class LocalTrainer:
                                         fresh=True)
         return self._fns[key]
 
-    def _run_phase(self, data, plan, params, states, payload, own, buffers, phase: Phase, lr):
+    def _run_phase(self, data, plan, params, states, payload, own, buffers, phase: Phase, lr, last=None):
         """The step runner: every step of the plan for the active clients, in lockstep; ``params`` and ``buffers``
-        are updated in place. Returns the per-client sum of the first update's losses and of accumulated stats."""
+        are updated in place. Returns the per-client sum of the first update's losses and of accumulated stats;
+        ``last`` (if given) receives each client's first-update loss of its last step."""
         n, dev, steps = len(plan["steps"]), data.x.device, plan["steps"]
         fast = self.compile and phase.plain
         updates = list(dict.fromkeys(phase.updates))  # equal updates share one optimiser state
@@ -487,7 +559,7 @@ class LocalTrainer:
         # While every client is active and no padding is needed, it is the full trees themselves.
         active = np.arange(n)
         ia, real = torch.as_tensor(active, device=dev), n
-        opt = [optim.init_state(self.opt, leaves(_sub(params, u.slots))) for u in updates]
+        opt = [optim.init_state(self._opt(u), leaves(_sub(params, u.slots))) for u in updates]
         packed = (params, opt, states, buffers, own)
         finish_at = set(steps.tolist())
         S = int(steps.max()) if n else 0
@@ -510,9 +582,11 @@ class LocalTrainer:
                         tensors[k][:, len(now) :] = 0  # padding rows never count
                 active, ia, real, s0 = now, torch.as_tensor(now, device=dev), len(now), s
             if not fast and real < self.loop_below:  # few clients left: the rest of the phase on the loop
-                loss, acc = self._loop_rest(data, tensors, s, s0, packed, real, steps[active] - s, phase.updates,
-                                            updates, payload, lr)
+                loss, acc, final = self._loop_rest(data, tensors, s, s0, packed, real, steps[active] - s,
+                                                   phase.updates, updates, payload, lr)
                 loss_sum.index_add_(0, ia, loss)
+                if last is not None:
+                    last.index_copy_(0, ia, final)
                 if acc:
                     if acc_sum is None:
                         acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=dev), acc)
@@ -536,6 +610,8 @@ class LocalTrainer:
                     if i == 0:
                         loss, acc = l_, a_
             loss_sum.index_add_(0, ia, loss[:real])
+            if last is not None:  # (never fused: a phase with ``until`` is not ``plain``)
+                last.index_copy_(0, ia, loss[:real])
             if acc:
                 if acc_sum is None:
                     acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=dev), acc)
@@ -544,11 +620,14 @@ class LocalTrainer:
             put((params, buffers), ia, tmap(lambda t: t[:real], (packed[0], packed[3])))
         return loss_sum, acc_sum if acc_sum is not None else {}
 
+    def _opt(self, u: Step) -> optim.OptimizerConfig:
+        return optim.PLAIN if u.plain else self.opt
+
     def _update(self, u: Step, params: list, grads: list, opt_state: dict, lr, s) -> None:
         """The optimiser step of update ``u`` (both eager paths: stacked leaves, or one client's rows of them)."""
         if not params:  # nothing to train (e.g. FedALA with no mixed layer)
             return
-        optim.update_(self.opt, params, grads, opt_state, lr if u.lr is None else u.lr, s)
+        optim.update_(self._opt(u), params, grads, opt_state, lr if u.lr is None else u.lr, s)
         if u.clamp is not None:  # projected step (values that must stay in a box)
             for t in params:
                 t.clamp_(*u.clamp)
@@ -568,14 +647,16 @@ class LocalTrainer:
         """Every remaining step (``left[j]`` from step ``s`` on) of the first ``real`` clients of ``packed``,
         client after client — its parameters stay in cache, its batches are gathered ``LOOP_BLOCK`` steps at a
         time —, with plain autograd and in-place updates of its rows. Returns per client the sums of the first
-        update's losses and of its accumulated stats over those steps."""
-        losses, accs = [], []
+        update's losses and of its accumulated stats over those steps, and that loss at its last step."""
+        losses, accs, lasts = [], [], []
         for j, row in enumerate(self._loop_rows(packed, real, steps, updates, payload)):
             with self._bound_to(row[3]):
                 ls, acs = self._loop_client(data, tensors, s, s0, j, int(left[j]), row, steps, lr)
             losses.append(torch.stack(ls).sum())
+            lasts.append(ls[-1])
             accs.append(tmap(lambda *ts: torch.stack(ts).sum(0), *acs) if acs[0] else {})
-        return torch.stack(losses), (tmap(lambda *ts: torch.stack(ts), *accs) if accs[0] else {})
+        return (torch.stack(losses), (tmap(lambda *ts: torch.stack(ts), *accs) if accs[0] else {}),
+                torch.stack(lasts))
 
     def _loop_client(self, data, tensors, s, s0, j, left, row, steps, lr):
         """The ``left`` steps from step ``s`` of packed client ``j``: its losses and stats of the first update."""

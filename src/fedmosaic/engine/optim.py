@@ -62,6 +62,10 @@ class OptimizerConfig(Schema):
         return self.lr * self.lr_decay**round_idx
 
 
+#: A plain gradient step (``Step.plain``): no momentum, no weight decay.
+PLAIN = OptimizerConfig()
+
+
 def init_state(cfg: OptimizerConfig, params: list) -> dict:
     """Fresh state for a round (momentum restarts every round, as in FedNTD's setting)."""
     zeros = lambda: [torch.zeros_like(p) for p in params]  # noqa: E731

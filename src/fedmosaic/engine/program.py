@@ -30,9 +30,12 @@ class View:
     permutation seeded by (run seed, client), the rest), the same in every round. ``sample``: a random ``frac`` of the
     client's samples, drawn again every round (FedALA's s%). ``public``: not the client's data but the run's shared
     public stream (``data.public``: noise images or an unlabeled dataset), every client drawing the same batches in
-    the same order; an objective sees the batch's sample indices into the stream as ``ctx.y`` (there are no labels)."""
+    the same order; an objective sees the batch's sample indices into the stream as ``ctx.y`` (there are no labels).
+    ``next`` (only as a phase's ``pair``): each step takes 2B samples of the phase's own shuffle of its view, the
+    first B its batch and the other B its paired batch, so the two never share a sample and an epoch is ceil(n / 2B)
+    steps (Per-FedAvg's D and D', as PFLlib's clientperavg cuts one batch of 2B)."""
 
-    part: Literal["all", "support", "query", "sample", "public"] = "all"
+    part: Literal["all", "support", "query", "sample", "public", "next"] = "all"
     frac: float = 1.0
 
     def __post_init__(self):
@@ -47,12 +50,17 @@ ALL = View()
 class Step:
     """One update inside a step: the ``slots`` it trains (None: all), its objective (None: the algorithm's
     ``loss``), its learning rate (None: the round's) and an optional projection: every trained value clipped to
-    ``clamp = (low, high)`` after the update (FedALA's aggregation weights in [0, 1])."""
+    ``clamp = (low, high)`` after the update (FedALA's aggregation weights in [0, 1]).
+
+    ``plain``: a plain gradient step ``w -= lr * g`` — not the run's optimiser (no momentum, weight decay or Adam
+    state). For an algorithm's internal updates whose paper writes a plain step (FedALA's A, pFedMe's theta and
+    local model, Per-FedAvg's beta step): weight decay would shrink them where their gradient is 0."""
 
     slots: tuple[str, ...] | None = None
     objective: Callable | None = None
     lr: float | None = None
     clamp: tuple[float, float] | None = None
+    plain: bool = False
 
 
 @dataclass(frozen=True)
@@ -62,7 +70,13 @@ class Phase:
     ``train.batch_size``). ``before``/``after``: ``fn(params, state, payload) -> (params, state)`` for one client.
     ``key`` names the phase's batch schedule (None: its position in the program): phases with the same key draw the
     same batches, and key 0 is the single-phase round's — so a training phase placed after a preparatory one can
-    keep the batch order of the methods it is compared with (FedALA)."""
+    keep the batch order of the methods it is compared with (FedALA).
+
+    ``until``: a convergence loop, per client. After the phase's batches have run, every client for which
+    ``until(losses, params, state, payload)`` (one client, mapped) is False runs the same batches again, in the same
+    order, and so on until it is True or the phase has run ``1 + max_repeats`` times; the others are dropped.
+    ``losses`` [runs so far] holds per run the loss of the client's last step (FedALA's start phase: A is trained
+    until the std of the last 10 such losses falls below a threshold)."""
 
     epochs: int | None = None
     steps: int | None = None
@@ -73,11 +87,17 @@ class Phase:
     before: Callable | None = None
     after: Callable | None = None
     key: int | None = None
+    until: Callable | None = None
+    max_repeats: int = 0
+
+    def __post_init__(self):
+        if self.view.part == "next":
+            raise ValueError("View('next') is a pair: the batch after the step's own")
 
     @property
     def plain(self) -> bool:
         """The default phase shape, which the compiled fused path runs."""
-        return self.pair is None and self.updates == (Step(),) and self.view == ALL
+        return self.pair is None and self.updates == (Step(),) and self.view == ALL and self.until is None
 
 
 @dataclass(frozen=True)

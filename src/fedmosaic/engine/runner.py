@@ -119,6 +119,8 @@ def _well_formed(rec, round_idx: int, first: dict | None) -> bool:
             return False
     if "personal" in rec and not _number(rec["personal"].get("acc_worst10")):
         return False
+    if "terms" in rec and not (isinstance(rec["terms"], dict) and all(map(_number, rec["terms"].values()))):
+        return False
     classes = [r["global"].get("class_acc") for r in (first, rec) if r is not None and "global" in r]
     return all(isinstance(c, list) and all(map(_number, c)) and len(c) == len(classes[0]) for c in classes)
 
@@ -254,6 +256,10 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
                     "continual_seen": cs["seen"], "continual_bwt": cs["bwt"],
                     "continual_forgetting": cs["forgetting_mean"],
                     "continual_matrix": [[None if np.isnan(v) else float(v) for v in row] for row in a]})
+    terms = [r["terms"] for r in records if "terms" in r]
+    if terms:  # the named parts of the local objective: in the last round, and their mean over the rounds
+        out["terms_last"] = terms[-1]
+        out["terms_mean"] = {n: float(np.mean([t[n] for t in terms if n in t])) for n in terms[-1]}
     history = [r["global"]["class_acc"] for r in ev if "global" in r]
     if len(history) > 1:
         out["forgetting"] = forgetting(history)

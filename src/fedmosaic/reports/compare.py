@@ -135,7 +135,22 @@ def from_runs(dirs: list[Path], upto: int | None = None) -> tuple[list[dict], di
 def table(summaries: list[dict]) -> str:
     cols = [(h, k, f) for h, k, f in COLUMNS if any(k in s for s in summaries)]
     rows = [[h for h, _, _ in cols]] + [[f.format(s[k]) if k in s else "-" for _, k, f in cols] for s in summaries]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    return _aligned(rows)
+
+
+def terms_table(summaries: list[dict]) -> str:
+    """The named parts of each run's local objective in its last round (empty when no run has several)."""
+    names = list(dict.fromkeys(n for s in summaries for n in s.get("terms_last", {})))
+    if not names:
+        return ""
+    rows = [["loss terms (last round)", *names]]
+    rows += [[s["name"], *(f"{s['terms_last'][n]:.4g}" if n in s.get("terms_last", {}) else "-" for n in names)]
+             for s in summaries]
+    return _aligned(rows)
+
+
+def _aligned(rows: list[list[str]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
