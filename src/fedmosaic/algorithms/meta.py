@@ -3,14 +3,21 @@
 a few local steps on the client's *train* data (the round program's fine-tuning phase: nothing uploaded, nothing
 kept, never any test data).
 
-Per-FedAvg (FO): each step takes two batches D, D' of the client's train split; w' = w − alpha ∇f(w; D) and the step
-is w ← w − beta ∇f(w'; D') (first order: the inner gradient is treated as a constant). Personal model: one alpha
-step on a train batch.
+Per-FedAvg (FO): each step takes two disjoint batches D, D' of the client's train split (2B samples of one shuffle,
+cut in two as PFLlib's clientperavg does: an epoch is ceil(n / 2B) steps); w' = w − alpha ∇f(w; D) and the step
+is w ← w − beta ∇f(w'; D') (first order: the inner gradient is treated as a constant), a plain gradient step as in
+the paper, PFLlib's clientperavg and the pFedMe repository's userperavg (never the run's momentum, weight decay or
+Adam state). Personal model: one alpha step on a train batch.
 
 FedMeta (MAML): each client's train split is cut once into support (``support`` = 80%) and query (20%) parts; a step
 takes a support batch S and a query batch Q and follows the full second-order MAML gradient of f(w − alpha ∇f(w; S);
-Q) with the meta learning rate (``train.optimizer.lr``, 0.01 in the APFL paper). Personal model: ``adapt_steps``
-alpha steps on train batches.
+Q) with the meta learning rate (``train.optimizer.lr``, 0.01 in the APFL paper) and the run's optimiser: the
+meta-step is the method's training step, as FedAvg's is. Personal model: ``adapt_steps`` alpha steps on train
+batches.
+
+The alpha steps of both (inside the objective, and the personalization before evaluation) are plain gradient steps,
+as MAML writes them. FedAvg + fine-tuning fine-tunes with the run's optimiser: those are ordinary local training
+steps, as FedAvg's own.
 """
 
 from __future__ import annotations
@@ -40,12 +47,15 @@ class FineTuned(Algorithm):
     """A global model, personalized before evaluation by ``adapt_steps`` steps at ``adapt_lr`` on train batches."""
 
     personalized = True
+    #: the fine-tuning steps are plain gradient steps (MAML's alpha steps), not the run's optimiser
+    plain_adapt: ClassVar[bool] = False
 
     def adapt_lr(self) -> float | None:
         return None
 
     def finetune(self):
-        return [Phase(steps=self.cfg.adapt_steps, updates=(Step(objective=task_loss, lr=self.adapt_lr()),))]
+        step = Step(objective=task_loss, lr=self.adapt_lr(), plain=self.plain_adapt)
+        return [Phase(steps=self.cfg.adapt_steps, updates=(step,))]
 
 
 class MAML(FineTuned):
@@ -53,6 +63,7 @@ class MAML(FineTuned):
     batch; personal model = alpha steps."""
 
     first_order: ClassVar[bool]
+    plain_adapt = True
 
     def adapt_lr(self):
         return self.cfg.alpha
@@ -70,15 +81,15 @@ class PerFedAvgConfig(AlgoConfig):
 
 @register_algorithm
 class PerFedAvg(MAML):
-    """Per-FedAvg (Fallah et al. 2020), first-order: steps at w − alpha ∇f(w; D) on a second batch D'; personal
-    model = alpha steps on train batches."""
+    """Per-FedAvg (Fallah et al. 2020), first-order: plain steps at w − alpha ∇f(w; D) on a disjoint second batch
+    D'; personal model = alpha steps on train batches."""
 
     name = "perfedavg"
     Config = PerFedAvgConfig
     first_order = True
 
     def program(self, server, round_idx):
-        return [Phase(pair=View(), updates=(Step(lr=self.cfg.beta),))]
+        return [Phase(pair=View("next"), updates=(Step(lr=self.cfg.beta, plain=True),))]
 
 
 class FedMetaConfig(AlgoConfig):
