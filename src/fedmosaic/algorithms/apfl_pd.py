@@ -8,11 +8,19 @@ trains plain ``w_S``; from round ``z`` on, all three together, on
     L_k(w_S ⊙ σ(m_k) + w_k) + (mu/2) Σ_j F_j (w_S,j − w_S,j^t)^2
 
 Importance (online EWC, eq. 5): F ← lam·F + Σ_k p_k (∇L_k(w_S) at the received global model)^2, refreshed only when
-the server sees a loss plateau (:func:`plateau_step`: a sliding window of the rounds' mean training losses; a "peak"
+the server sees a loss plateau (:func:`plateau_step`: a sliding window of the rounds' training losses; a "peak"
 when the window mean exceeds the last plateau's mean + std, then a refresh when mean < delta_mu and std < delta_sigma)
 — the clients of the round after return the gradient at the model they received (an engine probe) — and in the first
 ``refresh_first`` rounds. Evaluation: each client's decomposed model with the current w_S, the global model for a
 client that has none yet.
+
+The detector's loss is the one the paper plots (Fig. 2, "training loss"; the framework it was built on, litian96/
+FedProx ``flearn/trainers/fedavg.py``, logs Σ_k n_k L_k(W^t) / Σ_k n_k): the task loss of the GLOBAL model w_S^t on the
+clients' training data, a per-sample mean, without the masks, the private parts or the EWC term. Each cohort client
+measures it at the model it received (a ``sums`` probe: one extra forward pass) and sends it with its upload (one
+number); the server weights them by n_k. So round t's entry is the loss of w_S^t over round t's cohort (FedProx's
+log: over all clients). delta is on that scale: CE starts at ln 10 = 2.30 on 10 classes, where (1, 0.5) and (1, 0.2)
+bite; the paper's Vehicle (700, 400) cannot be a per-sample hinge loss on standardised features (about 1).
 
 Decisions (METHODS.md §4): ``init: zero`` (w_k = 0, σ(m_k) ≈ 1: the model is unchanged at the switch) is the default;
 ``init: copy`` is the paper's m_k = 1, w_k = w_S^t (σ(m_k) cannot be exactly 1; ``mask_init`` is its logit), which
@@ -43,8 +51,9 @@ class APFLConfig(AlgoConfig):
     learn_mask: bool = Field(True, description="train the masks m_k (false: held at mask_init)")
     learn_private: bool = Field(True, description="train the client-specific part w_k (false: held)")
     window: int = Field(5, ge=1, le=10_000, description="rounds in the plateau detector's sliding window")
-    delta_mu: float = Field(1.0, gt=0, description="plateau: window mean loss below this")
-    delta_sigma: float = Field(0.5, gt=0, description="plateau: window std of the loss below this")
+    delta_mu: float = Field(1.0, gt=0, description="plateau: window mean of the global model's training loss (a "
+                            "per-sample mean, without the EWC term) below this")
+    delta_sigma: float = Field(0.5, gt=0, description="plateau: window std of that loss below this")
     refresh_first: int = Field(3, ge=0, le=2**31 - 1, description="refresh the importance in the first N rounds")
 
 
@@ -84,7 +93,8 @@ class APFLPD(Algorithm):
         return {"model": model, "F": tmap(torch.zeros_like, model),
                 # the plateau detector, as fixed-shape tensors (checkpoints compare layouts)
                 "losses": torch.zeros(self.cfg.window, dtype=torch.float64, device=dev), "seen": scalar(0),
-                "peak": scalar(0), "mu_old": scalar(0), "sigma_old": scalar(0), "flag": scalar(0)}
+                "peak": scalar(0), "mu_old": scalar(0), "sigma_old": scalar(0), "flag": scalar(0),
+                "plateaus": scalar(0)}
 
     def _refresh(self, server, round_idx) -> bool:
         return round_idx < self.cfg.refresh_first or bool(server["flag"])
@@ -101,7 +111,8 @@ class APFLPD(Algorithm):
         n = int(server["seen"])
         det = {"losses": server["losses"][:n].tolist(),
                "peak": bool(server["peak"]), "mu_old": float(server["mu_old"]), "sigma_old": float(server["sigma_old"])}
-        loss = float((signals.loss * weights).sum() / weights.sum())
+        # the global model's training loss, n-weighted (not signals.loss: the running loss of local training, EWC in)
+        loss = float((uploads["global_loss"] * weights).sum() / weights.sum())
         det, refresh = plateau_step(det, loss, self.cfg.window, self.cfg.delta_mu, self.cfg.delta_sigma)
         losses = torch.zeros_like(server["losses"])
         losses[: len(det["losses"])] = torch.tensor(det["losses"], dtype=losses.dtype)
@@ -109,7 +120,7 @@ class APFLPD(Algorithm):
         out.update(losses=losses, seen=like(len(det["losses"])), peak=like(det["peak"]), mu_old=like(det["mu_old"]),
                    sigma_old=like(det["sigma_old"]))
         if refresh:
-            out["flag"] = like(1)
+            out.update(flag=like(1), plateaus=server["plateaus"] + 1)
         return out
 
     # ---- client --------------------------------------------------------------------------------------
@@ -147,14 +158,20 @@ class APFLPD(Algorithm):
         return 0.5 * self.cfg.mu * pen
 
     def plain_loss(self, ctx: LocalContext) -> torch.Tensor:
-        return ctx.task_loss_of(ctx.params["shared"]) + self._ewc(ctx)
+        return ctx.term("task_loss", ctx.task_loss_of(ctx.params["shared"])) + ctx.term("ewc", self._ewc(ctx))
 
     def loss(self, ctx: LocalContext) -> torch.Tensor:
         p = ctx.params
-        return ctx.task_loss_of(self.compose(p["shared"], p["mask"], p["private"])) + self._ewc(ctx)
+        task = ctx.task_loss_of(self.compose(p["shared"], p["mask"], p["private"]))
+        return ctx.term("task_loss", task) + ctx.term("ewc", self._ewc(ctx))
 
     def received_loss(self, ctx: LocalContext) -> torch.Tensor:
         return ctx.task_loss_of(ctx.params["shared"])
+
+    def global_loss_sums(self, ctx: LocalContext) -> dict:
+        """The summed task loss of the shared (global) model on this batch, and the batch's sample count."""
+        n = ctx.mask.sum()
+        return {"sum": self.received_loss(ctx) * n, "n": n}
 
     def program(self, server, round_idx):
         if round_idx < self.cfg.z:
@@ -163,12 +180,14 @@ class APFLPD(Algorithm):
         return [Phase(updates=(Step(slots),))]
 
     def probes(self, server, round_idx):
+        loss = Probe("global_loss", at="received", kind="sums", objective=self.global_loss_sums)
         if not self._refresh(server, round_idx):
-            return []
-        return [Probe("grad", at="received", kind="grad", objective=self.received_loss, slots=("shared",))]
+            return [loss]
+        return [loss, Probe("grad", at="received", kind="grad", objective=self.received_loss, slots=("shared",))]
 
     def finish(self, params, state, payload, stats):
-        upload = {"model": params["shared"]}
+        sums = stats["global_loss"]
+        upload = {"model": params["shared"], "global_loss": sums["sum"] / sums["n"].clamp(min=1)}
         if "grad" in stats:
             upload["g2"] = tmap(lambda g: g * g, stats["grad"]["shared"])
         on = payload["decompose"]
@@ -176,6 +195,12 @@ class APFLPD(Algorithm):
         new_state = {"mask": keep(params["mask"], state["mask"]), "private": keep(params["private"], state["private"]),
                      "started": torch.maximum(state["started"], on)}
         return upload, new_state
+
+    def report(self, server, store):
+        """The newest entry of the detector's window (the global model's training loss) and the plateaus seen."""
+        seen = int(server["seen"])
+        newest = {"global_train_loss": float(server["losses"][seen - 1])} if seen else {}
+        return {**newest, "plateaus": float(server["plateaus"])}
 
     def personal_params(self, state, server, own):
         w_s = server["model"]

@@ -7,31 +7,36 @@ persistent) and runs ``R`` ADMM iterations, each a phase of the round program:
     w ← approx. argmin f(w) + (rho/2) ||w − S − W^t + u||^2           (the phase's minibatch SGD steps)
     u ← u + w − S − W^t                                               (``after``)
 
-then uploads w; the server averages the uploads (weighted by train size; the paper's plain mean when sizes are
-equal). Global model accuracy uses W, the personal model is W + S_m. Decisions (METHODS.md §4): rho = 1 by default;
+then uploads w; the server takes the paper's plain mean W^{t+1} = (1/M) Σ_m w_m (Algorithm 1; ``server_mean:
+samples`` weights the uploads by train size instead, as FedAvg). Global model accuracy uses W, the personal model is
+W + S_m. The paper gives no value for rho or R: rho = 1 and R = 5 are our defaults (METHODS.md §4), both options;
 u restarts at 0 every round (``reset_u``); each w-step is ``w_steps`` minibatch steps, or ``train.local_epochs``
 epochs when unset — so a round costs R times a FedAvg round of the same epochs.
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from pydantic import Field
 
 from ..engine.program import Phase
-from ..engine.tree import tmap
+from ..engine.tree import tmap, weighted_mean
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .terms import LocalContext
 
 
 class PFedSRBConfig(AlgoConfig):
     beta: float = Field(0.01, ge=0, description="weight of the l1 norm of the personal part S")
-    rho: float = Field(1.0, gt=0, description="ADMM penalty (the paper leaves it unspecified)")
-    R: int = Field(5, ge=1, le=10_000, description="ADMM iterations per round")
+    rho: float = Field(1.0, gt=0, description="ADMM penalty rho (the paper gives no value)")
+    R: int = Field(5, ge=1, le=10_000, description="ADMM iterations per round (the paper's R; it gives no value)")
     w_steps: int | None = Field(None, ge=1, le=2**31 - 1,
                                 description="minibatch steps of each w-update (default: train.local_epochs epochs)")
     reset_u: bool = Field(True, description="restart the scaled dual u at 0 every round (false: keep it)")
-    learn_s: bool = Field(True, description="update S (false: S stays 0 — the FedProx reduction)")
+    learn_s: bool = Field(True, description="update S (false: S stays 0; with R = 1 that is FedProx, mu = rho)")
+    server_mean: Literal["plain", "samples"] = Field(
+        "plain", description="the server's mean of the uploads: plain 1/M (the paper) or weighted by train size")
 
 
 def soft_threshold(x: torch.Tensor, k: float) -> torch.Tensor:
@@ -44,6 +49,10 @@ class PFedSRB(Algorithm):
     Config = PFedSRBConfig
     personalized = True
 
+    def aggregate(self, server, uploads, weights, round_idx, signals):
+        w = torch.ones_like(weights) if self.cfg.server_mean == "plain" else weights
+        return {**server, "model": weighted_mean(uploads["model"], w)}
+
     def init_client(self, server, init_params):
         return {"S": tmap(torch.zeros_like, init_params), "u": tmap(torch.zeros_like, init_params)}
 
@@ -53,7 +62,7 @@ class PFedSRB(Algorithm):
     def loss(self, ctx: LocalContext) -> torch.Tensor:
         w, W, S, u = ctx.params["model"], ctx.payload["global"], ctx.state["S"], ctx.state["u"]
         pen = sum(((w[k] - S[k] - W[k] + u[k]) ** 2).sum() for k in w)
-        return ctx.task_loss_of(w) + 0.5 * self.cfg.rho * pen
+        return ctx.term("task_loss", ctx.task_loss_of(w)) + ctx.term("admm_penalty", 0.5 * self.cfg.rho * pen)
 
     def program(self, server, round_idx):
         return [Phase(steps=self.cfg.w_steps, before=self.first_s_step if i == 0 else self.s_step,
