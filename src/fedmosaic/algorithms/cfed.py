@@ -5,7 +5,8 @@ the old classes: its model is distilled from the previous task's model (kept at 
 of unlabeled surrogate data (``data.public``: another image dataset, or noise), over the classes that model knew —
 so old knowledge is rehearsed without old samples. Simplified (docs/design.md): CFeD's server-side distillation
 against intra-task forgetting and its split of clients into learners and reviewers are left out; every client both
-learns and reviews.
+learns and reviews. The cross-entropy is over the current task's classes (``ce_classes: task``), as LwF-style
+class-incremental baselines are run (PyCIL's LwF); CFeD's code is not public.
 """
 
 from pydantic import Field
@@ -13,6 +14,7 @@ from pydantic import Field
 from ..engine.program import Phase, Step, View
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .continual import Distill, KeepsTeacher
+from .terms import CE_CLASSES, TaskLoss
 
 
 class CFeDConfig(AlgoConfig):
@@ -20,12 +22,17 @@ class CFeDConfig(AlgoConfig):
     T: float = Field(2.0, gt=0, description="distillation temperature")
     review_steps: int | None = Field(None, ge=1, le=10**6,
                                      description="steps on the surrogate stream per round (None: one pass)")
+    ce_classes: CE_CLASSES = Field("task", description="output columns of the cross-entropy: the current task's "
+                                   "classes (and a memory's), every class met so far (seen), or all")
 
 
 @register_algorithm
 class CFeD(KeepsTeacher, Algorithm):
     name = "cfed"
     Config = CFeDConfig
+
+    def terms(self):
+        return [TaskLoss(classes=self.cfg.ce_classes)]
 
     def program(self, server, round_idx):
         review = Step(objective=Distill(self.cfg.lam, self.cfg.T))  # LwF's term, on the surrogate batches

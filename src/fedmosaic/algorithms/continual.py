@@ -8,10 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine.tree import clone
-from .terms import LocalContext
-
-#: What a class the teacher never met scores: softmax weight exactly 0, no NaN from 0 * log 0.
-UNKNOWN = -1e9
+from .terms import UNKNOWN, LocalContext  # UNKNOWN: what a class the teacher never met scores
 
 
 def soft_ce(teacher: torch.Tensor, student: torch.Tensor, known: torch.Tensor, T: float) -> torch.Tensor:
@@ -50,5 +47,5 @@ class Distill:
             return torch.zeros(())
         _, logits = ctx.forward(self.slot)
         known = ctx.state["known"]
-        _, old = ctx.apply(ctx.state["teacher"], ctx.x)
+        _, old = ctx.teacher(ctx.state["teacher"], "task")
         return self.lam * ctx.mean(soft_ce(old, logits, known, self.T)) * (known.sum() > 0)

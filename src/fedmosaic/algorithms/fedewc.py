@@ -2,7 +2,11 @@
 
 At the end of every task each client measures the diagonal Fisher of the task loss over its task's samples at the
 global model (mean squared minibatch gradient, one pass: ``task_probes``), folds it into its running importance
-F <- gamma F + F_task and anchors at that model; its local loss then adds (lam / 2) sum F (w - anchor)^2."""
+F <- gamma F + F_task and anchors at that model; its local loss then adds (lam / 2) sum F (w - anchor)^2.
+
+The cross-entropy it trains with is over the current task's classes (``ce_classes: task``), the one it measures the
+Fisher with over every class met so far — both as PyCIL's class-incremental EWC (models/ewc.py:
+``cross_entropy(logits[:, known:], targets - known)`` in training, the whole grown head in ``getFisherDiagonal``)."""
 
 import torch
 from pydantic import Field
@@ -10,13 +14,15 @@ from pydantic import Field
 from ..engine.program import Probe
 from ..engine.tree import clone, leaves, tmap
 from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import TaskLoss
+from .terms import CE_CLASSES, TaskLoss
 
 
 class FedEWCConfig(AlgoConfig):
     lam: float = Field(10.0, ge=0, description="weight of the penalty; SGD stays stable while lam * max F * lr < 2 "
                        "(the FedAvg CNN's head reached F = 1.4 after one CIFAR-100 task: lam = 1000 diverged)")
     gamma: float = Field(1.0, ge=0, le=1, description="decay of the earlier tasks' importance (online EWC)")
+    ce_classes: CE_CLASSES = Field("task", description="output columns of the cross-entropy: the current task's "
+                                   "classes (and a memory's), every class met so far (seen), or all")
 
 
 @register_algorithm
@@ -28,15 +34,16 @@ class FedEWC(Algorithm):
         return {"anchor": clone(init_params), "fisher": tmap(torch.zeros_like, init_params)}
 
     def task_probes(self):
-        return [Probe("fisher", kind="grad_sq", slots=("model",))]
+        return [Probe("fisher", kind="grad_sq", slots=("model",), objective=TaskLoss(classes="seen"))]
 
     def end_task(self, state, model, stats, seen, payload):
         fisher = tmap(lambda f, new: self.cfg.gamma * f + new, state["fisher"], stats["fisher"]["model"])
         return {"anchor": model, "fisher": fisher}
 
     def loss(self, ctx):
-        task = TaskLoss()(ctx)
+        task = TaskLoss(classes=self.cfg.ce_classes)(ctx)
         if self.cfg.lam == 0:
             return task
         w, a, f = (leaves(t) for t in (ctx.params["model"], ctx.state["anchor"], ctx.state["fisher"]))
-        return task + 0.5 * self.cfg.lam * sum((fi * (wi - ai) ** 2).sum() for wi, ai, fi in zip(w, a, f, strict=True))
+        pen = 0.5 * self.cfg.lam * sum((fi * (wi - ai) ** 2).sum() for wi, ai, fi in zip(w, a, f, strict=True))
+        return ctx.term("task_loss", task) + ctx.term("ewc", pen)

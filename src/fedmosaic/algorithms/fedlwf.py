@@ -1,18 +1,22 @@
 """FedLwF: FedAvg whose clients also distil from the previous task's model (Learning without Forgetting, Li & Hoiem)
 on their current data, over the classes that model knew — the class-incremental baseline of ProtoFCL's family.
 The teacher is the global model at the end of the previous task, kept by every client (``end_task``); ``lam = 0``
-is FedAvg fine-tuning exactly."""
+is FedAvg fine-tuning exactly. The cross-entropy is over the current task's classes (``ce_classes: task``), as
+class-incremental LwF is run (PyCIL, models/lwf.py: ``cross_entropy(logits[:, known:], targets - known)``): the
+old classes' columns are the distillation's alone, not pushed down by every new sample."""
 
 from pydantic import Field
 
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .continual import Distill, KeepsTeacher
-from .terms import TaskLoss
+from .terms import CE_CLASSES, TaskLoss
 
 
 class FedLwFConfig(AlgoConfig):
     lam: float = Field(1.0, ge=0, description="weight of the distillation term")
     T: float = Field(2.0, gt=0, description="distillation temperature")
+    ce_classes: CE_CLASSES = Field("task", description="output columns of the cross-entropy: the current task's "
+                                   "classes (and a memory's), every class met so far (seen), or all")
 
 
 @register_algorithm
@@ -21,4 +25,4 @@ class FedLwF(KeepsTeacher, Algorithm):
     Config = FedLwFConfig
 
     def terms(self):
-        return [TaskLoss(), Distill(self.cfg.lam, self.cfg.T)]
+        return [TaskLoss(classes=self.cfg.ce_classes), Distill(self.cfg.lam, self.cfg.T)]

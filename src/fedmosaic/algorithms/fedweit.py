@@ -4,13 +4,20 @@ A client's weights are decomposed per layer into w = B ⊙ σ(m) + A + Σ_j α_j
 only part the server averages), m one mask logit per output unit (its own), A its sparse task-adaptive parameters
 (L1 penalty ``lam1``), and the knowledge base KB — the task-adaptive parameters of earlier tasks, sent by the
 server — mixed with the client's own attention weights α (trained, starting at 0). At the end of a task the server
-stores the cohort's mean A as that task's KB entry and keeps the base B of that moment; every client starts a new
-A at 0 and keeps its mask of that moment, and from then on the retroactive penalty ``lam2`` ||(B - B_prev) ⊙
-σ(m_prev)||^2 keeps the base from drifting where the previous task's mask used it.
+stores the cohort's mean A as that task's KB entry and keeps the base B of that moment (B_prev); every client keeps
+the mask it learned the task with and starts the next task as the authors start every task (models/fedweit,
+modules/nets.py ``create_variable``): A = B_0 / 3 (``a_init`` times the initial base B_0) and a fresh mask
+(``mask_init``). From then on the retroactive penalty (lam2 / 2) Σ_j ||(B - B_prev) ⊙ σ(m_j)||^2, summed over every
+earlier task j with its own mask m_j, keeps the base from drifting where those tasks used it (the authors'
+``approx_loss``: lam2 · l2_loss over every earlier task, whose frozen A_j cancels). The cross-entropy is over the
+current task's classes (``ce_classes: task``), as the authors' per-task softmax head.
 
 Simplified (docs/design.md): one KB entry per task (the mean of the clients' A's, not every client's, so the
 payload grows by one model per task rather than by one per client and task); past tasks' own A's are frozen in
-the KB, so their retroactive terms vanish; no L1 on the masks; dense A and B on the wire (bytes count them dense).
+the KB, so their retroactive terms vanish; the anchor B_prev is the server's base, not each client's own; one head
+and per-layer biases decomposed like the weights (no per-task heads: class-incremental testing has no task id);
+a fresh mask starts at a constant (the authors draw it around 0 with std 1/sqrt(units)); dense A and B on the wire
+(bytes count them dense).
 """
 
 import torch
@@ -19,15 +26,20 @@ from pydantic import Field
 from ..engine.tree import clone, nbytes, tmap, weighted_mean
 from .apfl_pd import _unit
 from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import LocalContext
+from .terms import CE_CLASSES, LocalContext
 
 
 class FedWeITConfig(AlgoConfig):
-    lam1: float = Field(1e-4, ge=0, description="L1 weight on the task-adaptive parameters A")
+    lam1: float = Field(1e-3, ge=0, description="L1 weight on the task-adaptive parameters A (the authors' 1e-3)")
     lam2: float = Field(1.0, ge=0, description="weight of the retroactive penalty on the base's drift (the "
-                        "paper's 100 is for Adam at lr 1e-3: with SGD the penalty's curvature 2 lam2 must stay "
-                        "well below 2 / lr, or the base oscillates and diverges)")
-    mask_init: float = Field(4.0, ge=-30, le=30, description="mask logit of every unit at the start (sigmoid 0.982)")
+                        "paper's 100 is for Adam at lr 1e-3: with SGD the penalty's curvature lam2 Σ_j σ(m_j)^2, up "
+                        "to lam2 × the tasks so far, must stay well below 2 / lr, or the base oscillates and diverges)")
+    a_init: float = Field(1 / 3, ge=0, le=10, description="each task's A starts at a_init × the initial base B_0 "
+                          "(the authors' 1/3)")
+    mask_init: float = Field(0.0, ge=-30, le=30, description="each task's mask logits start here (sigmoid 0.5: the "
+                             "mean of the authors' draw)")
+    ce_classes: CE_CLASSES = Field("task", description="output columns of the cross-entropy: the current task's "
+                                   "classes (and a memory's), as the authors' per-task heads; seen; all")
 
 
 @register_algorithm
@@ -47,10 +59,11 @@ class FedWeIT(Algorithm):
         B = init_params[0]
         dev = next(iter(B.values())).device
         return {"B": B, "B_prev": clone(B), "kb": tmap(lambda v: torch.zeros(self.kb_size, *v.shape, device=dev), B),
-                "kb_has": torch.zeros(self.kb_size, device=dev)}
+                "kb_has": torch.zeros(self.kb_size, device=dev), "B0": clone(B)}
 
     def broadcast(self, server, round_idx):
-        return {"global": server["B"], "B_prev": server["B_prev"], "kb": server["kb"], "kb_has": server["kb_has"]}
+        return {"global": server["B"], "B_prev": server["B_prev"], "kb": server["kb"], "kb_has": server["kb_has"],
+                "B0": server["B0"]}
 
     def aggregate(self, server, uploads, weights, round_idx, signals):
         out = {**server, "B": weighted_mean(uploads["B"], weights)}
@@ -65,15 +78,17 @@ class FedWeIT(Algorithm):
         return out
 
     def broadcast_bytes(self, payload):
-        """The knowledge base's empty entries are not sent: the payload grows by one model per task."""
+        """The knowledge base's empty entries are not sent: the payload grows by one model per task; nor is the
+        initial base B_0, which every client kept from the start."""
         empty = self.kb_size - int(payload["kb_has"].sum())
-        return nbytes(payload) - empty * nbytes(payload["kb"]) // self.kb_size
+        return nbytes(payload) - empty * nbytes(payload["kb"]) // self.kb_size - nbytes(payload["B0"])
 
     def init_client(self, server, init_params):
         dev = next(iter(init_params.values())).device
         units = {_unit(k): torch.full((v.shape[0],), self.cfg.mask_init, device=dev) for k, v in init_params.items()}
-        return {"mask": units, "A": tmap(torch.zeros_like, init_params), "alpha": torch.zeros(self.kb_size, device=dev),
-                "mask_prev": clone(units), "has_prev": torch.zeros((), device=dev)}
+        return {"mask": units, "A": tmap(lambda v: self.cfg.a_init * v, init_params),
+                "alpha": torch.zeros(self.kb_size, device=dev),
+                "masks": tmap(lambda m: torch.zeros(self.kb_size, *m.shape, device=dev), units)}  # of ended tasks
 
     def local_init(self, payload, state):
         return {"B": payload["global"], "mask": state["mask"], "A": state["A"], "alpha": state["alpha"]}
@@ -90,13 +105,14 @@ class FedWeIT(Algorithm):
     def loss(self, ctx: LocalContext) -> torch.Tensor:
         p, pay, st, cfg = ctx.params, ctx.payload, ctx.state, self.cfg
         w = self.compose(p["B"], p["mask"], p["A"], p["alpha"], pay["kb"], pay["kb_has"])
-        loss = ctx.task_loss_of(w)
+        loss = ctx.term("task_loss", ctx.task_loss_of(w, classes=cfg.ce_classes))
         if cfg.lam1:
-            loss = loss + cfg.lam1 * sum(a.abs().sum() for a in p["A"].values())
-        if cfg.lam2:
-            drift = sum((((b - pay["B_prev"][k]) * torch.sigmoid(st["mask_prev"][_unit(k)]).view(
-                -1, *([1] * (b.dim() - 1)))) ** 2).sum() for k, b in p["B"].items())
-            loss = loss + cfg.lam2 * st["has_prev"] * drift
+            loss = loss + ctx.term("l1", cfg.lam1 * sum(a.abs().sum() for a in p["A"].values()))
+        if cfg.lam2:  # Σ_j ||(B - B_prev) ⊙ σ(m_j)||^2 = Σ_units (Σ_j σ(m_j)^2) ||(B - B_prev)_unit||^2, j: ended tasks
+            s = {u: torch.tensordot(pay["kb_has"], torch.sigmoid(m) ** 2, dims=1) for u, m in st["masks"].items()}
+            drift = sum((s[_unit(k)].view(-1, *([1] * (b.dim() - 1))) * (b - pay["B_prev"][k]) ** 2).sum()
+                        for k, b in p["B"].items())
+            loss = loss + ctx.term("drift", 0.5 * cfg.lam2 * drift)
         return loss
 
     def finish(self, params, state, payload, stats):
@@ -104,11 +120,14 @@ class FedWeIT(Algorithm):
                                                        "alpha": params["alpha"]}
 
     def end_task(self, state, model, stats, seen, payload):
-        """A new task starts a new A at 0; the entry the server just stored from the cohort's A's (the newest:
-        entries fill in order) is mixed in with α = 1, so the model keeps the task it learned."""
+        """The task's mask is kept (at the index of the entry the server just stored: entries fill in order) for the
+        retroactive penalty; the next task starts as the authors start every task, A = a_init B_0 and a fresh mask;
+        the entry just stored from the cohort's A's is mixed in with α = 1, so the model keeps the task it learned."""
         newest = torch.arange(self.kb_size, device=payload["kb_has"].device) == payload["kb_has"].sum() - 1
-        return {**state, "A": tmap(torch.zeros_like, state["A"]), "alpha": torch.where(newest, 1.0, state["alpha"]),
-                "mask_prev": state["mask"], "has_prev": torch.ones_like(state["has_prev"])}
+        return {**state, "A": tmap(lambda v: self.cfg.a_init * v, payload["B0"]),
+                "mask": tmap(lambda m: torch.full_like(m, self.cfg.mask_init), state["mask"]),
+                "masks": tmap(lambda ms, m: torch.where(newest.view(-1, 1), m, ms), state["masks"], state["mask"]),
+                "alpha": torch.where(newest, 1.0, state["alpha"])}
 
     def personal_params(self, state, server, own):
         return self.compose(server["B"], state["mask"], state["A"], state["alpha"], server["kb"], server["kb_has"])
