@@ -230,8 +230,8 @@ def test_fccl_cross_correlation_loss_equals_a_hand_computed_value():
     s = np.array([[1.0, 2.0], [3.0, -1.0], [0.0, 0.5]])
     t = np.array([[0.5, 1.0], [2.0, 0.0], [-1.0, 3.0]])
 
-    def bn(a):  # BatchNorm1d without affine in training mode: biased variance, eps 1e-5
-        return (a - a.mean(0)) / np.sqrt(a.var(0) + 1e-5)
+    def bn(a):  # the authors' (x - x.mean(0)) / x.std(0): torch's unbiased std, no eps
+        return (a - a.mean(0)) / a.std(0, ddof=1)
 
     c = bn(s).T @ bn(t) / 3
     want = (c[0, 0] - 1) ** 2 + (c[1, 1] - 1) ** 2 + 0.0051 * ((c[0, 1] + 1) ** 2 + (c[1, 0] + 1) ** 2)
@@ -293,9 +293,8 @@ def test_feddf_with_one_architecture_is_ensemble_distillation_of_the_averaged_mo
     # by hand: one step (one batch holds the whole stream) of SGD on tau^2 KL(ensemble || student) from the average
     module, x, tau = fed.groups[0].module, fed.transform(fed.public.x), 2.0
     n = len(next(iter(seen["uploads"].values())))
-    probs = [torch.softmax(functional_call(module, {k: v[i] for k, v in seen["uploads"].items()}, (x,)) / tau, -1)
-             for i in range(n)]
-    ens = torch.stack(probs).mean(0)
+    logits = [functional_call(module, {k: v[i] for k, v in seen["uploads"].items()}, (x,)) for i in range(n)]
+    ens = torch.softmax(torch.stack(logits).mean(0) / tau, -1)  # the authors' avg_logits ensemble
     w = {k: v.clone().requires_grad_() for k, v in seen["average"].items()}
     log_s = torch.log_softmax(functional_call(module, w, (x,)) / tau, -1)
     loss = tau * tau * (ens * (ens.log() - log_s)).sum(-1).mean()

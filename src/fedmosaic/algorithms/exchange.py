@@ -4,7 +4,7 @@ stream against what the server sent back (``collaborate``), then on their privat
 
 The round program: ``Phase(view=public, Step(model, collaborate), after=snapshot)`` then ``Phase(Step(model,
 local_loss), key=0)`` (the private phase draws Local's batches). With ``snapshot`` the model as it stood after the
-collaborative phase is kept for the round as slot ``snap`` (AHF's and FCCL's distillation teacher).
+collaborative phase is kept for the round as slot ``snap`` (AHF's distillation teacher).
 
 Per-sample helpers for the objectives, written for one client (vmapped): the public batch's sample indices are
 ``ctx.y`` (the stream has no labels), so a client reads the teachers' logits of its batch as ``logits[:, ctx.y]``.
@@ -74,11 +74,12 @@ def others(ctx: LocalContext) -> torch.Tensor:
 
 
 def distill_to(slot: str, tau: float = 1.0):
-    """The term KL(slot's softmax || the model's) on the private batch, averaged over its samples."""
+    """The term tau^2 KL(softmax of the model in ``slot`` of the round's trees || the model's) on the private
+    batch, averaged over its samples."""
 
     def term(ctx: LocalContext) -> torch.Tensor:
         _, s = ctx.forward()
-        _, t = ctx.forward(slot) if slot in ctx.params else ctx.apply(ctx.state[slot], ctx.x)
+        _, t = ctx.forward(slot)
         return tau * tau * ctx.mean(kl_rows(t, s, tau))
 
     return term
