@@ -10,7 +10,6 @@ import torch
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.tree import leaves
 
-
 #: The small federation most engine tests train: 8 blob clients, Dirichlet(0.5), an MLP, momentum and weight decay.
 BLOBS8 = {
     "seed": 3,
@@ -21,6 +20,24 @@ BLOBS8 = {
               "optimizer": {"lr": 0.05, "momentum": 0.9, "weight_decay": 1e-3}},
     "checkpoint_every": 2,
 }
+
+
+#: The personalized family's federation: 6 blob clients with 25% test splits, Dirichlet(0.5), a small MLP.
+BLOBS6 = {
+    "seed": 5,
+    "data": {"dataset": "blobs", "clients": 6, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5},
+             "client_test": 0.25},
+    "model": {"name": "mlp", "options": {"hidden": 8}},
+    "train": {"rounds": 3, "clients_per_round": 4, "local_epochs": 1, "batch_size": 8, "optimizer": {"lr": 0.05}},
+    "checkpoint_every": 2,
+}
+
+
+def blobs6_partition(blob_data):
+    from fedmosaic.data.federated import PartitionSpec, compute
+
+    spec = PartitionSpec("blobs", 6, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 5)
+    return compute(spec, blob_data)
 
 
 def blobs8_partition(blob_data):

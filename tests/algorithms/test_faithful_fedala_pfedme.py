@@ -4,16 +4,17 @@ disjoint batches — each computed by hand from the authors' formulas and compar
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from fedtest import assert_trees_close, train, with_overrides
+from fedtest import BLOBS6, assert_trees_close, blobs6_partition, train, with_overrides
 from pydantic import ValidationError
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.algorithms.base import Algorithm
-from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.program import Phase, Step
 from fedmosaic.engine.seeding import FINETUNE
@@ -24,22 +25,12 @@ HEAVY = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}
 
 
 def make_cfg(**over):
-    raw = {
-        "seed": 5,
-        "data": {"dataset": "blobs", "clients": 6, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5},
-                 "client_test": 0.25},
-        "model": {"name": "mlp", "options": {"hidden": 8}},
-        "train": {"rounds": 3, "clients_per_round": 4, "local_epochs": 1, "batch_size": 8,
-                  "optimizer": dict(HEAVY)},
-        "checkpoint_every": 2,
-    }
-    return with_overrides(raw, **over)
+    return with_overrides(copy.deepcopy(BLOBS6), **{"train__optimizer": dict(HEAVY), **over})
 
 
 @pytest.fixture(scope="module")
 def fd(blob_data):
-    spec = PartitionSpec("blobs", 6, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 5)
-    return compute(spec, blob_data)
+    return blobs6_partition(blob_data)
 
 
 def ce(fed, params, x, y, m):

@@ -6,38 +6,29 @@ FedPAC: github.com/JianXu95/FedPAC (``methods/fedpac.py`` statistics_extraction,
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from fedtest import assert_trees_close, with_overrides
+from fedtest import BLOBS6, assert_trees_close, blobs6_partition, with_overrides
 
 from fedmosaic.algorithms.fedpac import collaboration_weights
 from fedmosaic.algorithms.terms import LocalContext
-from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.program import Signals
 from fedmosaic.engine.tree import tmap
 
 
 def make_cfg(**over):
-    raw = {
-        "seed": 5,
-        "data": {"dataset": "blobs", "clients": 6, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5},
-                 "client_test": 0.25},
-        "model": {"name": "mlp", "options": {"hidden": 8}},
-        "train": {"rounds": 4, "clients_per_round": 4, "local_epochs": 1, "batch_size": 8,
-                  "optimizer": {"lr": 0.05}},
-    }
-    return with_overrides(raw, **over)
+    return with_overrides(copy.deepcopy(BLOBS6), **{"train__rounds": 4, **over})
 
 
 @pytest.fixture(scope="module")
 def fd(blob_data):
-    spec = PartitionSpec("blobs", 6, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 5)
-    return compute(spec, blob_data)
+    return blobs6_partition(blob_data)
 
 
 # ---- FedPAC ------------------------------------------------------------------------------------------------

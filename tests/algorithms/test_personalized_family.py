@@ -3,13 +3,14 @@ resume ≡ uninterrupted for every method."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from fedtest import assert_trees_close, train, with_overrides
+from fedtest import BLOBS6, assert_trees_close, blobs6_partition, train, with_overrides
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.algorithms.apfl_pd import plateau_step
@@ -18,7 +19,6 @@ from fedmosaic.algorithms.fedkd import truncated_svd
 from fedmosaic.algorithms.fedpac import collaboration_weights, simplex_projection
 from fedmosaic.algorithms.pfedsrb import soft_threshold
 from fedmosaic.algorithms.terms import LocalContext
-from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.local import view_offsets
 from fedmosaic.engine.program import Phase, Signals, Step, View
@@ -41,22 +41,12 @@ NEW = [
 
 
 def make_cfg(**over):
-    raw = {
-        "seed": 5,
-        "data": {"dataset": "blobs", "clients": 6, "partition": {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5},
-                 "client_test": 0.25},
-        "model": {"name": "mlp", "options": {"hidden": 8}},
-        "train": {"rounds": 3, "clients_per_round": 4, "local_epochs": 1, "batch_size": 8,
-                  "optimizer": {"lr": 0.05}},
-        "checkpoint_every": 2,
-    }
-    return with_overrides(raw, **over)
+    return with_overrides(copy.deepcopy(BLOBS6), **over)
 
 
 @pytest.fixture(scope="module")
 def fd(blob_data):
-    spec = PartitionSpec("blobs", 6, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 5)
-    return compute(spec, blob_data)
+    return blobs6_partition(blob_data)
 
 
 def strip_timing(records):
