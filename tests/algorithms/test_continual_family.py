@@ -246,12 +246,13 @@ def test_protofcl_loss_by_hand():
 
 
 # ---- every method: vectorized == sequential, resume mid-task ------------------------------------------------
-FAMILY = [{"name": "protofcl"}, {"name": "fedlwf"}, {"name": "fedewc", "lam": 50.0}, {"name": "fedavg"},
-          {"name": "glfc"}, {"name": "cfed", "review_steps": 3}, {"name": "fedweit", "lam1": 1e-3}]
+FAMILY = [{"name": "protofcl"}, {"name": "protofcl", "prototypes": "local", "distance": "squared"},
+          {"name": "fedlwf"}, {"name": "fedewc", "lam": 50.0}, {"name": "fedavg"}, {"name": "glfc"},
+          {"name": "glfc", "loss": "bce"}, {"name": "cfed", "review_steps": 3}, {"name": "fedweit", "lam1": 1e-3}]
 SURROGATE = {"source": "noise", "size": 40}  # CFeD's unlabeled stream
 
 
-@pytest.mark.parametrize("algo", FAMILY, ids=lambda a: a["name"])
+@pytest.mark.parametrize("algo", FAMILY, ids=lambda a: "-".join(map(str, a.values())))
 def test_vectorized_equals_sequential(algo):
     ref = train(make_cfg(algorithm=algo, engine={"backend": "sequential"}, data__public=SURROGATE), None, rounds=5)
     vec = train(make_cfg(algorithm=algo, engine={"backend": "vectorized", "chunk_size": 2}, data__public=SURROGATE),
@@ -267,7 +268,7 @@ def test_vectorized_equals_sequential(algo):
                for a, b in zip(ref.exemplars, vec.exemplars))
 
 
-@pytest.mark.parametrize("algo", FAMILY, ids=lambda a: a["name"])
+@pytest.mark.parametrize("algo", FAMILY, ids=lambda a: "-".join(map(str, a.values())))
 def test_resume_in_the_middle_of_a_task_equals_uninterrupted(algo, tmp_path):
     cfg = make_cfg(algorithm=algo, data__tasks__rounds_per_task=3, train__rounds=9, data__public=SURROGATE,
                    train__optimizer={"lr": 0.05, "plateau": {"patience": 0, "factor": 0.5}})
