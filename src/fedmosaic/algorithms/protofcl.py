@@ -167,9 +167,9 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
             return state["model"]
         # nearest of the client's own prototypes through the model's linear head: argmin ||z - p_k|| is
         # argmax 2 z.p_k - ||p_k||^2, so weight 2P and bias -||P||^2 (classes without one: never chosen)
-        w, b = self.setting.head_keys
-        p, has = state["protos"], state["has"]
-        return {**state["model"], w: 2 * p, b: torch.where(has > 0, -(p * p).sum(1), UNKNOWN)}
+        model, p, has = state["model"], state["protos"], state["has"]
+        w, b = sorted(self.setting.head_keys, key=lambda k: -model[k].dim())  # the [C, d] weight, the [C] bias
+        return {**model, w: 2 * p, b: torch.where(has > 0, -(p * p).sum(1), UNKNOWN)}
 
     def eval_logits(self, z, logits, server):
         if self.local:
