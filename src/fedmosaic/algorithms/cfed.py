@@ -14,7 +14,7 @@ from pydantic import Field
 from ..engine.program import Phase, Step, View
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .continual import Distill, KeepsTeacher
-from .terms import CE_CLASSES, TaskLoss
+from .terms import CE_CLASSES, TaskLoss, ce_classes_field
 
 
 class CFeDConfig(AlgoConfig):
@@ -22,8 +22,7 @@ class CFeDConfig(AlgoConfig):
     T: float = Field(2.0, gt=0, description="distillation temperature")
     review_steps: int | None = Field(None, ge=1, le=10**6,
                                      description="steps on the surrogate stream per round (None: one pass)")
-    ce_classes: CE_CLASSES = Field("task", description="output columns of the cross-entropy: the current task's "
-                                   "classes (and a memory's), every class met so far (seen), or all")
+    ce_classes: CE_CLASSES = ce_classes_field()
 
 
 @register_algorithm

@@ -14,15 +14,14 @@ from pydantic import Field
 from ..engine.program import Probe
 from ..engine.tree import clone, leaves, tmap
 from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import CE_CLASSES, TaskLoss
+from .terms import CE_CLASSES, TaskLoss, ce_classes_field
 
 
 class FedEWCConfig(AlgoConfig):
     lam: float = Field(10.0, ge=0, description="weight of the penalty; SGD stays stable while lam * max F * lr < 2 "
                        "(the FedAvg CNN's head reached F = 1.4 after one CIFAR-100 task: lam = 1000 diverged)")
     gamma: float = Field(1.0, ge=0, le=1, description="decay of the earlier tasks' importance (online EWC)")
-    ce_classes: CE_CLASSES = Field("task", description="output columns of the cross-entropy: the current task's "
-                                   "classes (and a memory's), every class met so far (seen), or all")
+    ce_classes: CE_CLASSES = ce_classes_field()
 
 
 @register_algorithm

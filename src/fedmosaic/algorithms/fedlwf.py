@@ -9,14 +9,13 @@ from pydantic import Field
 
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .continual import Distill, KeepsTeacher
-from .terms import CE_CLASSES, TaskLoss
+from .terms import CE_CLASSES, TaskLoss, ce_classes_field
 
 
 class FedLwFConfig(AlgoConfig):
     lam: float = Field(1.0, ge=0, description="weight of the distillation term")
     T: float = Field(2.0, gt=0, description="distillation temperature")
-    ce_classes: CE_CLASSES = Field("task", description="output columns of the cross-entropy: the current task's "
-                                   "classes (and a memory's), every class met so far (seen), or all")
+    ce_classes: CE_CLASSES = ce_classes_field()
 
 
 @register_algorithm

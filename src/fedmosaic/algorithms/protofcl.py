@@ -39,7 +39,7 @@ from ..errors import ConfigError
 from .base import AlgoConfig, Algorithm, register_algorithm
 from .continual import UNKNOWN, KeepsTeacher, soft_ce
 from .fedproto import PrototypeServer
-from .terms import LocalContext, class_sums, onehot
+from .terms import LocalContext, class_sums, onehot, only
 
 
 class ProtoFCLConfig(AlgoConfig):
@@ -62,9 +62,8 @@ def distances(z: torch.Tensor, protos: torch.Tensor, kind: str = "euclidean") ->
 
 def entropy_ratio(scores: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
     """[B] the entropy of softmax(``scores``) over the classes ``known`` divided by its maximum ln N (0 when N < 2)."""
-    keep = known > 0
-    logp = torch.where(keep, scores, UNKNOWN).log_softmax(-1)
-    h = -(torch.where(keep, logp.exp() * logp, 0.0)).sum(-1)
+    logp = only(scores, known).log_softmax(-1)
+    h = -(torch.where(known > 0, logp.exp() * logp, 0.0)).sum(-1)
     n = known.sum()
     return h / torch.where(n > 1, n, 2.0).log() * (n > 1)
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field
 from torch._C._functorch import is_batchedtensor
 
 from ..engine.tree import leaves
@@ -123,6 +124,12 @@ UNKNOWN = -1e9
 
 #: Which output columns a continual method's classification term is over (:meth:`LocalContext.classes`).
 CE_CLASSES = Literal["task", "seen", "all"]
+
+
+def ce_classes_field():
+    """The ``ce_classes`` option of the class-incremental baselines that train the current task's classes."""
+    return Field("task", description="output columns of the cross-entropy: the current task's classes (and a "
+                 "memory's), every class met so far (seen), or all")
 
 
 def only(logits: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:

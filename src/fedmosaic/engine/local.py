@@ -184,8 +184,7 @@ class LocalTrainer:
             was = self.module.training
             self.module.eval()
             try:
-                return functional_call(self.module, {**params, **buffers}, (x,), {"with_features": True},
-                                       tie_weights=self._ties)
+                return self.apply(params, x, buffers)
             finally:
                 self.module.train(was)
 
@@ -475,7 +474,7 @@ class LocalTrainer:
             rows, mask, steps, per_epoch = rows_of(phase.view, (), phase.steps)
             plan = {"rows": rows, "mask": mask}
         plan.update(steps=steps, per_epoch=per_epoch, batch=batch)
-        if phase.pair is not None and "rows2" not in plan:
+        if phase.pair is not None and phase.pair.part != "next":
             rows2, mask2, *_ = rows_of(phase.pair, (1,), steps)
             short = len(rows) - len(rows2)  # clients with nothing to pair with (e.g. no query samples) take none
             plan["rows2"] = torch.cat([rows2, rows[:short]]) if short else rows2
