@@ -32,7 +32,7 @@ from __future__ import annotations
 from typing import Literal
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from ..engine.tree import clone, nbytes, weighted_mean
 from .base import AlgoConfig, Algorithm, register_algorithm
@@ -51,6 +51,20 @@ class FedKDConfig(AlgoConfig):
     t_start: float = Field(0.95, gt=0, le=1, description="SVD energy threshold the schedule starts from (round r of "
                            "R keeps t_start + (r + 1) / R (t_end - t_start))")
     t_end: float = Field(0.98, gt=0, le=1, description="SVD energy kept in the last round")
+
+    @model_validator(mode="after")
+    def _no_ignored_option(self):
+        """Refuse options the run would ignore: the user asked for something it would not do."""
+        if self.mentor_options and self.mentor is None:
+            raise ValueError("mentor_options: needs mentor, the mentor's model name (without it the mentor is the "
+                             "run's model with model.options); set mentor or drop mentor_options")
+        unused = {"distill": ("tau", "kd_reduction"), "svd": ("t_start", "t_end")}
+        for switch, names in unused.items():
+            given = [n for n in names if n in self.model_fields_set]
+            if given and not getattr(self, switch):
+                raise ValueError(f"{given[0]}: has no effect with {switch}: false; drop {' and '.join(given)} or "
+                                 f"set {switch}: true")
+        return self
 
 
 def truncated_svd(d: torch.Tensor, energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -12,6 +12,13 @@ samples`` weights the uploads by train size instead, as FedAvg). Global model ac
 W + S_m. The paper gives no value for rho or R: rho = 1 and R = 5 are our defaults (METHODS.md §4), both options;
 u restarts at 0 every round (``reset_u``); each w-step is ``w_steps`` minibatch steps, or ``train.local_epochs``
 epochs when unset — so a round costs R times a FedAvg round of the same epochs.
+
+``learn_s: false`` is FedProx (mu = rho): S and u both stay 0 — no S-step and no dual step, as a dual update with S
+held at 0 would pull w towards W − Σ(w − W) and undo the local training — so every phase minimises
+f(w) + (rho/2) ||w − W^t||^2 from where the last one stopped. With R = 1 that is FedProx exactly; with R > 1 it is
+FedProx with R times the local steps, each phase drawing its own batches (its own schedule, not the continuation of
+one R-epoch shuffle) and restarting the optimiser's momentum. FedProx weights the mean by train size: compare with
+``server_mean: samples``.
 """
 
 from __future__ import annotations
@@ -34,7 +41,8 @@ class PFedSRBConfig(AlgoConfig):
     w_steps: int | None = Field(None, ge=1, le=2**31 - 1,
                                 description="minibatch steps of each w-update (default: train.local_epochs epochs)")
     reset_u: bool = Field(True, description="restart the scaled dual u at 0 every round (false: keep it)")
-    learn_s: bool = Field(True, description="update S (false: S stays 0; with R = 1 that is FedProx, mu = rho)")
+    learn_s: bool = Field(True, description="update S and u (false: both stay 0 — FedProx with mu = rho and R times "
+                                            "the local steps; with R = 1 and server_mean samples, FedProx exactly)")
     server_mean: Literal["plain", "samples"] = Field(
         "plain", description="the server's mean of the uploads: plain 1/M (the paper) or weighted by train size")
 
@@ -65,13 +73,13 @@ class PFedSRB(Algorithm):
         return ctx.term("task_loss", ctx.task_loss_of(w)) + ctx.term("admm_penalty", 0.5 * self.cfg.rho * pen)
 
     def program(self, server, round_idx):
+        if not self.cfg.learn_s:  # S = u = 0: R phases of FedProx's objective around W (see the module docstring)
+            return [Phase(steps=self.cfg.w_steps) for _ in range(self.cfg.R)]
         return [Phase(steps=self.cfg.w_steps, before=self.first_s_step if i == 0 else self.s_step,
                       after=self.dual_step) for i in range(self.cfg.R)]
 
     def s_step(self, params, state, payload):
         """S ← soft_threshold(w − W + u, beta / rho)."""
-        if not self.cfg.learn_s:
-            return params, state
         w, W, u = params["model"], payload["global"], state["u"]
         S = {k: soft_threshold(w[k] - W[k] + u[k], self.cfg.beta / self.cfg.rho) for k in w}
         return params, {**state, "S": S}
