@@ -91,7 +91,7 @@ def _interrupted(e: KeyboardInterrupt, what: str) -> Stopped:
 
 def _run(args) -> None:
     from ..config import load_config
-    from ..engine.runner import new_run_dir
+    from ..engine.runner import new_run_dir, not_a_run
     from ..reports.compare import run_all
 
     algorithms = getattr(args, "algorithms", None)
@@ -104,7 +104,7 @@ def _run(args) -> None:
         out = Path(args.resume)
         saved = [out / f for f in ("comparison.yaml", "config.yaml") if (out / f).is_file()]
         if not saved:
-            raise FedMosaicError(f"--resume: {out} is not a run directory (no config.yaml or comparison.yaml)")
+            raise FedMosaicError(not_a_run(out, "config.yaml or comparison.yaml"))
         cfg = load_config(saved[0], args.set, updates)
     else:
         cfg = load_config(_config_path(args.config or "quickstart"), args.set, updates)
@@ -112,21 +112,30 @@ def _run(args) -> None:
     out = Path(args.resume or args.out or new_run_dir(args.runs_dir, cfg.name))
     reserved = not (args.resume or args.out)
     resume_cmd = f"fedmosaic run --resume {shlex.quote(str(out))}"
+    # a run that stopped before its first round finished leaves nothing (runner.run): resume only what is there
     started = lambda: any((out / f).exists() for f in ("config.yaml", "comparison.yaml"))  # noqa: E731
+
+    def where() -> str:  # what the user can do with what is in `out`
+        if any(p.is_file() and p.stat().st_size for p in (out / "metrics.jsonl", *out.glob("*/metrics.jsonl"))):
+            return f"finished rounds are saved in {out}: continue with `{resume_cmd}`"
+        return f"no round had finished yet: `{resume_cmd}` starts it" if started() else \
+            "no round had finished, nothing was kept"
+
     try:
         summaries = run_all(cfg, out, resume=bool(args.resume), amend=args.amend, progress=not args.no_progress)
     except KeyboardInterrupt as e:
-        what = (f"finished rounds are saved in {out}: continue with `{resume_cmd}`" if started()
-                else "the run had not started, nothing was written")
-        raise _interrupted(e, what) from None
+        raise _interrupted(e, where()) from None
     except RunError as e:
-        fix = f" --amend --set {e.amend}" if e.amend else ""
-        raise FedMosaicError(f"{e}; continue with `{resume_cmd}{fix}`") from None
+        if started():
+            fix = f" --amend --set {e.amend}" if e.amend else ""
+            raise FedMosaicError(f"{e}; continue with `{resume_cmd}{fix}`") from None
+        raise FedMosaicError(f"{e}; no round had finished, nothing was kept" +
+                             (f"; run it again with --set {e.amend}" if e.amend else "")) from None
     except Exception as e:
         problem = environment_error(e)
         if problem is None or not started():
             raise
-        raise FedMosaicError(f"{problem}; finished rounds are saved in {out}: continue with `{resume_cmd}`") from e
+        raise FedMosaicError(f"{problem}; {where()}") from e
     finally:
         if reserved and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # failed before writing anything: leave no empty run directory

@@ -8,6 +8,7 @@ with exactly the metrics of an uninterrupted run (timing fields aside).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import platform
@@ -25,7 +26,7 @@ from .. import __version__
 from ..config import RunConfig, dump, load_config, yaml_scalar
 from ..data.federated import FederatedData
 from ..errors import FedMosaicError, RunError
-from ..files import atomic_write, remove_temp_files
+from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
 from .continual import continual_summary
 from .federation import Federation, NonFiniteLoss
 
@@ -67,8 +68,18 @@ def _save_checkpoint(out: Path, fed: Federation, round_done: int) -> Path:
 
 
 def _identity(fed: Federation) -> dict:
-    """What makes a checkpoint belong to a run beyond its tensor layout: the seed and the partition."""
-    return {"seed": fed.cfg.seed, "data_hash": fed.fd.hash}
+    """What makes a checkpoint belong to a run beyond its tensor layout: the seed, the partition and the hash of
+    everything else that shapes the rounds done (``run_hash``)."""
+    return {"seed": fed.cfg.seed, "data_hash": fed.fd.hash, "config": run_hash(fed.cfg)}
+
+
+def run_hash(cfg: RunConfig) -> str:
+    """SHA-256 of the resolved config without what may differ between the run and its resume: the fields of
+    ``AMENDABLE`` and the name (a label). Two runs with the same hash compute the same rounds: an AHF checkpoint
+    never loads into a FedMD run of the same seed and partition, nor a FedProx one into another mu."""
+    flat = {k: v for k, v in _flat(cfg.model_dump(mode="json")).items()
+            if k != "name" and not any(k == a or k.startswith(a + ".") for a in AMENDABLE)}
+    return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
 
 
 def checkpoints(out: Path) -> list[Path]:
@@ -82,8 +93,8 @@ def latest_checkpoint(out: Path) -> Path | None:
 
 
 def read_metrics(out: Path) -> list[dict]:
-    """The rounds of ``metrics.jsonl``, 0, 1, 2, ... A damaged line (a crash mid-write, a full disk) ends them,
-    with a warning: the rounds from there on count as not done."""
+    """The rounds of ``metrics.jsonl``, 0, 1, 2, ... A damaged line (a crash mid-write, a full disk, an edit) ends
+    them, with a warning: the rounds from there on count as not done."""
     p = out / "metrics.jsonl"
     if not p.exists():
         return []
@@ -94,7 +105,7 @@ def read_metrics(out: Path) -> list[dict]:
             rec = json.loads(line)
         except ValueError:
             rec = None
-        if not _well_formed(rec, len(records), records[0] if records else None):
+        if not _well_formed(rec, records):
             rest = len(lines) - i - 1
             warnings.warn(f"{p}: line {i + 1} is damaged or out of order (a crash while writing?); dropped it"
                           + (f" and the {rest} after it" if rest else "") + f"; rounds from {len(records)} on "
@@ -108,21 +119,64 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _well_formed(rec, round_idx: int, first: dict | None) -> bool:
-    """A metrics line as the runner writes it: the right round, and the numbers summaries read."""
-    if not isinstance(rec, dict) or rec.get("round") != round_idx:
+def _numbers(x, n: int | None = None, none: bool = False) -> bool:
+    """``x`` is a list of numbers (``none``: or nulls), of length ``n`` when given."""
+    return (isinstance(x, list) and (n is None or len(x) == n)
+            and all(_number(v) or (none and v is None) for v in x))
+
+
+def _table(x) -> bool:
+    """A flat dict of named numbers (loss terms, an algorithm's report)."""
+    return isinstance(x, dict) and all(map(_number, x.values()))
+
+
+#: What evaluate.client_summary writes for every split of client tests.
+_CLIENT_STATS = ("acc", "acc_mean", "acc_std", "acc_worst10", "acc_best10")
+
+
+def _cross(c) -> bool:
+    """The K x K cross-client matrix, its diagonal and off-diagonal means per client and overall, names of rows."""
+    if not isinstance(c, dict) or not isinstance(c.get("matrix"), list):
+        return False
+    K = len(c["matrix"])
+    return (K > 0 and all(_numbers(row, K) for row in c["matrix"]) and _numbers(c.get("intra"), K)
+            and _numbers(c.get("inter"), K) and _number(c.get("intra_avg")) and _number(c.get("inter_avg"))
+            and ("names" not in c or (isinstance(c["names"], list) and len(c["names"]) == K
+                                      and all(isinstance(n, str) for n in c["names"]))))
+
+
+def _continual(c, before: list[dict]) -> bool:
+    """Class-incremental accuracy after a round: one entry per stage so far, stages that never go back, and the
+    k-th task end at stage k (the rows of the accuracy matrix)."""
+    if not (isinstance(c, dict) and isinstance(c.get("stage"), int) and not isinstance(c["stage"], bool)
+            and c["stage"] >= 0 and isinstance(c.get("task_end"), bool) and _number(c.get("seen_acc"))
+            and _numbers(c.get("tasks"), c["stage"] + 1, none=True)):
+        return False
+    earlier = [r["continual"] for r in before if "continual" in r]
+    ends = sum(e["task_end"] for e in earlier)
+    return (not earlier or earlier[-1]["stage"] <= c["stage"]) and (not c["task_end"] or c["stage"] == ends)
+
+
+def _well_formed(rec, before: list[dict]) -> bool:
+    """A metrics line as the runner writes it after the lines ``before``: the next round, and every part that
+    summaries, tables and plots read, with the types and sizes they expect."""
+    if not isinstance(rec, dict) or rec.get("round") != len(before):
         return False
     if not all(_number(rec.get(k)) for k in ("train_loss", "bytes_up", "bytes_down")):
         return False
-    for key in ("global", "global_clients", "global_val", "personal", "personal_val"):
-        if key in rec and not (isinstance(rec[key], dict) and _number(rec[key].get("acc"))):
+    if not all(_number(rec[k]) for k in ("lr", *TIMING_KEYS) if k in rec):
+        return False
+    for key in ("global_clients", "global_val", "personal", "personal_val"):
+        if key in rec and not (isinstance(rec[key], dict) and all(_number(rec[key].get(s)) for s in _CLIENT_STATS)):
             return False
-    if "personal" in rec and not _number(rec["personal"].get("acc_worst10")):
-        return False
-    if "terms" in rec and not (isinstance(rec["terms"], dict) and all(map(_number, rec["terms"].values()))):
-        return False
-    classes = [r["global"].get("class_acc") for r in (first, rec) if r is not None and "global" in r]
-    return all(isinstance(c, list) and all(map(_number, c)) and len(c) == len(classes[0]) for c in classes)
+    if "global" in rec:
+        g, first = rec["global"], next((r["global"] for r in before if "global" in r), None)
+        if not (isinstance(g, dict) and _number(g.get("acc"))
+                and _numbers(g.get("class_acc"), None if first is None else len(first["class_acc"]))):
+            return False
+    return (all(_table(rec[k]) for k in ("terms", "report") if k in rec)
+            and ("cross" not in rec or _cross(rec["cross"]))
+            and ("continual" not in rec or _continual(rec["continual"], before)))
 
 
 def _layout(tree, at: str = ""):
@@ -150,8 +204,14 @@ def _load_checkpoint(path: Path, fed: Federation) -> int:
     mine = fed.state_dict()
     if any(list(_layout(state.get(k))) != list(_layout(mine[k])) for k in ("server", "stores")):
         raise ValueError("written for a different model or algorithm")
-    if state.get("run", _identity(fed)) != _identity(fed):  # checkpoints from before 0.1.1 carry no identity
-        raise ValueError("written by another run (seed or partition differ)")
+    ours, theirs = _identity(fed), state.get("run", {})
+    if not isinstance(theirs, dict):
+        raise ValueError("its run identity is damaged")
+    # older checkpoints carry no identity, or no config hash: what they do carry must match
+    differ = [k for k in ours if k in theirs and theirs[k] != ours[k]]
+    if differ:
+        what = {"seed": "seed", "data_hash": "partition", "config": "algorithm, its hyper-parameters or model"}
+        raise ValueError(f"written by another run ({', '.join(what[k] for k in differ)} differ)")
     fed.load_state_dict(state)
     return state["round"]
 
@@ -305,7 +365,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         raise FedMosaicError(f"{out / 'checkpoints'} is not a directory; move it aside")
     if resume:
         if not (out / "config.yaml").is_file():
-            raise FedMosaicError(f"--resume: {out} is not a run directory (no config.yaml)")
+            raise FedMosaicError(not_a_run(out))
         changes = config_changes(load_config(out / "config.yaml"), cfg, out / "config.yaml", amend)
     fed = Federation(cfg, fd)  # before creating anything: a config or data error leaves no empty run directory
     print(f"fedmosaic: execution: {fed.execution}", flush=True)  # stdout: stderr is for warnings and errors
@@ -314,6 +374,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         out.mkdir(parents=True, exist_ok=True)
         if resume:
             start, records = _restore(out, fed)
+            if not (out / "meta.json").exists():  # stopped between claiming the directory and writing meta.json
+                atomic_write(out / "meta.json", json.dumps(_meta(cfg, fed), indent=2).encode())
             if cfg.train.rounds < start:
                 raise FedMosaicError(f"--amend: train.rounds must be >= the {start} rounds already finished in {out} "
                                      f"(got {cfg.train.rounds})")
@@ -332,19 +394,51 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         raise FedMosaicError(f"cannot write the run directory {out}: {e.strerror or e}") from None
     try:
         summary = _rounds(cfg, out, fed, start, records, progress, stop_after)
-    except OSError as e:
+    except BaseException as e:
         done = len(read_metrics(out))
-        raise RunError(f"cannot write {e.filename or out}: {e.strerror or e}; {out} keeps rounds 0-{done - 1}"
-                       if done else f"cannot write {e.filename or out}: {e.strerror or e}") from None
+        if not resume and not done:  # stopped before its first round finished: nothing of value, leave nothing
+            _discard(out, created)
+        if isinstance(e, OSError):
+            raise RunError(f"cannot write {e.filename or out}: {e.strerror or e}; {out} keeps rounds 0-{done - 1}"
+                           if done else f"cannot write {e.filename or out}: {e.strerror or e}") from None
+        raise
     return summary
 
 
+def _discard(out: Path, created: bool) -> None:
+    """Remove what a new run wrote into ``out`` before its first round finished (config, meta, empty metrics)."""
+    for name in ("config.yaml", "meta.json", "metrics.jsonl"):
+        (out / name).unlink(missing_ok=True)
+    remove_temp_files(out, out / "checkpoints")
+    for d in (out / "checkpoints", out) if created else (out / "checkpoints",):
+        with contextlib.suppress(OSError):  # not empty: something else is there, keep it
+            d.rmdir()
+
+
 def check_out(out: Path, resume: bool) -> None:
-    """A run (or comparison) directory is a directory, and a new run's is empty: nothing is ever overwritten."""
+    """A run (or comparison) directory is a directory, and a new run's is empty: nothing is ever overwritten. A
+    directory that holds nothing but the temporary files of a start that was killed while claiming it (before its
+    config was written) is empty: they are removed."""
     if out.exists() and not out.is_dir():
         raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
+    if not resume and unclaimed(out):
+        remove_temp_files(out)
     if not resume and out.exists() and any(out.iterdir()):
         raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
+
+
+def not_a_run(out: Path, expected: str = "config.yaml") -> str:
+    """Why ``--resume`` cannot continue ``out``."""
+    if unclaimed(out):
+        return (f"--resume: {out} never finished starting (it was stopped while writing its config), so there is "
+                "nothing to resume; start the run again with --out pointing there")
+    return f"--resume: {out} is not a run directory (no {expected})"
+
+
+def unclaimed(out: Path) -> bool:
+    """``out`` holds only temporary files: a run (or comparison) was killed while writing its config there."""
+    found = list(out.iterdir()) if out.is_dir() else []
+    return bool(found) and all(p.is_file() and p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX) for p in found)
 
 
 def claim(path: Path, text: str) -> None:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import json
 import re
+import warnings
 from pathlib import Path
 
 from ..config import RunConfig, dump, load_config
 from ..data.federated import build
 from ..engine.federation import data_spec
-from ..engine.runner import check_out, claim, config_changes, read_metrics, run, summarize
+from ..engine.runner import check_out, claim, config_changes, read_metrics, run, summarize, unclaimed
 from ..errors import FedMosaicError
-from ..files import atomic_write
+from ..files import atomic_write, remove_temp_files
 from .plots import accuracy_matrix, accuracy_per_task, cross_heatmap, learning_curves
 
 COLUMNS = (
@@ -52,14 +53,15 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
             ) -> list[dict]:
     """Run ``cfg`` (each of its ``compare`` variants in a sub-directory); write table, JSON and learning curves."""
     variants = cfg.variants()
-    if len(variants) == 1:
-        summaries = [run(cfg, out, resume=resume, amend=amend, progress=progress)]
-        curves = {cfg.name: read_metrics(out)}
+    if len(variants) == 1:  # one algorithm: the variant, which is cfg itself or the one `compare:` names
+        summaries = [run(variants[0], out, resume=resume, amend=amend, progress=progress)]
+        curves = {variants[0].name: read_metrics(out)}
     else:
         check_out(out, resume)
         changes = {}
         if resume:  # the variants check their own configs; this checks (and records) the comparison's
             changes = config_changes(load_config(out / "comparison.yaml"), cfg, out / "comparison.yaml", amend)
+            remove_temp_files(out)  # a table or plot whose writing was killed
         fd = build(data_spec(cfg))  # one partition for all: same clients, same samples
         created = not out.exists()
         try:
@@ -74,7 +76,7 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
         try:
             for v in variants:
                 sub = out / dir_name(v.name)
-                summaries.append(run(v, sub, resume=resume and (sub / "config.yaml").exists(), amend=amend,
+                summaries.append(run(v, sub, resume=resume and _variant_started(sub, v), amend=amend,
                                      progress=progress, fd=fd))
                 curves[v.name] = read_metrics(sub)
         except FedMosaicError:
@@ -98,15 +100,39 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
     return summaries
 
 
+def _variant_started(sub: Path, v: RunConfig) -> bool:
+    """Whether a comparison's variant directory holds a run to resume. One whose ``config.yaml`` was lost but that
+    holds rounds gets it back from the comparison's (its checkpoints must still match it to be used); one that
+    holds nothing, or only what a start killed while claiming it left, starts afresh."""
+    if (sub / "config.yaml").is_file():
+        return True
+    if not sub.is_dir() or unclaimed(sub) or not any(sub.iterdir()):
+        return False
+    warnings.warn(f"{sub}: config.yaml is missing; restored from the comparison's config", stacklevel=3)
+    claim(sub / "config.yaml", dump(v))
+    return True
+
+
+def _variant_dirs(d: Path, notes: list[str]) -> list[Path]:
+    """A comparison directory stands for its variants, in the comparison's order; a variant that has not started
+    (or lost its config) is named in ``notes``."""
+    if not (d / "comparison.yaml").is_file() or (d / "config.yaml").is_file():
+        return [d]
+    found = sorted(p.parent for p in d.glob("*/config.yaml"))
+    expected = [d / dir_name(v.name) for v in load_config(d / "comparison.yaml").variants()]
+    missing = [p.name for p in expected if p not in found]
+    if missing:
+        notes.append(f"{d}: {len(missing)} of its {len(expected)} variants have no run yet, left out of the table: "
+                     + ", ".join(missing))
+    return [p for p in expected if p in found] + [p for p in found if p not in expected]
+
+
 def from_runs(dirs: list[Path], upto: int | None = None) -> tuple[list[dict], dict[str, list[dict]], list[str]]:
     """Summaries and curves of existing run directories (finished or interrupted), over their first ``upto``
     rounds when given, so that runs stopped at different rounds are compared at the same one. Also returns
     warnings: runs on different partitions, or shorter than ``upto``, are not a like-for-like comparison."""
     summaries, curves, hashes, notes = [], {}, {}, []
-    # a comparison directory stands for its variants
-    dirs = [v for d in dirs for v in (sorted(p.parent for p in d.glob("*/config.yaml"))
-                                      if (d / "comparison.yaml").is_file() and not (d / "config.yaml").is_file()
-                                      else [d])]
+    dirs = [v for d in dirs for v in _variant_dirs(d, notes)]
     for d in dirs:
         if not (d / "config.yaml").is_file():
             raise FedMosaicError(f"{d} is not a run directory (no config.yaml)")
