@@ -1,53 +1,177 @@
-"""PNG plots: learning curves and the client x class bubble chart (pFedSRB Fig. 2 style)."""
+"""PNG plots: learning curves, the accuracy after each task, the client x class bubble chart (pFedSRB Fig. 2 style)
+and the accuracy heat maps.
+
+Colours: ``method_colors(names)`` gives the i-th method the i-th colour. ``learning_curves`` and
+``accuracy_per_task`` colour by the order in which the runs are given (a comparison's ``compare:`` order, the
+order of `report`'s arguments), so the plots of one comparison, and a run's PNG and `report`'s PNG of the same runs
+in the same order, colour each method alike; pass ``colors=method_colors(names)`` (or any name -> colour mapping
+that covers every method drawn) to fix the colours whatever is drawn.
+
+Seeds: where a method has several runs (one per seed), its curve is their mean at the rounds (tasks) that every
+seed has, with a band of ± one sample standard deviation (n − 1) over the seeds."""
 
 from __future__ import annotations
 
+import textwrap
+from collections.abc import Sequence
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.lines import Line2D
+from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
-from ..files import atomic_write  # noqa: E402
+from ..files import atomic_write
 
 CURVE_KEYS = (("global", "global model, global test"), ("global_clients", "global model, client tests"),
-              ("personal", "personalized, client tests"), ("cross", "intra-domain (solid), inter-domain (dashed)"),
-              ("continual", "classes seen so far (no task id); | = task end"))
+              ("personal", "personalized, client tests"), ("cross", "cross-client: models on client tests"),
+              ("continual", "classes seen so far (no task id)"))
+# the value(s) drawn for each kind of accuracy, with their line styles; "acc" for any kind not named
+FIELDS = {"cross": (("intra_avg", "-"), ("inter_avg", "--")), "continual": (("seen_acc", "-"),)}
+STYLES = {"cross": (("-", "intra-domain (solid)"), ("--", "inter-domain (dashed)"))}  # their legend entries
+SHORT_RUN = 30  # a curve with at most this many points is drawn with markers (a long one's would hide the line)
 
 
-def _color(i: int, n: int):
-    """The i-th of n lines' colour: matplotlib's ten defaults, or twenty (tab20) when ten would repeat."""
-    return f"C{i % 10}" if n <= 10 else plt.get_cmap("tab20")(i % 20)
+def method_colors(names: Sequence[str]) -> dict[str, tuple]:
+    """name -> colour for methods in this order: matplotlib's ten default colours (tab20's dark shades), then
+    tab20's ten light shades, then hues spread by the golden ratio. The i-th method's colour does not depend on
+    how many methods there are, so a subset in the same order keeps its colours."""
+    tab20 = plt.get_cmap("tab20").colors
+
+    def color(i: int):
+        return tab20[2 * i] if i < 10 else tab20[2 * i - 19] if i < 20 else plt.get_cmap("hsv")(i * 0.618034 % 1)
+    return {n: color(i) for i, n in enumerate(dict.fromkeys(names))}
 
 
-def learning_curves(runs: dict[str, list[dict]], path: str | Path, title: str = "") -> Path:
-    """Test accuracy per round for each run (one panel per kind of accuracy present)."""
-    kinds = [(k, label) for k, label in CURVE_KEYS if any(k in r for recs in runs.values() for r in recs)]
-    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(5.2 * max(1, len(kinds)), 3.8), squeeze=False)
-    for ax, (key, label) in zip(axes[0], kinds):
-        for i, (name, recs) in enumerate(runs.items()):
-            fields = {"cross": (("intra_avg", "-"), ("inter_avg", "--")), "continual": (("seen_acc", "-o"),)}.get(
-                key, (("acc", "-"),))
-            for j, (field, style) in enumerate(fields):  # (the run's name on its first line only)
-                pts = [(r["round"] + 1, 100 * r[key][field]) for r in recs if key in r]
-                if pts:
-                    ax.plot(*zip(*pts), style, color=_color(i, len(runs)), label=None if j else name, lw=1.6, ms=3)
-            if key == "continual" and i == 0:
-                for r in recs:
-                    if r.get("continual", {}).get("task_end"):
-                        ax.axvline(r["round"] + 1, color="grey", lw=0.6, alpha=0.5)
-        ax.set(xlabel="round", ylabel="accuracy (%)", title=label)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+def _mean_std(series: list[dict[int, float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x, mean and sample standard deviation (0 for one series) over the series, at the x every series has."""
+    xs = sorted(set.intersection(*(set(s) for s in series)))
+    v = np.array([[s[x] for x in xs] for s in series], dtype=float).reshape(len(series), len(xs))
+    return np.array(xs), v.mean(0), v.std(0, ddof=1) if len(series) > 1 else np.zeros(len(xs))
+
+
+def _line(ax, x, y, sd, color, style: str, marker: bool, band: bool) -> None:
+    ax.plot(x, y, style, color=color, lw=1.6, marker="o" if marker else None, ms=3)
+    if band:
+        ax.fill_between(x, y - sd, y + sd, color=color, alpha=0.2, lw=0)
+
+
+def _legend(fig, methods: list[tuple[str, object, bool, int]], extra: Sequence = ()) -> None:
+    """One legend for the whole figure, below the panels: a line per method (name, colour, markers, seeds), the
+    band when a method is over seeds, then ``extra`` (line styles, marks); as many columns as fit the width.
+    The number of seeds is said once when every method has the same, else after each method's name."""
+    seeds = {n for *_, n in methods}
+    handles = [Line2D([], [], color=c, lw=1.6, marker="o" if m else None, ms=3,
+                      label=f"{name} ({n} seeds)" if n > 1 and len(seeds) > 1 else name) for name, c, m, n in methods]
+    if max(seeds, default=1) > 1:
+        handles.append(Patch(color="grey", alpha=0.3, label="mean, band ± 1 std over " + (
+            f"{seeds.pop()} seeds" if len(seeds) == 1 else "seeds")))
+    handles += list(extra)
+    if not handles:
+        return
+    longest = max(len(h.get_label()) for h in handles)  # ~0.065 in a character at 8 pt, plus the line's sample
+    ncol = max(1, min(len(handles), int(fig.get_figwidth() / (0.6 + 0.065 * longest))))
+    fig.set_figheight(fig.get_figheight() + 0.17 * -(-len(handles) // ncol))  # room for its rows, not the axes'
+    fig.legend(handles=handles, loc="outside lower center", ncol=ncol, fontsize=8, frameon=False)
+
+
+def _title(fig, title: str) -> None:
+    """The figure's title, wrapped to the figure's width (~12 characters an inch at 10 pt) so it is never cut."""
     if title:
-        fig.suptitle(title)
+        fig.suptitle(textwrap.fill(title, max(20, int(12 * fig.get_figwidth()))), fontsize=10)
+
+
+def _integer_ticks(*axes) -> None:
+    for axis in axes:
+        axis.set_major_locator(MaxNLocator(integer=True, steps=[1, 2, 5, 10]))  # 1, 2, 5, 10, 20, 50, ...
+
+
+def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path, title: str = "",
+                    colors: dict[str, object] | None = None) -> Path:
+    """Test accuracy per round for each method, one panel per kind of accuracy present, one legend below them.
+
+    ``runs``: method name -> its metrics records (one run), or a list of record lists (one per seed: the mean with
+    a band of ± one std over the seeds, at the rounds every seed has). ``colors``: name -> colour, by default
+    ``method_colors`` in the order of ``runs``. A method with at most ``SHORT_RUN`` evaluated points has markers."""
+    seeds = {name: recs if recs and isinstance(recs[0], list) else [recs] for name, recs in runs.items()}
+    colors = colors or method_colors(list(runs))
+    kinds = [(k, label) for k, label in CURVE_KEYS if any(k in r for s in seeds.values() for rs in s for r in rs)]
+    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(5.2 * max(1, len(kinds)), 4.2), squeeze=False,
+                             layout="constrained")
+    if not kinds:  # e.g. a run stopped before its first evaluation
+        axes[0][0].text(0.5, 0.5, "no evaluated round", ha="center", va="center")
+        axes[0][0].set_axis_off()
+    curves = {}  # (name, key, field) -> x, mean, std over the seeds
+    for name, s in seeds.items():
+        for key, _ in kinds:
+            for field, _ in FIELDS.get(key, (("acc", "-"),)):
+                per_seed = [{r["round"] + 1: 100 * r[key][field] for r in rs if key in r} for rs in s]
+                if all(per_seed):
+                    curves[name, key, field] = _mean_std(per_seed)
+    short = {name: max((len(c[0]) for (n, *_), c in curves.items() if n == name), default=0) <= SHORT_RUN
+             for name in seeds}
+    for ax, (key, label) in zip(axes[0], kinds):
+        for name, s in seeds.items():
+            for field, style in FIELDS.get(key, (("acc", "-"),)):
+                if (name, key, field) in curves:
+                    _line(ax, *curves[name, key, field], colors[name], style, short[name], len(s) > 1)
+        if key == "continual":  # the rounds that end a task
+            for x in sorted({r["round"] + 1 for s in seeds.values() for rs in s for r in rs
+                             if r.get("continual", {}).get("task_end")}):
+                ax.axvline(x, color="grey", lw=0.6, alpha=0.5)
+        ax.set(xlabel="round", ylabel="accuracy (%)", title=label)
+        _integer_ticks(ax.xaxis)
+        ax.grid(alpha=0.3)
+    extra = [Line2D([], [], color="k", ls=ls, label=text) for key, _ in kinds for ls, text in STYLES.get(key, ())]
+    if any(key == "continual" for key, _ in kinds):
+        extra.append(Line2D([], [], color="grey", lw=0.6, alpha=0.5, label="task end"))
+    _legend(fig, [(name, colors[name], short[name], len(s)) for name, s in seeds.items()], extra)
+    _title(fig, title)
+    return _save(fig, path)
+
+
+def accuracy_per_task(summaries: list[dict | list[dict]], path: str | Path, title: str = "",
+                      colors: dict[str, object] | None = None) -> Path | None:
+    """Class-incremental accuracy on every class seen so far after each task (``continual_seen``), one line per
+    method that has it; None, and no file, when none has.
+
+    Each item of ``summaries`` is one method's summary, or a list of its summaries (one per seed: the mean with a
+    band of ± one std over the seeds, at the tasks every seed reached). A summary already over seeds (as
+    ``compare.over_seeds`` makes: ``continual_seen_std`` and ``seeds``) is drawn with its band too. ``colors``:
+    name -> colour, by default ``method_colors`` in the order of ``summaries`` (all of them, with or without
+    ``continual_seen``, so the colours agree with ``learning_curves`` of the same runs)."""
+    groups = [s if isinstance(s, list) else [s] for s in summaries]
+    colors = colors or method_colors([g[0]["name"] for g in groups])
+    fig = ax = None
+    methods = []
+    for g in groups:
+        seen = [s["continual_seen"] for s in g if "continual_seen" in s]
+        if not seen:
+            continue
+        if fig is None:
+            fig, ax = plt.subplots(figsize=(6.4, 4.6), layout="constrained")
+        x, mean, sd = _mean_std([dict(enumerate(v, 1)) for v in seen])
+        n = len(seen)
+        if n == 1 and "continual_seen_std" in g[0]:  # a summary over seeds
+            n, sd = g[0].get("seeds", 1), np.asarray(g[0]["continual_seen_std"], dtype=float)
+        name = g[0]["name"]
+        methods.append((name, colors[name], len(x) <= SHORT_RUN, n))
+        _line(ax, x, 100 * mean, 100 * sd, colors[name], "-", len(x) <= SHORT_RUN, n > 1)
+    if fig is None:
+        return None
+    ax.set(xlabel="task", ylabel="accuracy on the classes seen (%)")
+    _integer_ticks(ax.xaxis)
+    ax.grid(alpha=0.3)
+    _legend(fig, methods)
+    _title(fig, title)
     return _save(fig, path)
 
 
 def _save(fig, path) -> Path:
-    fig.tight_layout()
     try:
         return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
     finally:
@@ -55,15 +179,28 @@ def _save(fig, path) -> Path:
 
 
 def partition_bubbles(counts: np.ndarray, path: str | Path, title: str = "", max_clients: int = 100) -> Path:
-    """Client x class bubble chart; bubble area ∝ sample count. Shows the first ``max_clients`` clients."""
-    c = counts[:max_clients]
+    """Client x class bubble chart; bubble area ∝ sample count, with a legend of reference sizes. Shows the first
+    ``max_clients`` clients."""
+    c = np.asarray(counts)[:max_clients]
     k, n_cls = c.shape
+    w, h = min(14, max(6.0, 3.5 + 0.11 * k)), min(9, max(3.5, 1.8 + 0.3 * n_cls))
+    fig, ax = plt.subplots(figsize=(w, h), layout="constrained")
+    # the largest bubble spans ~1.5 cells of the client x class grid (axes ~ w - 2.5 by h - 1.8 inches): only two
+    # large neighbours touch, however many clients; 8 to 20 pt across
+    diameter = float(np.clip(1.5 * 72 * min((w - 2.5) / k, (h - 1.8) / n_cls), 8, 20))
+    top = max(int(c.max()), 1)
     ys, xs = np.nonzero(c)
-    fig, ax = plt.subplots(figsize=(min(14, 2 + 0.13 * k), min(9, 1.5 + 0.3 * n_cls)))
-    area = 400 * c[ys, xs] / max(c.max(), 1)
-    ax.scatter(ys, xs, s=area, alpha=0.6, color="tab:red", edgecolors="none")
-    ax.set(xlabel="client", ylabel="class", xlim=(-1, k), ylim=(-1, n_cls))
-    ax.set_title(title + (f" (first {k} of {len(counts)} clients)" if len(counts) > k else ""), fontsize=10)
+    sc = ax.scatter(ys, xs, s=diameter ** 2 * c[ys, xs] / top, alpha=0.6, color="tab:red", edgecolors="none")
+    ax.set(xlabel="client", ylabel="class", xlim=(-0.7, k - 0.3), ylim=(-0.7, n_cls - 0.3))
+    _integer_ticks(ax.xaxis, ax.yaxis)
+    for axis, n in ((ax.xaxis, k), (ax.yaxis, n_cls)):
+        if n <= 20:  # every client, every class, when they fit
+            axis.set_ticks(range(n))
+    handles, labels = sc.legend_elements("sizes", num=4, func=lambda s: s / diameter ** 2 * top, fmt="{x:.0f}",
+                                         alpha=0.6, color="tab:red", markeredgewidth=0)
+    fig.legend(handles, labels, loc="outside right upper", title="samples", fontsize=8, title_fontsize=8,
+               frameon=False, labelspacing=max(0.5, diameter / 16))
+    _title(fig, title + (f" (first {k} of {len(counts)} clients)" if len(counts) > k else ""))
     return _save(fig, path)
 
 
@@ -71,47 +208,36 @@ def accuracy_matrix(matrix, path: str | Path, title: str = "") -> Path:
     """The continual accuracy matrix: row i after task i, column j on the classes of task j (lower triangle)."""
     a = 100 * np.array([[np.nan if v is None else v for v in row] for row in matrix], dtype=float)
     ticks = [str(i + 1) for i in range(len(a))]
-    return _heatmap(a, path, title, ticks, ("on the classes of task", "after task"), "{:.0f}", 20)
-
-
-def accuracy_per_task(summaries: list[dict], path: str | Path, title: str = "") -> Path | None:
-    """Class-incremental accuracy on every class seen so far after each task, one line per run summary that has it
-    (``continual_seen``); None, and no file, when none has."""
-    runs = {s["name"]: s["continual_seen"] for s in summaries if "continual_seen" in s}
-    if not runs:
-        return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    for i, (name, seen) in enumerate(runs.items()):
-        ax.plot(range(1, len(seen) + 1), [100 * v for v in seen], "-o", color=_color(i, len(runs)), label=name, lw=1.6,
-                ms=3)
-    ax.set(xlabel="task", ylabel="accuracy on the classes seen (%)", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    return _heatmap(a, path, title, ticks, ("on the classes of task", "after task"), "{:.0f}")
 
 
 def cross_heatmap(matrix, path: str | Path, title: str = "", names: list[str] | None = None) -> Path:
     """The K x K cross-client accuracy matrix: row i client i's model, column j client j's test split."""
     a = 100 * np.asarray(matrix)
     labels = names if names is not None and len(names) == len(a) else [str(i) for i in range(len(a))]
-    return _heatmap(a, path, title, labels, ("test split of client", "model of client"), "{:.1f}", 16)
+    return _heatmap(a, path, title, labels, ("test split of client", "model of client"), "{:.1f}")
 
 
-def _heatmap(a: np.ndarray, path, title: str, labels: list[str], axes: tuple[str, str], fmt: str,
-             annotate_up_to: int) -> Path:
-    """A square accuracy heatmap (%, NaN cells blank), each cell written when there are few."""
+def _heatmap(a: np.ndarray, path, title: str, labels: list[str], axes: tuple[str, str], fmt: str) -> Path:
+    """A square accuracy heatmap (%, NaN cells blank), each cell written where its number fits at >= 6 pt."""
     k = len(a)
-    fig, ax = plt.subplots(figsize=(min(12, 4 + 0.6 * k), min(10, 3 + 0.55 * k)))
+    w, h = min(12, 4.5 + 0.6 * k), min(10, 3.5 + 0.55 * k)
+    fig, ax = plt.subplots(figsize=(w, h), layout="constrained")
     im = ax.imshow(np.ma.masked_invalid(a), cmap="viridis", vmin=0, vmax=100)
-    ax.set_xticks(range(k), labels, rotation=45 if k > 4 else 0, ha="right" if k > 4 else "center")
-    ax.set_yticks(range(k), labels)
-    if k <= annotate_up_to:
-        for i in range(k):
-            for j in range(k):
-                if not np.isnan(a[i, j]):
-                    ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=8,
-                            color="white" if a[i, j] < 60 else "black")
+    # at most 25 tick labels, every one when they fit, else numbers that are multiples of 2, 5, 10, 20, 50, ...
+    step = next(s for s in (1, 2, 5, 10, 20, 50, 100, 200, 500, k) if k <= 25 * s)
+    ticks = [i for i, name in enumerate(labels) if (int(name) if name.isdigit() else i) % step == 0]
+    shown = [labels[i] for i in ticks]
+    rotate = k > 4 and max(map(len, shown)) > 2
+    ax.set_xticks(ticks, shown, rotation=45 if rotate else 0, ha="right" if rotate else "center")
+    ax.set_yticks(ticks, shown)
+    cell_pt = 72 * min(w - 2.5, h - 1.8) / k  # the axes are about w - 2.5 by h - 1.8 inches
+    size = min(10.0, cell_pt / (0.6 * len(fmt.format(100.0)) + 0.8))  # a digit is ~0.6 em wide, plus a margin
+    if size >= 6:
+        for i, j in zip(*np.nonzero(~np.isnan(a))):
+            ax.text(j, i, fmt.format(a[i, j]), ha="center", va="center", fontsize=size,
+                    color="white" if a[i, j] < 60 else "black")
     ax.set(xlabel=axes[0], ylabel=axes[1])
-    ax.set_title(title, fontsize=10)
-    fig.colorbar(im, ax=ax, label="accuracy (%)")
+    fig.colorbar(im, ax=ax, label="accuracy (%)", shrink=0.9)
+    _title(fig, title)
     return _save(fig, path)
