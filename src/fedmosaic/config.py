@@ -5,6 +5,7 @@ from __future__ import annotations
 import difflib
 import re
 import typing
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -252,6 +253,13 @@ class RunConfig(Schema):
     def _cohort(self):
         if self.data.tasks is None and any(a.memory is not None for a in [self.algorithm, *(self.compare or [])]):
             raise ValueError("algorithm.memory: an exemplar memory needs task streams (data.tasks)")
+        tc = self.data.tasks
+        if tc is not None and tc.rounds_per_task > self.train.rounds:  # no task would end: nothing to measure
+            raise ValueError(f"data.tasks.rounds_per_task: a task of {tc.rounds_per_task} rounds never ends within "
+                             f"train.rounds = {self.train.rounds}; at most {self.train.rounds}")
+        if self.eval.cross_clients and not self.eval.client_test:
+            raise ValueError("eval.cross_clients: the matrix is measured on the clients' test splits, which "
+                             "eval.client_test: false leaves untested; set eval.client_test: true")
         if self.data.clients is not None and self.train.clients_per_round > self.data.clients:
             raise ValueError(f"train.clients_per_round: must be <= data.clients = {self.data.clients} "
                              f"(got {self.train.clients_per_round})")
@@ -336,6 +344,11 @@ def format_validation_error(err: ValidationError, prefix: str = "", model: type[
         msg = (f"unknown field; did you mean {near[0]!r}?" if near
                else f"unknown field; allowed: {', '.join(allowed)}" if allowed
                else "unknown field; this takes no parameters" if model is not None else "unknown field")
+    elif e["type"] == "invalid_key":  # YAML 1.1 reads the keys off/on/yes/no (and numbers) as non-strings
+        loc = ".".join(str(p) for p in (prefix, *e["loc"][:-1]) if p != "")
+        hint = " (YAML reads off, on, yes and no as booleans: quote the key, e.g. 'off')" \
+            if isinstance(e.get("input"), bool) else ""
+        return f"{loc or 'config'}: the key {e.get('input')!r} is not text{hint}"
     elif e["type"] == "too_short" and e.get("ctx", {}).get("min_length") == 1:
         msg = "must not be empty (leave it out instead)"
     got = e.get("input")
@@ -398,12 +411,52 @@ def validate(raw: dict, where: str = "config") -> RunConfig:
             algo.Config.model_validate(a.params())
         except ValidationError as e:
             raise ConfigError(format_validation_error(e, where_, algo.Config)) from None
-        if cfg.model.heterogeneous and algo.global_model:
-            raise ConfigError(
-                f"model.heterogeneous: {where_} {a.name!r} averages one global model, so every client needs the same "
-                "architecture; use a model-heterogeneous algorithm (e.g. fedproto, local)"
-            )
+    # what runs: with compare its entries (RunConfig.variants), not the top-level algorithm
+    running = [ALGORITHMS[a.name] for a in cfg.compare or [cfg.algorithm]]
+    for algo in running:
+        check_family(cfg, algo)
     return cfg
+
+
+def advise(cfg: RunConfig, compare_given: bool = False) -> None:
+    """Warn about what a new run's config holds but will not use (not for the configs a run directory saved: a
+    comparison's variant keeps the comparison's data.public although it alone never uses it). ``compare_given``:
+    the compare list came from the command line (``--algorithms``), which replaces the algorithm knowingly."""
+    from .algorithms import ALGORITHMS
+
+    running = [ALGORITHMS[a.name] for a in cfg.compare or [cfg.algorithm]]
+    if cfg.data.public is not None and not any(algo.uses_public for algo in running):
+        names = ", ".join(sorted({repr(algo.name) for algo in running}))
+        warnings.warn(f"data.public: no algorithm of this run uses a public stream ({names}); it is ignored",
+                      stacklevel=2)
+    # the default section (which comparison.yaml files written before dump() left it out hold) says nothing
+    if cfg.compare and not compare_given and cfg.algorithm != AlgorithmConfig() and cfg.algorithm not in cfg.compare:
+        warnings.warn(f"algorithm: {label(cfg.algorithm)} does not run: with compare, only its entries run; add it "
+                      "to compare or remove it", stacklevel=2)
+
+
+def check_family(cfg: RunConfig, algo) -> None:
+    """The settings an algorithm (its class ``algo``) needs or cannot use, each refused in one line before anything
+    is written — for every entry of a comparison before its first variant runs."""
+    name = algo.name
+    if cfg.model.heterogeneous and (algo.global_model or algo.shares_weights):
+        what = "one global model" if algo.global_model else "part of its clients' weights"
+        raise ConfigError(f"model.heterogeneous: algorithm {name!r} averages {what}, so every client needs the same "
+                          "architecture; use a model-heterogeneous algorithm (e.g. fedproto, local)")
+    if cfg.train.warmup_epochs and algo.global_model:
+        raise ConfigError(f"train.warmup_epochs: {name!r} trains one global model, there is no client model to warm "
+                          "up; set it to 0")
+    if algo.needs_warmup and not cfg.train.warmup_epochs:
+        raise ConfigError(f"train.warmup_epochs: {name!r} distils from the model warmed up on the private data "
+                          "(without it, a random model); set it to at least 1")
+    if algo.uses_public and cfg.data.public is None:
+        raise ConfigError(f"data.public: algorithm {name!r} trains on a public stream: set data.public "
+                          "(e.g. {source: noise, size: 5000})")
+    if algo.needs_tasks and cfg.data.tasks is None:
+        raise ConfigError(f"data.tasks: algorithm {name!r} learns a stream of class-incremental tasks (without one it "
+                          "is a plain federated method): set data.tasks (e.g. {n_tasks: 5, rounds_per_task: 10})")
+    if cfg.eval.cross_clients and not algo.personalized:
+        raise ConfigError(f"eval.cross_clients: {name!r} has no per-client models to cross-test; set it to false")
 
 
 def parse_value(text: str) -> Any:
@@ -476,4 +529,6 @@ def load_config(path: str | Path | None, overrides: list[str] = (), updates: dic
 
 
 def dump(cfg: RunConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    """The resolved config as YAML; a comparison's without the top-level algorithm, which does not run."""
+    return yaml.safe_dump(cfg.model_dump(mode="json", exclude={"algorithm"} if cfg.compare else None),
+                          sort_keys=False)

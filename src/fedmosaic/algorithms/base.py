@@ -38,11 +38,21 @@ class Algorithm:
     pooled: ClassVar[bool] = False
     #: The slot whose architecture evaluates personal models (None: the run's model; FedKD: its private mentor).
     personal_slot: ClassVar[str | None] = None
+    #: True when the server averages part of the clients' weights although it keeps no global model (FedWeIT's
+    #: base B): as with ``global_model``, every client needs the same architecture.
+    shares_weights: ClassVar[bool] = False
     #: True when clients exchange features (prototypes), so every architecture needs one feature size.
     shares_features: ClassVar[bool] = False
     #: True: before each round's training every cohort client sends its logits on the public stream
     #: (``data.public``) and the server folds them into its state with :meth:`exchange` (AHF, FedMD, FedDF, ...).
     exchanges: ClassVar[bool] = False
+    #: True when the algorithm trains on the public stream (``data.public``), which it then needs: it exchanges
+    #: outputs on it (``exchanges``), the server trains on it (``server_program``: FedDF) or a phase of its round
+    #: draws from it (``View("public")``: CFeD's review). Without it, a ``data.public`` would be ignored.
+    uses_public: ClassVar[bool] = False
+    #: True for class-incremental methods, which act at the ends of tasks and so need task streams (``data.tasks``):
+    #: without them FedLwF and FedEWC would be FedAvg exactly.
+    needs_tasks: ClassVar[bool] = False
     #: True when the algorithm keeps the warmed-up model as a teacher (FCCL): ``train.warmup_epochs`` must be >= 1.
     needs_warmup: ClassVar[bool] = False
     #: How the exemplar memory of a task stream picks the samples it keeps (``data.tasks.memory.select: auto``).

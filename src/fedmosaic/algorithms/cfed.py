@@ -29,6 +29,8 @@ class CFeDConfig(AlgoConfig):
 class CFeD(KeepsTeacher, Algorithm):
     name = "cfed"
     Config = CFeDConfig
+    needs_tasks = True
+    uses_public = True  # the review phase distils on the surrogate stream
 
     def terms(self):
         return [TaskLoss(classes=self.cfg.ce_classes)]

@@ -38,6 +38,7 @@ def _snapshot(params, state, payload):
 
 class LogitExchange(Local):
     exchanges = True
+    uses_public = True
     Config: ClassVar = ExchangeConfig
     #: keep the model after the collaborative phase as slot ``snap`` for the private phase
     snapshot: ClassVar[bool] = False

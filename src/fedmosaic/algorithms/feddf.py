@@ -63,6 +63,7 @@ def distill_to_ensemble(ctx, tau: float) -> torch.Tensor:
 class FedDFGlobal(Algorithm):
     name = "feddf_global"
     Config = FedDFConfig  # public_epochs: the server's passes over the stream
+    uses_public = True  # the server distils on it
 
     def exchange(self, server, logits, clients, round_idx):
         return ensemble(logits, self.cfg.tau, self.cfg.teacher)

@@ -28,6 +28,7 @@ class FedEWCConfig(AlgoConfig):
 class FedEWC(Algorithm):
     name = "fedewc"
     Config = FedEWCConfig
+    needs_tasks = True
 
     def init_client(self, server, init_params):
         return {"anchor": clone(init_params), "fisher": tmap(torch.zeros_like, init_params)}

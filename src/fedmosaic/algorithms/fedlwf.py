@@ -22,6 +22,7 @@ class FedLwFConfig(AlgoConfig):
 class FedLwF(KeepsTeacher, Algorithm):
     name = "fedlwf"
     Config = FedLwFConfig
+    needs_tasks = True
 
     def terms(self):
         return [TaskLoss(classes=self.cfg.ce_classes), Distill(self.cfg.lam, self.cfg.T)]

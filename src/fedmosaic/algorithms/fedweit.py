@@ -47,6 +47,8 @@ class FedWeIT(Algorithm):
     name = "fedweit"
     Config = FedWeITConfig
     global_model = False
+    shares_weights = True  # the server averages the base B
+    needs_tasks = True
     personalized = True
 
     @property

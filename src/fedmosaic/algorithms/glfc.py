@@ -64,6 +64,7 @@ def bce(logits: torch.Tensor, target: torch.Tensor, cols: torch.Tensor) -> torch
 class GLFC(KeepsTeacher, Algorithm):
     name = "glfc"
     Config = GLFCConfig
+    needs_tasks = True
 
     def loss(self, ctx: LocalContext) -> torch.Tensor:
         cfg, known = self.cfg, ctx.state["known"]

@@ -72,6 +72,7 @@ def entropy_ratio(scores: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
 class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
     name = "protofcl"
     Config = ProtoFCLConfig
+    needs_tasks = True
     global_model = False
     personalized = True
     shares_features = True

@@ -29,7 +29,7 @@ from .augment import black
 from .execution import Execution, ModelFacts, RunFacts, choose, step_profile
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .mapping import for_each_client
-from .program import Setting, Signals
+from .program import Phase, Setting, Signals, View
 from .seeding import INIT, MEMORY, POOL, PUBLIC, TASKS, rng, sample_cohort
 from .transforms import make_normalizer
 from .tree import all_finite, leaves, nbytes, put, take, tmap, weighted_mean
@@ -199,6 +199,7 @@ class Federation:
         if self.algo.pooled:
             self._pool_train_split()
         self.server = self.algo.init_server([g.init for g in self.groups])
+        self._check_plans()
         self.group_of = np.zeros(self.num_clients, dtype=np.int64)
         self.row_of = np.zeros(self.num_clients, dtype=np.int64)
         for g in self.groups:
@@ -278,13 +279,41 @@ class Federation:
         sizes = self.split["train"].sizes
         # a batch larger than the largest client is all padding: cap it (same results, no giant batch plans)
         self.batch = int(max(1, min(tc.batch_size, sizes.max(initial=1))))
-        # the batch plan of one chunk: per client, step and slot an index (numpy and torch), a mask, augmentation
-        self.chunk = n = min(cfg.engine.chunk_size, tc.clients_per_round)  # clients trained at once
-        steps = tc.local_epochs * -(-int(sizes.max(initial=1)) // self.batch)
-        per_slot = 8 + 1 + 8 + 4 + (40 if cfg.data.augment.active else 0)
-        check_fits(n * steps * self.batch * per_slot, self.memory, self.device,
-                   f"the local batch plan ({n} clients x {steps:,} steps x batch {self.batch}; "
-                   "train.local_epochs, train.batch_size, engine.chunk_size)")
+        self.chunk = min(cfg.engine.chunk_size, tc.clients_per_round)  # clients trained at once
+
+    def _check_plans(self) -> None:
+        """The batch plan of every phase a client or the server runs — per client, step and slot an index (numpy
+        and torch), a mask, augmentation — fits in memory: a step or epoch count no machine can run (10^9 local or
+        warm-up epochs, an algorithm's 2^31-1 steps) is refused up front, not an out-of-memory error in round 0."""
+        cfg, algo, tc = self.cfg, self.algo, self.cfg.train
+        every = min(cfg.engine.chunk_size, self.num_clients)  # warm-up and fine-tuning: every client, chunk by chunk
+        program = algo.program(self.server, 0)
+        plans = [(ph, self.chunk, f" of phase {i + 1} of the round" if len(program) > 1 else "", None)
+                 for i, ph in enumerate(program)]
+        plans += [(ph, every, " of the fine-tuning", None) for ph in algo.finetune() or ()]
+        plans += [(ph, 1, " of the server's training", None) for ph in algo.server_program(self.server, 0) or ()]
+        if tc.warmup_epochs:
+            plans.append((Phase(epochs=tc.warmup_epochs), every, " of the warm-up", "train.warmup_epochs"))
+        largest = int(self.split["train"].sizes.max(initial=1))
+        for ph, n, what, knob in plans:
+            public = ph.view.part == "public"
+            size = len(self.public.y) if public and self.public is not None else largest
+            b = ph.batch or self.batch
+            width = 2 * b if ph.pair is not None else b  # slots per step: a paired batch doubles them
+            # View("next") cuts both halves from the phase's own shuffle: an epoch is then ceil(n / 2B) steps
+            steps = ph.steps or (ph.epochs or tc.local_epochs) * -(-size // (width if ph.pair == View("next") else b))
+            per_slot = 8 + 1 + 8 + 4 + (40 if cfg.data.augment.active and not public else 0)
+            knob = knob or (self._option_of(ph.steps, "its step count") if ph.steps is not None
+                            else "train.local_epochs" if ph.epochs is None
+                            else self._option_of(ph.epochs, "its epoch count"))
+            check_fits(n * steps * width * per_slot, self.memory, self.device,
+                       f"the local batch plan{what} ({n} clients x {steps:,} steps x batch {width}; {knob}, "
+                       "train.batch_size, engine.chunk_size)")
+
+    def _option_of(self, value: int, otherwise: str) -> str:
+        """The algorithm option(s) holding a phase's step or epoch count ``value`` (e.g. ``algorithm.w_steps``)."""
+        names = [f"algorithm.{k}" for k, v in self.algo.cfg if type(v) is int and v == value]
+        return " or ".join(names) or otherwise
 
     def _check_training_memory(self, g: Group, state_bytes: int) -> None:
         """Every client's persistent state, plus the cohort chunk's parameters, gradients and optimiser state."""
@@ -334,22 +363,18 @@ class Federation:
         return tmap(lambda *ts: torch.stack(ts), *out)
 
     def _check_family(self, cfg: RunConfig, algo_cls) -> None:
-        """Settings that only make sense with clients that keep models of their own."""
-        if cfg.train.warmup_epochs and algo_cls.global_model:
-            raise ConfigError(f"train.warmup_epochs: {cfg.algorithm.name!r} trains one global model, there is no "
-                              "client model to warm up; set it to 0")
-        if algo_cls.needs_warmup and not cfg.train.warmup_epochs:
-            raise ConfigError(f"train.warmup_epochs: {cfg.algorithm.name!r} distils from the model warmed up on the "
-                              "private data (without it, a random model); set it to at least 1")
-        if (algo_cls.exchanges or algo_cls.server_program is not Algorithm.server_program) and cfg.data.public is None:
-            raise ConfigError(f"algorithm {cfg.algorithm.name!r} exchanges outputs on a public stream: set data.public "
-                              "(e.g. {source: noise, size: 5000})")
-        if cfg.eval.cross_clients and not algo_cls.personalized:
-            raise ConfigError(f"eval.cross_clients: {cfg.algorithm.name!r} has no per-client models to cross-test; "
-                              "set it to false")
+        """What the per-client evaluation can only be checked against once the partition is known (the family's
+        config-only settings: ``config.check_family``)."""
+        tested = len(self.split["test"].y) > 0
+        if cfg.eval.cross_clients and not tested:
+            raise ConfigError("eval.cross_clients: the clients have no test splits to cross-test on; set "
+                              "data.client_test (e.g. 0.25)")
         if cfg.eval.cross_clients and self.num_clients > 256:
             raise ConfigError(f"eval.cross_clients: {self.num_clients} clients would test "
                               f"{self.num_clients ** 2:,} model/split pairs every evaluation; at most 256 clients")
+        if cfg.eval.client_test and algo_cls.personalized and not tested:
+            warnings.warn(f"data.client_test: {cfg.algorithm.name!r} is personalized, but the clients have no test "
+                          "splits: no personal accuracy is measured; set data.client_test (e.g. 0.25)", stacklevel=3)
 
     def _build_public(self, cfg: RunConfig, normalize, dev) -> ClientTensors | None:
         """The shared public stream (``data.public``): noise uniform in [0, 1) of the private input shape (in the
@@ -389,7 +414,25 @@ class Federation:
         if cfg.train.rounds > longest * tc.rounds_per_task:
             raise ConfigError(f"train.rounds: the longest client task stream ({longest} tasks of {tc.rounds_per_task} "
                               f"rounds) ends after round {longest * tc.rounds_per_task} (got {cfg.train.rounds})")
+        mc = cfg.exemplar_memory()
+        if mc is not None and mc.total is not None:
+            self._check_memory_total(mc.total, "data.tasks.memory.total" if mc is tc.memory
+                                     else f"algorithm.memory.total of {cfg.algorithm.name}",
+                                     max(len(classes) for st in streams for _, classes, _ in st), longest)
         return [[(t, classes, rows - ptr[k]) for t, classes, rows in st] for k, st in enumerate(streams)]
+
+    @staticmethod
+    def _check_memory_total(total: int, at: str, per_task: int, longest: int) -> None:
+        """A total memory budget is shared equally by the classes a client has met (``memory.per_class_budget``),
+        rounded down: below one sample per class the memory is empty, replay silently off."""
+        if total < per_task:
+            raise ConfigError(f"{at}: {total} shared by the {per_task} classes of a task keeps 0 samples of each: "
+                              f"the memory would stay empty; set at least {per_task} (or use per_class)")
+        full = total // per_task  # the tasks after which a client that met all their classes still keeps some
+        if full < longest - 1:
+            warnings.warn(f"{at}: {total} shared by the classes met keeps 0 samples of each once more than "
+                          f"{full * per_task} are met: the memory is empty from task {full + 2} of {longest} on; "
+                          f"{(longest - 1) * per_task} would keep one of each to the last task", stacklevel=4)
 
     def train_split(self, t: int, memory: bool = True) -> ClientTensors:
         """What clients may train on in round ``t``: their whole train split, or their current task's samples and
