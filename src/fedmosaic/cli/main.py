@@ -90,7 +90,7 @@ def _interrupted(e: KeyboardInterrupt, what: str) -> Stopped:
 
 
 def _run(args) -> None:
-    from ..config import load_config
+    from ..config import advise, load_config
     from ..engine.runner import new_run_dir, not_a_run
     from ..reports.compare import run_all
 
@@ -108,6 +108,7 @@ def _run(args) -> None:
         cfg = load_config(saved[0], args.set, updates)
     else:
         cfg = load_config(_config_path(args.config or "quickstart"), args.set, updates)
+        advise(cfg, compare_given=bool(updates))
     # a new directory is created (reserved) right away, so that runs started together never share one
     out = Path(args.resume or args.out or new_run_dir(args.runs_dir, cfg.name))
     reserved = not (args.resume or args.out)
@@ -296,6 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="fedmosaic", description="Federated learning when clients differ.")
     p.add_argument("--version", action="version", version=f"fedmosaic {__version__}")
     p.add_argument("--data-dir", help="data search path (folders separated by ':'); default $FEDMOSAIC_DATA")
+    p.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                   help="import MODULE first, for the datasets and models it registers (repeatable; also "
+                   "$FEDMOSAIC_PLUGINS and installed 'fedmosaic.plugins' entry points)")
     sub = p.add_subparsers(dest="command")
 
     r = sub.add_parser("run", help="run a config or preset (no argument: the quickstart comparison)")
@@ -356,6 +360,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _load_plugins(args) -> None:
+    """Import the plug-ins (``--plugin``, $FEDMOSAIC_PLUGINS, entry points), and note those that the runs this
+    command reads were made with, so that an unknown dataset or model there names the one to pass."""
+    from .. import plugins
+
+    if os.getcwd() not in sys.path:  # the command's path has its own folder, not the user's: find a module there
+        sys.path.append(os.getcwd())  # as `python -m` would, last, so that it shadows nothing installed
+    plugins.load(args.plugin)
+    plugins.expect([Path(d) for d in [*getattr(args, "runs", []), getattr(args, "resume", None)] if d])
+
+
 def _one_line(text: str) -> str:
     text = " ".join(str(text).split())
     return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
@@ -376,8 +391,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-        if args.command is None:  # bare `fedmosaic` behaves like `fedmosaic run`
-            args = parser.parse_args(["run", *(argv or [])] if argv is not None else ["run"])
+        if args.command is None:  # bare `fedmosaic` (with only global options) behaves like `fedmosaic run`
+            args = parser.parse_args([*(sys.argv[1:] if argv is None else argv), "run"])
     except SystemExit as e:  # --help, --version, or a usage error (already printed in one line)
         return int(e.code or 0) if isinstance(e.code, int) else 2
     from ..paths import set_data_dirs
@@ -395,6 +410,7 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         try:
             with _sigterm_unwinds():
+                _load_plugins(args)
                 status = args.fn(args)
         except FedMosaicError as e:
             if debug:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
+
+from .. import plugins
 from ..errors import ConfigError, DataNotFoundError
 from ..paths import data_dirs
 from .base import ArrayDataset
@@ -66,7 +70,85 @@ def get_spec(name: str) -> DatasetSpec:
     try:
         return REGISTRY[name.lower()]
     except KeyError:
-        raise ConfigError(f"unknown dataset {name!r}; allowed: {', '.join(dataset_names())}") from None
+        raise ConfigError(f"unknown dataset {name!r}{plugins.hint('dataset')}; allowed: {', '.join(dataset_names())}"
+                          ) from None
+
+
+def register_dataset(name: str, x_train, y_train, x_test=None, y_test=None, *, classes: int | list[str] | None = None,
+                     input_shape: tuple[int, ...] | None = None, description: str = "") -> DatasetSpec:
+    """Register arrays as the dataset ``name``: partitioned, normalised, hashed and cached like a built-in one.
+
+    ``x_*``: one row per sample; ``uint8`` images ``(N, C, H, W)`` are pixel values 0..255, anything else becomes
+    float32 features (``(N, D)`` or any shape your model takes); ``input_shape`` reshapes each row (e.g. ``(1, 28,
+    28)`` for flat rows). ``y_*``: integer labels 0..C-1. ``classes``: the class names, or their number C (default:
+    the largest label + 1). Without a test split there is no global test set: evaluate on the clients' own
+    (``data.client_test``). The arrays are copied: changing yours afterwards changes nothing registered.
+    """
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+        raise ConfigError(f"register_dataset: the name {name!r} must be letters, digits, '_', '.' or '-' (at most 64)")
+    if (x_test is None) != (y_test is None):
+        raise ConfigError(f"register_dataset({name!r}): give both x_test and y_test, or neither")
+    where = f"register_dataset({name!r})"
+    xtr, ytr = _inputs(x_train, f"{where}: x_train", input_shape), _labels(y_train, f"{where}: y_train", x_train)
+    xte, yte = (None, None) if x_test is None else (_inputs(x_test, f"{where}: x_test", input_shape),
+                                                     _labels(y_test, f"{where}: y_test", x_test))
+    if xte is not None and (xte.shape[1:] != xtr.shape[1:] or xte.dtype != xtr.dtype):
+        raise ConfigError(f"register_dataset({name!r}): x_test rows are {xte.dtype} {xte.shape[1:]}, x_train rows "
+                          f"{xtr.dtype} {xtr.shape[1:]}; they must match")
+    if classes is None:
+        names = [str(c) for c in range(1 + max(int(y.max()) for y in (ytr, yte) if y is not None and len(y)))]
+    elif type(classes) is int:
+        names = [str(c) for c in range(classes)]
+    elif isinstance(classes, (list, tuple)) and len(set(map(str, classes))) == len(classes):
+        names = [str(c) for c in classes]
+    else:
+        raise ConfigError(f"register_dataset({name!r}): classes must be the number of classes or a list of distinct "
+                          f"names (got {str(classes)[:60]})")
+    if len(names) < 2:
+        raise ConfigError(f"register_dataset({name!r}): needs at least 2 classes (got {len(names)})")
+    for y, what in ((ytr, "y_train"), (yte, "y_test")):
+        if y is not None and len(y) and not (0 <= y.min() and y.max() < len(names)):
+            raise ConfigError(f"register_dataset({name!r}): {what} holds labels {y.min()}..{y.max()}, outside "
+                              f"0..{len(names) - 1} ({len(names)} classes)")
+    key = name.lower()
+    _ensure_loaded()
+    plugins.claim("dataset", key, key in REGISTRY)
+    ds = ArrayDataset(key, xtr, ytr, xte, yte, names, meta={"registered_by": plugins.ORIGINS[("dataset", key)]})
+    spec = DatasetSpec(key, ".", (Layout("arrays", (), lambda _folder: ds),), builtin=True,
+                       description=description or f"{len(ytr)} samples registered by {ds.meta['registered_by']}")
+    REGISTRY[key] = spec  # a name registered again by the same module is replaced (plugins.claim)
+    return spec
+
+
+def _inputs(x, what: str, shape) -> np.ndarray:
+    a = np.asarray(x)
+    if shape is not None:
+        try:
+            a = a.reshape(len(a), *shape)
+        except (ValueError, TypeError):
+            raise ConfigError(f"{what} of shape {a.shape} cannot be read as rows of input_shape "
+                              f"{shape}") from None
+    if a.ndim < 2 or not len(a):
+        raise ConfigError(f"{what} must hold one row per sample, (N, ...) with N >= 1 (got shape "
+                          f"{a.shape}); a single feature per sample is x.reshape(-1, 1)")
+    if a.dtype == np.uint8:
+        return a.copy()
+    if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool) or np.iscomplexobj(a):
+        raise ConfigError(f"{what} must hold real numbers (got dtype {a.dtype})")
+    a = a.astype(np.float32)
+    if not np.isfinite(a).all():
+        raise ConfigError(f"{what} holds NaN or infinite values")
+    return a
+
+
+def _labels(y, what: str, x) -> np.ndarray:
+    a = np.asarray(y)
+    if a.ndim != 1 or len(a) != len(x):
+        raise ConfigError(f"{what} must hold one label per sample, shape ({len(x)},) (got {a.shape})")
+    if not np.issubdtype(a.dtype, np.integer):
+        raise ConfigError(f"{what} must hold integer labels 0..C-1 (got dtype {a.dtype}); for names, "
+                          "classes, y = np.unique(y, return_inverse=True)")
+    return a.astype(np.int64)
 
 
 def find_layout(spec: DatasetSpec) -> tuple[Layout, Path] | None:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .. import __version__
+from .. import __version__, plugins
 from ..config import RunConfig, dump, load_config, yaml_scalar
 from ..data.federated import FederatedData
 from ..errors import FedMosaicError, RunError
@@ -346,6 +346,7 @@ def _meta(cfg: RunConfig, fed: Federation) -> dict:
         "num_clients": fed.num_clients,
         "device": str(fed.device),
         "execution": _executions(fed),
+        "plugins": plugins.used_by(cfg),  # the modules that registered this run's dataset or models
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
 

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from .. import plugins
 from ..errors import ConfigError
 from .base import FedModel, Projected, Wrapped
 from .mobile import MOBILE
+from .plain import Plain
 from .resnet import RESNETS
 from .zoo import MLP, LinearSVM, LogisticRegression, apfl_cnn, cnn4, fedavg_cnn
 
@@ -27,13 +30,33 @@ MODELS: dict[str, ModelFactory] = {
 }
 
 
-def register_model(name: str, factory: ModelFactory | None = None):
-    """Register ``factory(input_shape, num_classes, **options) -> FedModel`` under ``name`` (usable as a decorator)."""
+#: the classifier head of a registered plain nn.Module, where its registration names one
+HEADS: dict[str, str] = {}
+
+
+def register_model(name: str, factory: ModelFactory | None = None, *, head: str | None = None):
+    """Register ``factory(input_shape, num_classes, **options)`` under ``name`` (usable as a decorator).
+
+    The factory returns a FedModel, or any plain ``nn.Module`` (e.g. the class itself): its classifier head is then
+    the sub-module named ``head``, by default its last ``nn.Linear`` with one output per class, and its feature is
+    that head's input. Registering a name again from the same module replaces it (a notebook cell run twice)."""
 
     def _add(f: ModelFactory) -> ModelFactory:
-        if name in MODELS:
-            raise ValueError(f"model {name!r} is already registered")
+        try:  # refused here, not in round 0: the engine calls it with these two arguments
+            inspect.signature(f).bind((1,), 2)
+        except TypeError:
+            what = getattr(f, "__name__", type(f).__name__)
+            raise ConfigError(f"register_model({name!r}): the engine calls {what}(input_shape, num_classes, "
+                              f"**options), which it does not accept; register a factory such as "
+                              f"`lambda input_shape, num_classes: {what}(...)`") from None
+        except ValueError:  # no signature to inspect (a builtin): the probe in build_model will tell
+            pass
+        plugins.claim("model", name, name in MODELS)
         MODELS[name] = f
+        if head is None:
+            HEADS.pop(name, None)
+        else:
+            HEADS[name] = head
         return f
 
     return _add(factory) if factory is not None else _add
@@ -48,22 +71,29 @@ def build_model(name: str, input_shape, num_classes: int, **options) -> FedModel
 
     Whatever cannot work is a one-line ConfigError: an unknown name, options the factory refuses, a model that is not
     a FedModel, or one that cannot take the input (e.g. a CNN whose pooling shrinks an 8x8 image to nothing) or does
-    not return ``num_classes`` logits and ``feature_dim`` features; the model is tried on two zero inputs.
+    not return ``num_classes`` logits and ``feature_dim`` features; the model is tried on two fixed random inputs.
     """
     shape = tuple(input_shape)
     where = f"model {name!r}" + (f" with options {options}" if options else "")
     model = _construct(name, shape, num_classes, options, where)
     device = next((t.device for t in [*model.parameters(), *model.buffers()]), torch.device("cpu"))
+    # a fixed random probe, not zeros: on zeros a head followed by more layers could still match (Plain.check)
+    probe = torch.randn(2, *shape, generator=torch.Generator().manual_seed(0)).to(device)
     training = model.training
     try:
         model.eval()  # BatchNorm must not update its statistics on the probe
         with torch.no_grad():
-            z, logits = model(torch.zeros(2, *shape, device=device), with_features=True)
+            z, logits = model(probe, with_features=True)
+            if isinstance(model, Plain):
+                model.check(z, logits)
     except NotImplementedError:
         return model.train(training)  # an op without a meta kernel: the real forward will tell
+    except ConfigError:
+        raise
     except (TypeError, ValueError, RuntimeError, IndexError) as e:
         raise ConfigError(f"{where} cannot take inputs of shape {shape}: {_first_line(e)}") from None
-    model.train(training)
+    finally:
+        model.train(training)
     if tuple(logits.shape) != (2, num_classes) or tuple(z.shape) != (2, model.feature_dim):
         raise ConfigError(f"{where}: on inputs of shape {shape} it gives logits {tuple(logits.shape[1:])} and "
                           f"features {tuple(z.shape[1:])}, expected ({num_classes},) and ({model.feature_dim},)")
@@ -72,7 +102,7 @@ def build_model(name: str, input_shape, num_classes: int, **options) -> FedModel
 
 def _construct(name: str, shape: tuple, num_classes: int, options: dict, where: str) -> FedModel:
     if name not in MODELS:
-        raise ConfigError(f"model.name: unknown {name!r}; allowed: {', '.join(sorted(MODELS))}")
+        raise ConfigError(f"model.name: unknown {name!r}{plugins.hint('model')}; allowed: {', '.join(sorted(MODELS))}")
     options = dict(options)
     project = options.pop("project", None)
     if project is not None and (type(project) is not int or not 1 <= project <= 1 << 20):
@@ -81,8 +111,10 @@ def _construct(name: str, shape: tuple, num_classes: int, options: dict, where: 
         model = MODELS[name](shape, num_classes, **options)
     except (TypeError, ValueError, RuntimeError) as e:
         raise ConfigError(f"{where}: {_first_line(e)}") from None
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"{where}: its factory returned a {type(model).__name__}, not an nn.Module")
     if not isinstance(model, FedModel):
-        raise ConfigError(f"model {name!r} must return a FedModel (features/head); wrap it with fedmosaic.models.Wrapped")
+        model = Plain(model, num_classes, HEADS.get(name), name, where)
     return model if project is None else Projected(model, project, num_classes)
 
 

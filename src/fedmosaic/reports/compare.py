@@ -7,10 +7,12 @@ import re
 import warnings
 from pathlib import Path
 
+import numpy as np
+
 from ..config import RunConfig, dump, load_config
 from ..data.federated import build
-from ..engine.federation import data_spec
-from ..engine.runner import check_out, claim, config_changes, read_metrics, run, summarize, unclaimed
+from ..engine.federation import Federation, data_spec
+from ..engine.runner import check_out, claim, config_changes, read_metrics, run, run_hash, summarize, unclaimed
 from ..errors import FedMosaicError
 from ..files import atomic_write, remove_temp_files
 from .plots import accuracy_matrix, accuracy_per_task, cross_heatmap, learning_curves
@@ -49,9 +51,10 @@ def dir_name(label: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label).strip("_")
 
 
-def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = False, progress: bool = True
+def run_all(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = False, progress: bool = True
             ) -> list[dict]:
     """Run ``cfg`` (each of its ``compare`` variants in a sub-directory); write table, JSON and learning curves."""
+    out = Path(out)
     variants = cfg.variants()
     if len(variants) == 1:  # one algorithm: the variant, which is cfg itself or the one `compare:` names
         summaries = [run(variants[0], out, resume=resume, amend=amend, progress=progress)]
@@ -63,6 +66,11 @@ def run_all(cfg: RunConfig, out: Path, *, resume: bool = False, amend: bool = Fa
             changes = config_changes(load_config(out / "comparison.yaml"), cfg, out / "comparison.yaml", amend)
             remove_temp_files(out)  # a table or plot whose writing was killed
         fd = build(data_spec(cfg))  # one partition for all: same clients, same samples
+        if not resume:  # what only the partition tells (a variant's memory budget, batch plan): before any runs
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # each variant warns when it runs
+                for v in variants[1:]:
+                    Federation(v, fd)
         created = not out.exists()
         try:
             out.mkdir(parents=True, exist_ok=True)
@@ -127,13 +135,26 @@ def _variant_dirs(d: Path, notes: list[str]) -> list[Path]:
     return [p for p in expected if p in found] + [p for p in found if p not in expected]
 
 
-def from_runs(dirs: list[Path], upto: int | None = None) -> tuple[list[dict], dict[str, list[dict]], list[str]]:
+def _run_dirs(d: Path, notes: list[str]) -> list[Path]:
+    """The run directories ``d`` stands for: a seeds directory its seeds' runs (or comparisons' variants), by seed."""
+    if not (d / "seeds.yaml").is_file():
+        return _variant_dirs(d, notes)
+    subs = sorted((p for p in d.glob("seed_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    return [v for sub in subs for v in _variant_dirs(sub, notes)]
+
+
+def from_runs(dirs: list[Path], upto: int | None = None
+              ) -> tuple[list[dict], dict[str, list[dict] | list[list[dict]]], list[str]]:
     """Summaries and curves of existing run directories (finished or interrupted), over their first ``upto``
-    rounds when given, so that runs stopped at different rounds are compared at the same one. Also returns
-    warnings: runs on different partitions, or shorter than ``upto``, are not a like-for-like comparison."""
-    summaries, curves, hashes, notes = [], {}, {}, []
-    dirs = [v for d in dirs for v in _variant_dirs(d, notes)]
-    for d in dirs:
+    rounds when given, so that runs stopped at different rounds are compared at the same one. Runs whose configs
+    differ only in the seed are one method: its summary is the mean ± std over them (``over_seeds``) and its
+    curves a list, one per seed. Also returns warnings: runs of one seed on different partitions, or shorter
+    than ``upto``, are not a like-for-like comparison."""
+    notes: list[str] = []
+    groups: dict[str, list[tuple[int, dict, list[dict]]]] = {}  # per method: (seed, summary, records)
+    names: dict[str, str] = {}  # per method its name in the table
+    partitions: dict[int, dict[str, str | None]] = {}  # per seed: per method its partition's hash
+    for d in (v for d in dirs for v in _run_dirs(d, notes)):
         if not (d / "config.yaml").is_file():
             raise FedMosaicError(f"{d} is not a run directory (no config.yaml)")
         cfg = load_config(d / "config.yaml")
@@ -144,23 +165,86 @@ def from_runs(dirs: list[Path], upto: int | None = None) -> tuple[list[dict], di
             if len(records) < upto:
                 notes.append(f"{d} has only {len(records)} rounds (< {upto})")
             records = records[:upto]
-        name = cfg.name if cfg.name not in curves else str(d)
-        summaries.append({**summarize(records, cfg), "name": name})
-        curves[name] = records
+        key = cfg.name + "\0" + run_hash(cfg.model_copy(update={
+            "seed": 0, "data": cfg.data.model_copy(update={"seed": None})}))
+        if any(seed == cfg.seed for seed, _, _ in groups.get(key, ())):
+            key += "\0" + str(d)  # the same run twice is not a second seed
+        if key not in names:
+            names[key] = cfg.name if cfg.name not in names.values() else str(d)
+        groups.setdefault(key, []).append((cfg.seed, {**summarize(records, cfg), "name": names[key]}, records))
         try:
-            hashes[name] = json.loads((d / "meta.json").read_text()).get("data_hash")
+            data_hash = json.loads((d / "meta.json").read_text()).get("data_hash")
         except (OSError, ValueError, AttributeError):
-            hashes[name] = None
+            data_hash = None
             notes.append(f"{d}/meta.json is missing or damaged: cannot tell which partition the run used")
-    if len(set(hashes.values())) > 1:
-        notes.append("the runs use different partitions (data hashes differ): " +
-                     ", ".join(f"{n} {str(h)[:10]}" for n, h in hashes.items()))
+        partitions.setdefault(cfg.seed, {})[names[key]] = data_hash
+    for seed, hashes in partitions.items():
+        if len(set(hashes.values())) > 1:
+            notes.append(f"the runs of seed {seed} use different partitions (data hashes differ): " +
+                         ", ".join(f"{n} {str(h)[:10]}" for n, h in hashes.items()))
+    summaries, curves = [], {}
+    for key, runs in groups.items():
+        name = names[key]
+        if len(runs) == 1:
+            summaries.append(runs[0][1])
+            curves[name] = runs[0][2]
+        else:
+            summaries += over_seeds({name: [s for _, s, _ in runs]})
+            curves[name] = [r for _, _, r in runs]
     return summaries, curves, notes
 
 
-def table(summaries: list[dict]) -> str:
+def over_seeds(groups: dict[str, list[dict]]) -> list[dict]:
+    """One summary per method from the summaries of its seeds: every number of the table as the mean over the
+    seeds, with its sample standard deviation (n − 1) under ``<key>_std``; ``seeds``: how many. Lists (the
+    accuracy after each task) are averaged element-wise where the seeds agree in length."""
+    out = []
+    for name, runs in groups.items():
+        agg: dict = {"name": name, "algorithm": runs[0].get("algorithm"), "seeds": len(runs)}
+        for key in dict.fromkeys(k for s in runs for k in s):
+            vals = [s.get(key) for s in runs]
+            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+                agg[key] = float(np.mean(vals))
+                agg[f"{key}_std"] = float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
+            elif key == "continual_seen" and all(isinstance(v, list) and len(v) == len(vals[0]) for v in vals):
+                agg[key] = np.mean(vals, axis=0).tolist()
+                agg[f"{key}_std"] = (np.std(vals, axis=0, ddof=1) if len(vals) > 1 else np.zeros(len(vals[0]))).tolist()
+            elif key == "terms_last" and all(isinstance(v, dict) for v in vals):
+                agg[key] = {n: float(np.mean([v[n] for v in vals if n in v])) for n in vals[0]}
+        out.append(agg)
+    return out
+
+
+def _cells(summaries: list[dict], pm: str = " ± ") -> list[list[str]]:
+    """Header and rows of the table: the columns some summary has; mean ± std where a summary is over seeds."""
     cols = [(h, k, f) for h, k, f in COLUMNS if any(k in s for s in summaries)]
-    rows = [[h for h, _, _ in cols]] + [[f.format(s[k]) if k in s else "-" for _, k, f in cols] for s in summaries]
+    if any(s.get("seeds", 1) > 1 for s in summaries):
+        cols.insert(1, ("seeds", "seeds", "{}"))
+
+    def cell(s: dict, k: str, f: str) -> str:
+        if k not in s:
+            return "-"
+        if k == "rounds" and float(s[k]).is_integer():
+            return str(int(s[k]))
+        std = s.get(f"{k}_std")
+        return f.format(s[k]) + (f"{pm}{f.format(std)}" if std is not None and s.get("seeds", 1) > 1 else "")
+
+    return [[h for h, _, _ in cols]] + [[cell(s, k, f) for _, k, f in cols] for s in summaries]
+
+
+def table(summaries: list[dict], fmt: str = "text") -> str:
+    """The summary table as aligned text, a Markdown table or a LaTeX tabular (booktabs)."""
+    if fmt == "latex":
+        rows = _cells(summaries, pm="\0")  # a placeholder, so that escaping leaves the ± alone
+        esc = lambda c: re.sub(r"([%&_#${}])", r"\\\1", c).replace("\0", r" $\pm$ ")  # noqa: E731
+        body = [" & ".join(map(esc, r)) + r" \\" for r in rows]
+        return "\n".join([r"\begin{tabular}{l" + "r" * (len(rows[0]) - 1) + "}", r"\toprule", body[0], r"\midrule",
+                          *body[1:], r"\bottomrule", r"\end{tabular}"])
+    rows = _cells(summaries)
+    if fmt == "markdown":
+        lines = ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows]
+        lines.insert(1, "|" + "|".join(":---" if i == 0 else "---:" for i in range(len(rows[0]))) + "|")
+        return "\n".join(lines)
     return _aligned(rows)
 
 

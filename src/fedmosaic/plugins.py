@@ -1,0 +1,101 @@
+"""Plug-ins: modules that register datasets and models (``register_dataset``, ``register_model``) when imported, so
+that the command line sees what a Python script registered.
+
+A plug-in is loaded by ``fedmosaic --plugin MODULE`` (repeatable), by ``$FEDMOSAIC_PLUGINS`` (module names separated
+by commas or ``os.pathsep``) and by the entry-point group ``fedmosaic.plugins`` of installed packages. Every
+registration remembers the module whose code made it; a run records the modules of the names it uses in its
+``meta.json`` (``used_by``), so that ``report`` or ``--resume`` of it without them says which ``--plugin`` to pass.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+
+from .errors import ConfigError
+
+ENV = "FEDMOSAIC_PLUGINS"
+GROUP = "fedmosaic.plugins"
+
+#: (kind, name) -> the module that registered it ("__main__": a script, which no --plugin can load again)
+ORIGINS: dict[tuple[str, str], str] = {}
+#: the plug-ins that the run directories being read were made with (``expect``), in order
+RECORDED: dict[str, None] = {}
+
+
+def caller() -> str:
+    """The module, outside fedmosaic, whose code is registering."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "fedmosaic":
+        frame = frame.f_back
+    return "__main__" if frame is None else frame.f_globals.get("__name__", "__main__")
+
+
+def claim(kind: str, name: str, taken: bool) -> None:
+    """Record who registers ``name``. A built-in name is refused, and so is a name another module registered (two
+    plug-ins would silently run whichever was imported last); the same module may register it again (a notebook
+    cell run twice, a reloaded module)."""
+    origin, before = caller(), ORIGINS.get((kind, name))
+    if taken and before is None:
+        raise ConfigError(f"register_{kind}({name!r}): a built-in {kind} has that name; choose another")
+    if taken and before != origin:
+        raise ConfigError(f"register_{kind}({name!r}): already registered by {before}; choose another name")
+    ORIGINS[(kind, name)] = origin
+
+
+def load(names: list[str] = ()) -> None:
+    """Import the plug-ins ``names`` (``--plugin``), those of ``$FEDMOSAIC_PLUGINS`` and the installed entry points
+    of the group ``fedmosaic.plugins``. One that cannot be imported is one line naming it."""
+    env = [n.strip() for n in re.split(f"[,{re.escape(os.pathsep)}]", os.environ.get(ENV, "")) if n.strip()]
+    for name in dict.fromkeys([*names, *env]):
+        if name.endswith(".py") or os.sep in name:
+            raise ConfigError(f"plugin {name!r}: give the module's name ({Path(name).stem}), not its file")
+        _import(f"plugin {name!r}", lambda n=name: importlib.import_module(n))
+    for ep in entry_points(group=GROUP):
+        dist = getattr(ep.dist, "name", "an installed package")
+        _import(f"plugin {ep.value!r} (entry point {ep.name!r} of {dist})", ep.load)
+
+
+def _import(what: str, do) -> None:
+    try:
+        do()
+    except Exception as e:  # whatever the module raises while importing: it is the user's code, named in one line
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError(f"{what}: cannot import it: {type(e).__name__}: {first}") from None
+
+
+def used_by(cfg) -> list[str]:
+    """The modules that registered the datasets and models ``cfg`` uses (for the run's meta.json)."""
+    names = [("dataset", cfg.data.dataset.lower()), ("model", cfg.model.name),
+             *(("model", a.name) for a in cfg.model.heterogeneous or [])]
+    if cfg.data.public is not None:
+        names.append(("dataset", cfg.data.public.source.lower()))
+    return sorted({ORIGINS[n] for n in names if n in ORIGINS})
+
+
+def expect(dirs: list[Path]) -> None:
+    """Note the plug-ins the runs in ``dirs`` (a run, a comparison's variants, its seeds) were made with."""
+    for d in dirs:
+        for meta in [d / "meta.json", *d.glob("*/meta.json"), *d.glob("*/*/meta.json")]:
+            try:
+                found = json.loads(meta.read_text()).get("plugins") or []
+            except (OSError, ValueError, AttributeError):
+                continue  # a damaged meta.json: reading the run says so
+            if isinstance(found, list):
+                RECORDED.update(dict.fromkeys(m for m in found if isinstance(m, str)))
+
+
+def hint(kind: str) -> str:
+    """What to add to "unknown dataset/model": the plug-in the run was made with, or how to pass one."""
+    missing = [m for m in RECORDED if m == "__main__" or m not in sys.modules]
+    if "__main__" in missing:
+        return (f" (the run was made with a {kind} that a script registered: move its register_{kind} call into a "
+                "module and pass --plugin MODULE)")
+    if missing:
+        return f" (the run was made with plugin {', '.join(missing)}: pass --plugin {' --plugin '.join(missing)})"
+    return " (registered in Python? pass its module: --plugin MODULE)"
