@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import plugins
-from .config import RunConfig, load_config
+from .config import RunConfig, advise, load_config
 from .data.registry import register_dataset
 from .engine.runner import new_run_dir, read_metrics, summarize
 from .errors import ConfigError, FedMosaicError
@@ -33,6 +33,8 @@ class Result:
     metrics: list[dict]
     dir: Path
     config: RunConfig
+    #: with ``seeds``: one Result per seed; ``summary`` is then their mean ± std (``<key>_std``), ``metrics`` empty
+    seeds: tuple[Result, ...] = ()
 
     @classmethod
     def load(cls, run_dir: str | Path) -> Result:
@@ -56,51 +58,63 @@ class Result:
         return f"Result({self.name!r}, rounds={self.summary['rounds']}, accuracy={acc}, dir={str(self.dir)!r})"
 
 
-def run(config, out: str | Path | None = None, *, resume: bool = False, amend: bool = False, progress: bool = True
-        ) -> Result:
-    """Run one algorithm (``config``'s) in ``out`` (default: a new directory under ./runs, as the CLI names it).
+def run(config, out: str | Path | None = None, *, seeds: list[int] | None = None, resume: bool = False,
+        amend: bool = False, progress: bool = True) -> Result:
+    """Run one algorithm (``config``'s) in ``out`` (default: a new directory under ./runs, as the CLI names it),
+    once per seed of ``seeds`` if given (see ``compare``).
     ``resume=True`` continues ``out`` from its last checkpoint: give its saved config (``out / "config.yaml"``), or
     with ``amend=True`` one that changes what the CLI's ``--amend`` may (e.g. more rounds)."""
     cfg = _config(config)
     if len(cfg.variants()) > 1:
         raise ConfigError(f"run: the config compares {len(cfg.variants())} algorithms (compare:); use "
                           "fedmosaic.compare for it")
-    return compare(cfg, out=out, resume=resume, amend=amend, progress=progress)[0]
+    return compare(cfg, out=out, seeds=seeds, resume=resume, amend=amend, progress=progress)[0]
 
 
 def compare(config, algorithms: list[str | dict] | None = None, out: str | Path | None = None, *,
-            resume: bool = False, amend: bool = False, progress: bool = True) -> list[Result]:
+            seeds: list[int] | None = None, resume: bool = False, amend: bool = False, progress: bool = True
+            ) -> list[Result]:
     """Run several algorithms on the same partition, cohorts and batches; one Result per algorithm, in order.
 
     ``algorithms``: names or ``"name:key=value,..."`` as the CLI's ``--algorithms`` (``"fedprox:mu=0.1"``), or dicts
-    (``{"name": "fedprox", "mu": 0.1}``); default: the config's ``compare`` section. ``out`` as for ``run``; a
-    comparison is resumed from its ``out / "comparison.yaml"``."""
-    cfg = _config(config, algorithms)
+    (``{"name": "fedprox", "mu": 0.1}``); default: the config's ``compare`` section. ``seeds``: run everything once
+    per seed (as ``--seeds``); each Result then holds the mean ± std over them and the per-seed Results. ``out`` as
+    for ``run``; a comparison is resumed from its ``out / "comparison.yaml"`` (over seeds: ``seeds.yaml``)."""
+    cfg = _config(config, algorithms, seeds)
+    if not resume:
+        advise(cfg, compare_given=algorithms is not None)
     reserved = out is None
     out = new_run_dir("runs", cfg.name) if reserved else Path(out)
     try:
-        run_all(cfg, out, resume=resume, amend=amend, progress=progress)
+        summaries = run_all(cfg, out, resume=resume, amend=amend, progress=progress)
     finally:
         if reserved and out.is_dir() and not any(out.iterdir()):
             out.rmdir()  # failed before writing anything: leave no empty run directory (as the CLI)
     variants = cfg.variants()
-    return [Result.load(out if len(variants) == 1 else out / dir_name(v.name)) for v in variants]
+
+    def where(base: Path, v: RunConfig) -> Path:
+        return base if len(variants) == 1 else base / dir_name(v.name)
+
+    if not cfg.seeds:
+        return [Result.load(where(out, v)) for v in variants]
+    return [Result(v.name, s, [], out, cfg, tuple(Result.load(where(out / f"seed_{seed}", v)) for seed in cfg.seeds))
+            for v, s in zip(variants, summaries, strict=True)]
 
 
-def _config(config, algorithms: list[str | dict] | None = None) -> RunConfig:
+def _config(config, algorithms: list[str | dict] | None = None, seeds: list[int] | None = None) -> RunConfig:
     """A validated config from any of the accepted forms, the algorithms to compare replacing its own."""
     from .cli.main import _algorithm_spec, _config_path
 
     plugins.load()  # $FEDMOSAIC_PLUGINS and installed plug-ins, as the CLI sees them
-    updates = None
+    updates: dict = {} if seeds is None else {"seeds": list(seeds)}
     if algorithms is not None:
         if isinstance(algorithms, (str, dict)) or not algorithms:
             raise ConfigError("algorithms: a non-empty list of names or dicts, e.g. ['fedavg', 'fedprox:mu=0.1']")
-        updates = {"compare": [copy.deepcopy(a) if isinstance(a, dict) else _algorithm_spec(a) for a in algorithms]}
+        updates["compare"] = [copy.deepcopy(a) if isinstance(a, dict) else _algorithm_spec(a) for a in algorithms]
     if isinstance(config, (str, Path)):
         return load_config(_config_path(str(config)), updates=updates)
     if isinstance(config, RunConfig):
         config = config.model_dump(mode="json")
     if not isinstance(config, dict):
         raise ConfigError(f"config: a dict, a YAML file, a preset name or a RunConfig (got {type(config).__name__})")
-    return load_config(None, updates={**copy.deepcopy(config), **(updates or {})})
+    return load_config(None, updates={**copy.deepcopy(config), **updates})

@@ -227,6 +227,8 @@ class EvalConfig(Schema):
     cross_clients: bool = Field(
         False, description="the K x K matrix of client i's model on client j's test split, with intra-domain "
         "(diagonal) and inter-domain (off-diagonal) accuracy (personalized and model-heterogeneous algorithms)")
+    tensorboard: bool = Field(False, description="also write every round's numbers as TensorBoard event files in "
+                              "<run>/tensorboard (needs the tensorboard package: pip install 'fedmosaic[tensorboard]')")
 
 
 class RunConfig(Schema):
@@ -243,6 +245,17 @@ class RunConfig(Schema):
         None, min_length=1,
         description="run these algorithms on the same partition, cohorts and batches and compare them"
     )
+    seeds: list[int] | None = Field(
+        None, min_length=1, max_length=1000,
+        description="run (or compare) once per seed, each in <out>/seed_<s> with seed: s (and its own partition "
+        "unless data.seed is set); the table gives the mean ± std over the seeds, the curves a band")
+
+    @field_validator("seeds")
+    @classmethod
+    def _seeds(cls, v):
+        if v is not None and (len(set(v)) != len(v) or min(v) < 0 or max(v) > MAX_SEED):
+            raise ValueError(f"must be distinct seeds in [0, {MAX_SEED}] (got {short_repr(v)})")
+        return v
 
     @field_validator("name")
     @classmethod
@@ -273,6 +286,10 @@ class RunConfig(Schema):
         names = [n if names.count(n) == 1 else f"{n}#{names[:i].count(n) + 1}" for i, n in enumerate(names)]
         names = [_BAD_NAME.sub("_", n)[:MAX_NAME_BYTES] for n in names]  # labels stay valid run names
         return [self.model_copy(update={"algorithm": a, "compare": None, "name": n}) for a, n in zip(self.compare, names)]
+
+    def with_seed(self, seed: int) -> RunConfig:
+        """This config for one of its ``seeds``."""
+        return self.model_copy(update={"seed": seed, "seeds": None})
 
     def exemplar_memory(self) -> MemoryConfig | None:
         """The run's exemplar memory: the algorithm's own choice (``algorithm.memory``), else data.tasks.memory."""

@@ -95,20 +95,22 @@ def _run(args) -> None:
     from ..reports.compare import run_all
 
     algorithms = getattr(args, "algorithms", None)
-    updates = {"compare": [_algorithm_spec(a) for a in algorithms]} if algorithms else None
+    updates = {"compare": [_algorithm_spec(a) for a in algorithms]} if algorithms else {}
+    if args.seeds:
+        updates["seeds"] = args.seeds
     if args.amend and not args.resume:
         raise FedMosaicError("--amend: only with --resume RUN_DIR (it changes a run that exists)")
     if args.resume:
         if args.out or args.config:
             raise FedMosaicError("--resume: the run directory has its config; give no config file or --out with it")
         out = Path(args.resume)
-        saved = [out / f for f in ("comparison.yaml", "config.yaml") if (out / f).is_file()]
+        saved = [out / f for f in ("seeds.yaml", "comparison.yaml", "config.yaml") if (out / f).is_file()]
         if not saved:
-            raise FedMosaicError(not_a_run(out, "config.yaml or comparison.yaml"))
+            raise FedMosaicError(not_a_run(out, "config.yaml, comparison.yaml or seeds.yaml"))
         cfg = load_config(saved[0], args.set, updates)
     else:
         cfg = load_config(_config_path(args.config or "quickstart"), args.set, updates)
-        advise(cfg, compare_given=bool(updates))
+        advise(cfg, compare_given="compare" in updates)
     # a new directory is created (reserved) right away, so that runs started together never share one
     out = Path(args.resume or args.out or new_run_dir(args.runs_dir, cfg.name))
     reserved = not (args.resume or args.out)
@@ -117,7 +119,7 @@ def _run(args) -> None:
     started = lambda: any((out / f).exists() for f in ("config.yaml", "comparison.yaml"))  # noqa: E731
 
     def where() -> str:  # what the user can do with what is in `out`
-        if any(p.is_file() and p.stat().st_size for p in (out / "metrics.jsonl", *out.glob("*/metrics.jsonl"))):
+        if any(p.is_file() and p.stat().st_size for p in out.rglob("metrics.jsonl")):
             return f"finished rounds are saved in {out}: continue with `{resume_cmd}`"
         return f"no round had finished yet: `{resume_cmd}` starts it" if started() else \
             "no round had finished, nothing was kept"
@@ -313,6 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--amend", action="store_true",
                        help="with --resume: let --set change the learning rate, rounds, evaluation or engine settings "
                        "from the next round on (recorded in meta.json), e.g. after a divergence")
+        q.add_argument("--seeds", nargs="+", type=_at_least(0), metavar="SEED",
+                       help="run once per seed (each in <out>/seed_<s>); the table gives mean ± std, the curves a band")
         q.add_argument("--no-progress", action="store_true", help="no progress bar")
         q.set_defaults(fn=_run)
     c.add_argument("--algorithms", nargs="+", required=True, metavar="NAME[:K=V,...]",

@@ -8,6 +8,7 @@ with exactly the metrics of an uninterrupted run (timing fields aside).
 from __future__ import annotations
 
 import contextlib
+import csv
 import hashlib
 import io
 import json
@@ -33,7 +34,8 @@ from .federation import Federation, NonFiniteLoss
 TIMING_KEYS = ("time_round_s", "time_eval_s")
 KEEP_CHECKPOINTS = 2
 #: What ``--amend`` may change when resuming: settings that shape the rounds still to come, not the ones done.
-AMENDABLE = ("train.rounds", "train.optimizer.lr", "train.optimizer.lr_decay", "eval", "checkpoint_every", "engine")
+AMENDABLE = ("train.rounds", "train.optimizer.lr", "train.optimizer.lr_decay", "eval", "checkpoint_every", "engine",
+             "seeds")
 
 
 def new_run_dir(root: str | Path, name: str) -> Path:
@@ -368,6 +370,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         if not (out / "config.yaml").is_file():
             raise FedMosaicError(not_a_run(out))
         changes = config_changes(load_config(out / "config.yaml"), cfg, out / "config.yaml", amend)
+    if cfg.eval.tensorboard:
+        tensorboard_writer()
     fed = Federation(cfg, fd)  # before creating anything: a config or data error leaves no empty run directory
     print(f"fedmosaic: execution: {fed.execution}", flush=True)  # stdout: stderr is for warnings and errors
     created, claimed = not out.exists(), False
@@ -482,7 +486,11 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
             stop_after: int | None) -> dict:
     rounds = cfg.train.rounds
     bar = _progress(range(start, rounds), cfg.name, progress, start, rounds)
-    with open(out / "metrics.jsonl", "a") as metrics, _stop_between_rounds() as stop:
+    # TensorBoard, step = rounds done: the events of rounds from `start` on (recomputed after a crash) replace those
+    # written before
+    board = tensorboard_writer()(str(out / "tensorboard"), purge_step=start + 1) if cfg.eval.tensorboard else None
+    with open(out / "metrics.jsonl", "a") as metrics, _stop_between_rounds() as stop, \
+            contextlib.closing(board) if board else contextlib.nullcontext():
         for t in bar:
             t0 = time.perf_counter()
             try:
@@ -504,8 +512,13 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
             metrics.write(json.dumps(rec) + "\n")
             metrics.flush()
             records.append(rec)
+            if board is not None:
+                for tag, value in scalars(rec, "/").items():
+                    board.add_scalar(tag, value, global_step=t + 1)
+                board.flush()
             if (t + 1) % cfg.checkpoint_every == 0 or t == rounds - 1 or stop.asked:
                 _save_checkpoint(out, fed, t)
+                write_csv(out / "metrics.csv", records)
             stop.now()  # a stop asked during the round: it is saved, stop here
             if hasattr(bar, "set_postfix"):
                 bar.set_postfix(_postfix(rec), refresh=False)
@@ -514,6 +527,44 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
     summary = summarize(records, cfg)
     atomic_write(out / "summary.json", json.dumps(summary, indent=2).encode())
     return summary
+
+
+def scalars(rec: dict, sep: str = ".", at: str = "") -> dict[str, float]:
+    """The numbers of a metrics record by their path (``global.acc``, ``continual.tasks.0``, ``terms.kd``); the
+    per-class accuracies and the cross-client matrix are left out (too wide for one row)."""
+    out: dict[str, float] = {}
+    items = rec.items() if isinstance(rec, dict) else enumerate(rec)
+    for k, v in items:
+        key = f"{at}{sep}{k}" if at else str(k)
+        if k in ("class_acc", "matrix", "names", "intra", "inter"):
+            continue
+        if isinstance(v, (dict, list)):
+            out.update(scalars(v, sep, key))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[key] = v
+    return out
+
+
+def write_csv(path: Path, records: list[dict]) -> Path:
+    """metrics.jsonl as a table, one row per round (``scalars``), for spreadsheets and pandas."""
+    rows = [scalars(r) for r in records]
+    cols = list(dict.fromkeys(k for r in rows for k in r))
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, cols, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return atomic_write(path, buf.getvalue().encode())
+
+
+def tensorboard_writer():
+    """torch's SummaryWriter (the tensorboard package's event writer, no TensorFlow), or one line saying what to
+    install."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        raise FedMosaicError("eval.tensorboard: needs the tensorboard package: pip install 'fedmosaic[tensorboard]' "
+                             "(or set it to false)") from None
+    return SummaryWriter
 
 
 class _Stop:

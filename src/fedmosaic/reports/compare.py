@@ -15,7 +15,7 @@ from ..engine.federation import Federation, data_spec
 from ..engine.runner import check_out, claim, config_changes, read_metrics, run, run_hash, summarize, unclaimed
 from ..errors import FedMosaicError
 from ..files import atomic_write, remove_temp_files
-from .plots import accuracy_matrix, accuracy_per_task, cross_heatmap, learning_curves
+from .plots import accuracy_matrix, accuracy_per_task, cross_heatmap, learning_curves, method_colors
 
 COLUMNS = (
     ("algorithm", "name", "{}"),
@@ -53,33 +53,19 @@ def dir_name(label: str) -> str:
 
 def run_all(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = False, progress: bool = True
             ) -> list[dict]:
-    """Run ``cfg`` (each of its ``compare`` variants in a sub-directory); write table, JSON and learning curves."""
+    """Run ``cfg`` (each of its ``compare`` variants in a sub-directory, each of its ``seeds`` in ``seed_<s>``);
+    write the table (JSON, Markdown, LaTeX) and the plots. Returns one summary per method (over the seeds: mean
+    and std, ``over_seeds``)."""
     out = Path(out)
+    if cfg.seeds:
+        return _run_seeds(cfg, out, resume=resume, amend=amend, progress=progress)
     variants = cfg.variants()
+    colors = method_colors([v.name for v in variants])
     if len(variants) == 1:  # one algorithm: the variant, which is cfg itself or the one `compare:` names
         summaries = [run(variants[0], out, resume=resume, amend=amend, progress=progress)]
         curves = {variants[0].name: read_metrics(out)}
     else:
-        check_out(out, resume)
-        changes = {}
-        if resume:  # the variants check their own configs; this checks (and records) the comparison's
-            changes = config_changes(load_config(out / "comparison.yaml"), cfg, out / "comparison.yaml", amend)
-            remove_temp_files(out)  # a table or plot whose writing was killed
-        fd = build(data_spec(cfg))  # one partition for all: same clients, same samples
-        if not resume:  # what only the partition tells (a variant's memory budget, batch plan): before any runs
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # each variant warns when it runs
-                for v in variants[1:]:
-                    Federation(v, fd)
-        created = not out.exists()
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            if not resume:
-                claim(out / "comparison.yaml", dump(cfg))
-            elif changes:
-                atomic_write(out / "comparison.yaml", dump(cfg).encode())
-        except OSError as e:
-            raise FedMosaicError(f"cannot write the run directory {out}: {e.strerror or e}") from None
+        fd, created = _claim_comparison(cfg, out, "comparison.yaml", resume, amend)
         summaries, curves = [], {}
         try:
             for v in variants:
@@ -88,14 +74,8 @@ def run_all(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: boo
                                      progress=progress, fd=fd))
                 curves[v.name] = read_metrics(sub)
         except FedMosaicError:
-            # a config error before any variant ran: leave no half-made comparison directory behind
-            if not resume and [p.name for p in out.iterdir()] == ["comparison.yaml"]:
-                (out / "comparison.yaml").unlink()
-                if created:
-                    out.rmdir()
+            _unclaim(out, "comparison.yaml", resume, created)
             raise
-    atomic_write(out / "comparison.json", json.dumps(summaries, indent=2).encode())
-    learning_curves(curves, out / "learning_curves.png", title=f"{cfg.name}: {cfg.data.dataset}")
     for (name, recs), s in zip(curves.items(), summaries, strict=True):  # per run, beside its metrics:
         where = out if len(variants) == 1 else out / dir_name(name)
         last = next((r["cross"] for r in reversed(recs) if "cross" in r), None)
@@ -104,8 +84,74 @@ def run_all(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: boo
                           names=last.get("names"))
         if "continual_matrix" in s:  # the continual accuracy matrix
             accuracy_matrix(s["continual_matrix"], where / "accuracy_matrix.png", title=name)
-    accuracy_per_task(summaries, out / "accuracy_per_task.png", title=f"{cfg.name}: {cfg.data.dataset}")
+    write_outputs(out, summaries, curves, f"{cfg.name}: {cfg.data.dataset}", colors)
     return summaries
+
+
+def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress: bool) -> list[dict]:
+    """Every seed its own run or comparison in ``out/seed_<s>`` (its own partition unless data.seed is set), then
+    the table over the seeds and banded curves in ``out``."""
+    _, created = _claim_comparison(cfg, out, "seeds.yaml", resume, amend, partition=False)
+    names = [v.name for v in cfg.variants()]
+    try:
+        for seed in cfg.seeds:
+            sub = out / f"seed_{seed}"
+            started = any((sub / f).is_file() for f in ("config.yaml", "comparison.yaml"))
+            run_all(cfg.with_seed(seed), sub, resume=resume and started, amend=amend, progress=progress)
+    except FedMosaicError:
+        _unclaim(out, "seeds.yaml", resume, created)
+        raise
+    summaries, curves, notes = from_runs([out])
+    for n in notes:
+        warnings.warn(n, stacklevel=2)
+    write_outputs(out, summaries, curves, f"{cfg.name}: {cfg.data.dataset}, seeds {', '.join(map(str, cfg.seeds))}",
+                  method_colors(names))
+    return summaries
+
+
+def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend: bool, partition: bool = True):
+    """Claim (or, resuming, check and amend) a directory that holds several runs under the config file ``saved``;
+    the shared partition (``partition``), on which every later variant is built once before the first runs, so
+    that what only the partition tells (a variant's memory budget, batch plan) is refused before anything runs;
+    and whether ``out`` was created here."""
+    check_out(out, resume)
+    changes = {}
+    if resume:  # the runs check their own configs; this checks (and records) the whole
+        changes = config_changes(load_config(out / saved), cfg, out / saved, amend)
+        remove_temp_files(out)  # a table or plot whose writing was killed
+    fd = build(data_spec(cfg)) if partition else None
+    if partition and not resume:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # each variant warns when it runs
+            for v in cfg.variants()[1:]:
+                Federation(v, fd)
+    created = not out.exists()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            claim(out / saved, dump(cfg))
+        elif changes:
+            atomic_write(out / saved, dump(cfg).encode())
+    except OSError as e:
+        raise FedMosaicError(f"cannot write the run directory {out}: {e.strerror or e}") from None
+    return fd, created
+
+
+def _unclaim(out: Path, saved: str, resume: bool, created: bool) -> None:
+    """A config error before any run started: leave no half-made directory behind."""
+    if not resume and out.is_dir() and [p.name for p in out.iterdir()] == [saved]:
+        (out / saved).unlink()
+        if created:
+            out.rmdir()
+
+
+def write_outputs(out: Path, summaries: list[dict], curves: dict, title: str, colors: dict | None = None) -> None:
+    """The table as JSON, Markdown and LaTeX, the learning curves and (class-incremental) accuracy per task."""
+    atomic_write(out / "comparison.json", json.dumps(summaries, indent=2).encode())
+    for fmt, suffix in (("markdown", "md"), ("latex", "tex")):
+        atomic_write(out / f"table.{suffix}", (table(summaries, fmt) + "\n").encode())
+    learning_curves(curves, out / "learning_curves.png", title=title, colors=colors)
+    accuracy_per_task(summaries, out / "accuracy_per_task.png", title=title, colors=colors)
 
 
 def _variant_started(sub: Path, v: RunConfig) -> bool:

@@ -1,0 +1,149 @@
+"""Several seeds (mean ± std, banded curves, report grouping by seed) and the exports researchers' tools read:
+metrics.csv, TensorBoard event files, the table as Markdown and LaTeX."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+import fedmosaic
+from fedmosaic.engine.runner import read_metrics, scalars
+from test_recovery import cli, metrics, write_cfg
+
+COMPARE = [{"name": "fedavg"}, {"name": "fedprox", "mu": 0.5}]
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory):
+    """A two-algorithm comparison over seeds 0 and 1, from the command line."""
+    tmp = tmp_path_factory.mktemp("seeds")
+    out = tmp / "s"
+    rc, err = cli("compare", str(write_cfg(tmp, train__rounds=3)), "--algorithms", "fedavg", "fedprox:mu=0.5",
+                  "--seeds", "0", "1", "--no-progress", "--out", str(out))
+    assert rc == 0, err
+    return out
+
+
+def test_seeds_run_each_in_its_own_directory_and_the_table_is_their_mean_and_std(seeded):
+    per_seed = [json.loads((seeded / f"seed_{s}" / "comparison.json").read_text()) for s in (0, 1)]
+    top = json.loads((seeded / "comparison.json").read_text())
+    assert [s["name"] for s in top] == ["fedavg", "fedprox(mu=0.5)"] and all(s["seeds"] == 2 for s in top)
+    for i, agg in enumerate(top):
+        vals = [p[i]["global_acc_final"] for p in per_seed]
+        assert vals[0] != vals[1]  # two seeds, two partitions: two different results
+        assert agg["global_acc_final"] == pytest.approx(np.mean(vals))
+        assert agg["global_acc_final_std"] == pytest.approx(np.std(vals, ddof=1))
+    for s in (0, 1):  # each seed's runs carry that seed
+        assert "seed: %d" % s in (seeded / f"seed_{s}" / "fedavg" / "config.yaml").read_text()
+    md = (seeded / "table.md").read_text()
+    mean, std = top[0]["global_acc_final"], top[0]["global_acc_final_std"]
+    assert f"| fedavg | 2 | 3 | {mean:.2%} ± {std:.2%} |" in md
+    tex = (seeded / "table.tex").read_text()
+    assert tex.startswith("\\begin{tabular}{l") and "\\toprule" in tex and tex.rstrip().endswith("\\end{tabular}")
+    assert f"fedprox(mu=0.5) & 2 & 3 & {top[1]['global_acc_final']:.2%}".replace("%", "\\%") in tex
+    assert "$\\pm$" in tex and "\\%" in tex and " % " not in tex
+    assert (seeded / "learning_curves.png").stat().st_size > 0
+
+
+def test_report_groups_runs_that_differ_only_in_the_seed(seeded, tmp_path):
+    runs = [seeded / f"seed_{s}" / "fedavg" for s in (0, 1)]
+    rc, out = _report(*runs)
+    assert rc == 0
+    row = next(ln for ln in out.splitlines() if ln.startswith("fedavg"))
+    top = json.loads((seeded / "comparison.json").read_text())[0]
+    assert f"{top['global_acc_final']:.2%} ± {top['global_acc_final_std']:.2%}" in row
+    # the seeds directory itself: both methods, each over its two seeds, no partition warning across seeds
+    rc, out = _report(seeded)
+    assert rc == 0 and "different partitions" not in out
+    rows = [ln for ln in out.splitlines() if ln.startswith(("fedavg ", "fedprox(mu=0.5) ")) and " ± " in ln]
+    assert len(rows) == 2 and all(" 2 " in ln for ln in rows)  # one row per method, over 2 seeds
+
+
+def _report(*dirs):
+    import contextlib
+    import io
+
+    from fedmosaic.cli.main import main
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+        rc = main(["report", *map(str, dirs)])
+    return rc, buf.getvalue()
+
+
+def test_a_seeds_run_resumes_from_where_it_was_stopped(seeded, tmp_path):
+    from fedmosaic.config import load_config
+    from fedmosaic.engine.runner import run
+
+    cfg = load_config(seeded / "seeds.yaml")
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / "seeds.yaml").write_text((seeded / "seeds.yaml").read_text())
+    # seed 0 finished, seed 1 stopped inside its second variant
+    assert cli("run", "--no-progress", "--out", str(out / "seed_0"), str(seeded / "seed_0" / "comparison.yaml"))[0] == 0
+    one = cfg.with_seed(1)
+    first, second = one.variants()
+    (out / "seed_1").mkdir()
+    (out / "seed_1" / "comparison.yaml").write_text((seeded / "seed_1" / "comparison.yaml").read_text())
+    run(first, out / "seed_1" / "fedavg", progress=False)
+    run(second, out / "seed_1" / "fedprox_mu=0.5", progress=False, stop_after=0)
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0, err
+    for s in (0, 1):
+        for v in ("fedavg", "fedprox_mu=0.5"):
+            assert metrics(out / f"seed_{s}" / v) == metrics(seeded / f"seed_{s}" / v)
+    mine, ref = (json.loads((d / "comparison.json").read_text()) for d in (out, seeded))
+    for a, b in zip(mine, ref, strict=True):
+        assert a["global_acc_final"] == b["global_acc_final"] and a["global_acc_final_std"] == b["global_acc_final_std"]
+
+
+def test_seeds_from_python_give_per_seed_results(tmp_path):
+    results = fedmosaic.compare(str(write_cfg(tmp_path, train__rounds=2)), ["fedavg"], tmp_path / "py",
+                                seeds=[0, 2], progress=False)
+    (r,) = results
+    assert [s.config.seed for s in r.seeds] == [0, 2] and r.summary["seeds"] == 2
+    assert r.summary["global_acc_final"] == pytest.approx(np.mean([s.summary["global_acc_final"] for s in r.seeds]))
+
+
+def test_seeds_must_be_distinct(tmp_path):
+    rc, err = cli("run", str(write_cfg(tmp_path)), "--seeds", "1", "1", "--no-progress", "--out", str(tmp_path / "x"))
+    assert rc == 2 and "seeds: must be distinct seeds" in err and not (tmp_path / "x").exists()
+
+
+# ---- exports ----------------------------------------------------------------------------------------------------
+def test_metrics_csv_holds_every_number_of_metrics_jsonl(tmp_path):
+    out = tmp_path / "r"
+    assert cli("run", str(write_cfg(tmp_path)), "--no-progress", "--out", str(out))[0] == 0
+    with open(out / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    records = read_metrics(out)
+    assert len(rows) == len(records) == 4
+    for row, rec in zip(rows, records, strict=True):
+        flat = scalars(rec)
+        assert flat["global.acc"] == rec["global"]["acc"] and "global.class_acc.0" not in flat
+        assert {k: float(v) for k, v in row.items() if v != ""} == pytest.approx({k: float(v) for k, v in flat.items()})
+
+
+def test_tensorboard_event_files_hold_the_rounds_and_a_resume_replaces_the_recomputed_ones(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from fedmosaic.config import load_config
+    from fedmosaic.engine.runner import run
+
+    out = tmp_path / "r"
+    cfg = load_config(write_cfg(tmp_path, eval={"tensorboard": True}))
+    run(cfg, out, progress=False, stop_after=1)
+    (out / "checkpoints" / "round_00001.pt").unlink()  # round 1 is recomputed: its events must not be doubled
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0, err
+    acc = EventAccumulator(str(out / "tensorboard"))
+    acc.Reload()
+    steps = [(e.step, e.value) for e in acc.Scalars("global/acc")]
+    want = [(r["round"] + 1, r["global"]["acc"]) for r in read_metrics(out)]
+    assert [s for s, _ in steps] == [s for s, _ in want]  # each round once, also those of the resumed part
+    assert [v for _, v in steps] == pytest.approx([v for _, v in want])
+    assert "train_loss" in acc.Tags()["scalars"]
