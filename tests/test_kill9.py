@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from test_recovery import cli, metrics, write_cfg
+from test_recovery import cli, metrics, reference, write_cfg  # noqa: F401 (a fixture)
+
+pytestmark = pytest.mark.slow  # a child process (torch import) per case
 
 # The child: patch one function so that its n-th call kills the process (SIGKILL: no handler, no cleanup), then
 # run the CLI. ``link``: os.link, which claims a run directory atomically (files.atomic_write, exclusive);
@@ -67,20 +69,12 @@ def killed(point: str, nth: int, *argv: str) -> None:
     assert proc.returncode == -signal.SIGKILL, (point, nth, err.decode()[-2000:])
 
 
-@pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("single")
-    out = tmp / "full"
-    assert cli("run", str(write_cfg(tmp)), "--no-progress", "--out", str(out))[0] == 0
-    return metrics(out)
-
-
 @pytest.mark.parametrize("point, nth", [
     ("link", 1),  # claiming the run directory
     ("replace", 2),  # writing round 1's checkpoint
     ("metrics", 3),  # round 2's metrics line written, its checkpoint not
 ])
-def test_kill9_in_a_run_then_resume_or_start_again(point, nth, tmp_path, single):
+def test_kill9_in_a_run_then_resume_or_start_again(point, nth, tmp_path, reference):
     cfg, out = write_cfg(tmp_path), tmp_path / "r"
     killed(point, nth, "run", str(cfg), "--no-progress", "--out", str(out))
     if point == "link":  # nothing to resume: the same command again takes the directory back
@@ -89,7 +83,7 @@ def test_kill9_in_a_run_then_resume_or_start_again(point, nth, tmp_path, single)
     else:
         rc, err = cli("run", "--no-progress", "--resume", str(out))
     assert rc == 0, err
-    assert metrics(out) == single
+    assert metrics(out) == reference
     assert not list(out.rglob(".*.tmp"))
 
 

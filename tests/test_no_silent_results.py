@@ -13,16 +13,7 @@ import yaml
 
 from fedmosaic.config import load_config
 from fedmosaic.engine.runner import read_metrics, run
-from test_recovery import SMALL, cli, error_line, metrics, write_cfg
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """SMALL run uninterrupted: the metrics every recovery below must reproduce."""
-    tmp = tmp_path_factory.mktemp("ref")
-    out = tmp / "full"
-    assert cli("run", str(write_cfg(tmp)), "--no-progress", "--out", str(out))[0] == 0
-    return metrics(out)
+from test_recovery import SMALL, cli, error_line, metrics, reference, write_cfg  # noqa: F401 (a fixture)
 
 
 # ---- 1: compare --algorithms X runs X ------------------------------------------------------------------------
@@ -88,6 +79,7 @@ def compared(tmp_path_factory):
     return {d.name: metrics(d) for d in out.iterdir() if (d / "config.yaml").exists()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["claim killed", "config.yaml lost", "never started"])
 def test_a_comparison_resumes_a_variant_that_lost_or_never_wrote_its_config(damage, tmp_path, compared):
     cfg = load_config(_comparison(tmp_path))
@@ -147,6 +139,7 @@ def _damage(rec: dict, part: str, how) -> None:
 del_ = object()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base, part, how", [
     (CONTINUAL, "continual", "x"),
     (CONTINUAL, "continual.tasks", [0.5, 0.5, 0.5, 0.5, 0.5]),  # more tasks than stages
