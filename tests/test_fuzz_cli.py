@@ -25,7 +25,7 @@ from fedtest import TimeLimit, time_limit
 CORPUS = Path(__file__).parent / "fuzz" / "corpus"
 SEED = int(os.environ.get("FEDMOSAIC_FUZZ_SEED", "0"))
 CASES = int(os.environ.get("FEDMOSAIC_FUZZ_CASES", "1100"))
-CASE_TIMEOUT_S = 10
+CASE_TIMEOUT_S = 30  # a hang guard, not a speed limit: a busy machine (or a comparison's preflight) is slow
 MAX_FAILURES = int(os.environ.get("FEDMOSAIC_FUZZ_MAX_FAILURES", "15"))
 
 # Values of every kind a hostile (or tired) user types: wrong types, out-of-range, non-finite, paths, huge.
