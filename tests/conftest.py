@@ -1,4 +1,6 @@
-"""Shared fixtures. Tests read real data from ../shared/data beside the repository (as CI has it)."""
+"""Shared fixtures. Tests read real data from ../shared/data beside the repository (as CI has it) and from
+where this user's `fedmosaic data download` puts datasets; a test whose dataset is in neither skips, saying
+how to get it."""
 
 from __future__ import annotations
 
@@ -8,9 +10,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from fedmosaic.paths import data_dirs
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = (REPO.parent / "shared" / "data").resolve()
-DATA_PATH = os.pathsep.join([str(SHARED_DATA), "/usr/share/datasets"])
+# read before any test changes the environment: the user's own search path (FEDMOSAIC_DATA, else the download
+# folder), so a dataset fetched with `fedmosaic data download` is found; Debian's /usr/share/datasets is last
+DATA_PATH = os.pathsep.join(dict.fromkeys(map(str, [SHARED_DATA, *data_dirs()])))
+#: the reason of a test that checks the offline copies themselves (their subsets, their sizes)
+NO_SHARED_DATA = (f"the project's offline dataset copies are not at {SHARED_DATA} (../shared/data beside the "
+                  "checkout, as .ci/run expects)")
+#: Debian packages that install a dataset into /usr/share/datasets
+DEBIAN_PACKAGES = {"fashion-mnist": "dataset-fashion-mnist"}
+# one CPU thread for every run a test makes, in this process and in the ones it starts, unless the caller says
+# otherwise: the default follows the machine's load at each run's start (engine.execution.cpu_threads), and tests
+# that compare a run in one process with its resumption in another need the same count in both
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(autouse=True)
@@ -18,6 +33,20 @@ def _isolated(monkeypatch, tmp_path_factory):
     """Every test sees the shared data and a private cache, never the user's."""
     monkeypatch.setenv("FEDMOSAIC_DATA", os.environ.get("FEDMOSAIC_TEST_DATA", DATA_PATH))
     monkeypatch.setenv("FEDMOSAIC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+def need_data(name: str) -> None:
+    """Skip the calling test unless the dataset is on the data search path, with a reason that says how to get
+    it (a fresh machine has neither ../shared/data nor Debian's dataset packages)."""
+    from fedmosaic.data.registry import find_layout, get_spec
+
+    spec = get_spec(name)
+    if find_layout(spec) is None:
+        how = [f"`fedmosaic data download {spec.name}`"] if spec.downloads else []
+        if spec.name in DEBIAN_PACKAGES:
+            how.append(f"`apt-get install {DEBIAN_PACKAGES[spec.name]}`")
+        get = f"get it with {' or '.join(how)}" if how else "`fedmosaic data list` names the files it needs"
+        pytest.skip(f"dataset {spec.name} not found (searched {os.environ['FEDMOSAIC_DATA']}): {get}")
 
 
 def blobs(n_train=600, n_test=200, classes=5, shape=(1, 6, 6), seed=0):

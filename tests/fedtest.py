@@ -78,6 +78,11 @@ def assert_trees_close(a, b, exact=False, atol=1e-5, rtol=1e-4):
             torch.testing.assert_close(x, y, atol=atol, rtol=rtol)
 
 
+#: a hang guard's limit: far beyond any test's step on a busy machine, so only a real hang reaches it (no test
+#: asserts speed)
+HANG_S = 120
+
+
 class TimeLimit(BaseException):
     """Raised by :func:`time_limit`'s alarm: a BaseException, so no ``except Exception`` in the code under test can
     swallow it and a hang fails the test instead of blocking CI."""

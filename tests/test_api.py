@@ -260,6 +260,7 @@ def ensure(name, factory, **kw):
         register_model(name, factory, **kw)
 
 
+@pytest.mark.slow
 def test_a_plain_module_splits_at_its_last_linear_and_trains_exactly_as_the_wrapped_one(blob_data):
     ensure("api_plain", PlainMLP)
     ensure("api_wrapped", wrapped_mlp)

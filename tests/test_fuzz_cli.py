@@ -1,9 +1,11 @@
 """Hostile input at the real CLI entry point, in-process: mutated and garbage configs and ``--set`` lines.
 
-Every case must end as either a run that completes (exit 0) or a non-zero exit with one line on stderr (warnings
-aside) and no traceback — never an internal error, never a hang (a per-case alarm), never a file outside the runs
-directory. Cases are generated from the seed corpus in ``tests/fuzz/corpus`` by a seeded generator, so CI sees the
-same cases every time; set ``FEDMOSAIC_FUZZ_SEED`` / ``FEDMOSAIC_FUZZ_CASES`` to explore more.
+Every case must end as either a run that completes (exit 0) or a non-zero exit with one line on stderr
+(warnings aside) and no traceback — never an internal error, never a hang, never a file outside the runs
+directory. No case's speed is asserted: a run the CLI accepted is stopped after a budget and counted as
+accepted, and only a case with no answer at all after a limit no busy machine reaches is a hang. Cases are
+generated from the seed corpus in ``tests/fuzz/corpus`` by a seeded generator, so CI sees the same cases every
+time; set ``FEDMOSAIC_FUZZ_SEED`` / ``FEDMOSAIC_FUZZ_CASES`` to explore more.
 """
 
 from __future__ import annotations
@@ -13,19 +15,22 @@ import io
 import os
 import random
 import shutil
+import signal
 import time
 from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
 from fedmosaic.cli.main import main
-from fedtest import TimeLimit, time_limit
+from fedtest import HANG_S, TimeLimit
 
 CORPUS = Path(__file__).parent / "fuzz" / "corpus"
 SEED = int(os.environ.get("FEDMOSAIC_FUZZ_SEED", "0"))
 CASES = int(os.environ.get("FEDMOSAIC_FUZZ_CASES", "1100"))
-CASE_TIMEOUT_S = 30  # a hang guard, not a speed limit: a busy machine (or a comparison's preflight) is slow
+# how long an accepted run (its run directory written) trains before the case moves on; nothing asserts on it
+RUN_BUDGET_S = 10
 MAX_FAILURES = int(os.environ.get("FEDMOSAIC_FUZZ_MAX_FAILURES", "15"))
 
 # Values of every kind a hostile (or tired) user types: wrong types, out-of-range, non-finite, paths, huge.
@@ -125,6 +130,32 @@ def _listing(root: Path) -> set[Path]:
     return {p for p in root.rglob("*")}
 
 
+def _started(runs: Path) -> bool:
+    """The CLI accepted the config and began the run (or a comparison's first variant)."""
+    return any(runs.glob("*/meta.json")) or any(runs.glob("*/*/meta.json"))
+
+
+@contextlib.contextmanager
+def _case_guard(runs: Path):
+    """Stop a case once it is an accepted run and RUN_BUDGET_S have passed, or, not accepted, after HANG_S
+    (a hang). Checked every second from RUN_BUDGET_S on by an alarm; TimeLimit (a BaseException) escapes the
+    CLI."""
+    t0 = time.monotonic()
+
+    def check(signum, frame):
+        if _started(runs) or time.monotonic() - t0 >= HANG_S:
+            raise TimeLimit("case stopped")
+
+    previous = signal.signal(signal.SIGALRM, check)
+    signal.setitimer(signal.ITIMER_REAL, RUN_BUDGET_S, 1.0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.slow
 def test_hostile_configs_and_set_lines(tmp_path, monkeypatch):
     cases = generate(CASES, SEED)
     assert len(cases) >= 1000
@@ -148,11 +179,11 @@ def test_hostile_configs_and_set_lines(tmp_path, monkeypatch):
         err, out = io.StringIO(), io.StringIO()
         started = False
         try:
-            with time_limit(CASE_TIMEOUT_S), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+            with _case_guard(runs), contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
                 rc = main(["run", str(cfg_file), "--no-progress", "--runs-dir", str(runs), *argv])
         except TimeLimit:
             # accepted and training (a valid but long run, e.g. rounds: 1000000000) is not a hang
-            started = any(runs.glob("*/meta.json")) or any(runs.glob("*/*/meta.json"))
+            started = _started(runs)
             rc = None
         except Exception as e:  # escaped the CLI: the user would have seen a traceback
             failures.append(f"{what}: TRACEBACK {type(e).__name__}: {str(e)[:200]} argv={argv}")
@@ -167,7 +198,7 @@ def test_hostile_configs_and_set_lines(tmp_path, monkeypatch):
             if started:
                 outcomes["long run"] += 1
             else:
-                failures.append(f"{what}: HANG (no answer in {CASE_TIMEOUT_S}s) argv={argv}")
+                failures.append(f"{what}: HANG (no answer in {HANG_S}s) argv={argv}")
         elif rc == 0:
             outcomes["completed"] += 1
             if not any(runs.rglob("summary.json")):
@@ -188,6 +219,6 @@ def test_hostile_configs_and_set_lines(tmp_path, monkeypatch):
     elapsed = time.perf_counter() - t_start
     print(f"{len(cases)} cases in {elapsed:.1f}s: {outcomes}")
     assert not failures, "\n".join(failures)
-    # the generator must exercise both sides: runs that complete and inputs that are refused
-    assert outcomes["completed"] >= 50 and outcomes["refused"] >= 500, outcomes
-    assert outcomes["long run"] <= 0.02 * len(cases), outcomes
+    # the generator must exercise both sides: configs that are accepted and inputs that are refused (how many
+    # accepted runs finish within the budget depends on the machine, so the two kinds are counted together)
+    assert outcomes["completed"] + outcomes["long run"] >= 50 and outcomes["refused"] >= 500, outcomes

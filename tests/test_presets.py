@@ -15,7 +15,7 @@ import tarfile
 import numpy as np
 import pytest
 import yaml
-from conftest import SHARED_DATA
+from conftest import NO_SHARED_DATA, SHARED_DATA, need_data
 
 from fedmosaic.config import RunConfig
 from fedmosaic.data.base import ArrayDataset
@@ -60,12 +60,13 @@ def data_spec(cfg: RunConfig) -> PartitionSpec:
 
 def need_shared() -> None:
     if not SHARED_DATA.is_dir():
-        pytest.skip(f"real data not found at {SHARED_DATA}")
+        pytest.skip(NO_SHARED_DATA)
 
 
 @functools.cache
 def real(name: str) -> ArrayDataset:
     need_shared()
+    need_data(name)  # Fashion-MNIST is not among the offline copies
     return load_dataset(name)
 
 
@@ -258,6 +259,7 @@ def test_apfl_femnist_partition_at_full_size():
     assert all(len(np.unique(client_labels(fd, u))) == 3 for u in range(200))
 
 
+@pytest.mark.slow
 def test_apfl_cifar10_partition():
     # Table 1: 100 clients, 49,757 samples, mean 498, std 344
     cfg, fd = partition("apfl-cifar10")
@@ -275,6 +277,7 @@ def test_apfl_cifar10_partition():
 # ---- pFedSRB partitions ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", PFEDSRB)
 def test_pfedsrb_partition(name):
     _, fd = partition(name)

@@ -266,6 +266,7 @@ def test_amend_needs_resume(tmp_path):
 
 
 # ---- 5. signals ---------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signals_name_the_real_run_directory(sig, code, tmp_path):
     cfg = write_cfg(tmp_path, train__rounds=100000, checkpoint_every=5)

@@ -252,6 +252,7 @@ FAMILY = [{"name": "protofcl"}, {"name": "protofcl", "prototypes": "local", "dis
 SURROGATE = {"source": "noise", "size": 40}  # CFeD's unlabeled stream
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", FAMILY, ids=lambda a: "-".join(map(str, a.values())))
 def test_vectorized_equals_sequential(algo):
     ref = train(make_cfg(algorithm=algo, engine={"backend": "sequential"}, data__public=SURROGATE), None, rounds=5)
@@ -268,6 +269,7 @@ def test_vectorized_equals_sequential(algo):
                for a, b in zip(ref.exemplars, vec.exemplars))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", FAMILY, ids=lambda a: "-".join(map(str, a.values())))
 def test_resume_in_the_middle_of_a_task_equals_uninterrupted(algo, tmp_path):
     cfg = make_cfg(algorithm=algo, data__tasks__rounds_per_task=3, train__rounds=9, data__public=SURROGATE,

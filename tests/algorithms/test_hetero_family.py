@@ -53,6 +53,7 @@ def strip_timing(records):
 
 
 # ---- every method ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", FAMILY, ids=lambda a: "-".join(map(str, a.values())))
 def test_vectorized_equals_sequential_within_each_group(fd, algo):
     # SGD: FCCL's standardised logits give the head's bias a gradient that is exactly 0 up to rounding, which
@@ -67,6 +68,7 @@ def test_vectorized_equals_sequential_within_each_group(fd, algo):
     np.testing.assert_allclose(ref.evaluate(2)["cross"]["matrix"], vec.evaluate(2)["cross"]["matrix"], atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", FAMILY, ids=lambda a: "-".join(map(str, a.values())))
 def test_resume_equals_uninterrupted(fd, algo, tmp_path):
     cfg = make_cfg(algorithm=algo, train__rounds=4, checkpoint_every=1)
@@ -245,6 +247,7 @@ def test_fccl_cross_correlation_loss_equals_a_hand_computed_value():
 
 
 # ---- the paper's architectures ---------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_resnet10_resnet12_mobilenetv2_and_efficientnet_b0_clients_train_and_evaluate_together():
     from fedmosaic.config import validate
 

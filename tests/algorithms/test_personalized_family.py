@@ -54,6 +54,7 @@ def strip_timing(records):
 
 
 # ---- every new method ------------------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", NEW, ids=lambda a: a["name"])
 def test_vectorized_equals_sequential(fd, algo):
     ref = train(make_cfg(algorithm=algo, engine={"backend": "sequential"}), fd)
@@ -71,6 +72,7 @@ def test_vectorized_equals_sequential(fd, algo):
             assert value["acc"] == pytest.approx(ev_vec[key]["acc"], abs=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", NEW, ids=lambda a: a["name"])
 def test_resume_equals_uninterrupted(fd, algo, tmp_path):
     cfg = make_cfg(algorithm=algo, train__rounds=4)

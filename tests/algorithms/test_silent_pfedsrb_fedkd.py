@@ -56,6 +56,7 @@ def test_r_iterations_are_fedprox_with_r_times_the_local_steps(fd, w_steps):
     assert_trees_close(a.server["model"], b.server["model"], atol=1e-6, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_default_iterations_learn_like_fedprox_with_minibatches(fd):
     """The issue's run: R = 5, rho = 1, minibatches of 8, the paper's plain mean. Each phase draws its own batch
     schedule (FedProx's 5 epochs are five shuffles of one stream), so the numbers differ slightly; before, the dual

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
+from conftest import need_data
+from fedtest import HANG_S, time_limit
 
 import fedmosaic.data.federated as federated
 from fedmosaic.cli.main import main
@@ -23,7 +24,9 @@ def partition(tmp_path, name, *args):
     return out
 
 
+@pytest.mark.slow
 def test_mnist_dirichlet_cli_summary_png_and_stable_hash(tmp_path, capsys):
+    need_data("mnist")
     args = ("--dataset", "mnist", "--clients", "100", "--scheme", "dirichlet", "--alpha", "0.1", "--seed", "0")
     a = partition(tmp_path, "a", *args)
     first = capsys.readouterr().out
@@ -40,17 +43,18 @@ def test_mnist_dirichlet_cli_summary_png_and_stable_hash(tmp_path, capsys):
     assert all(np.array_equal(fa.src[s], fb.src[s]) for s in ("train", "test"))
 
 
-def test_dirichlet_alpha_001_with_1000_clients_finishes_in_seconds(tmp_path, capsys):
-    t0 = time.perf_counter()
-    out = partition(tmp_path, "d", "--dataset", "mnist", "--clients", "1000", "--scheme", "dirichlet",
-                    "--alpha", "0.01")
-    assert time.perf_counter() - t0 < 30
+def test_dirichlet_alpha_001_with_1000_clients_terminates(tmp_path, capsys):
+    need_data("mnist")
+    with time_limit(HANG_S):  # bounded retries, then a repair: a hang fails instead of blocking CI
+        out = partition(tmp_path, "d", "--dataset", "mnist", "--clients", "1000", "--scheme", "dirichlet",
+                        "--alpha", "0.01")
     fd = FederatedData.load(out)
     assert fd.sizes().min() >= 10 and fd.sizes().sum() == 60000
 
 
 def test_apfl_mnist_generator_matches_paper_total_and_mean():
     """APFL/FedProx table: 1000 clients, 69,035 samples, mean 69 (std: see docs/results.md)."""
+    need_data("mnist")
     fd = build(PartitionSpec("mnist", None, {"scheme": "apfl_mnist"}, "all", 0.1, 0.0, 0))
     sizes = fd.sizes("train") + fd.sizes("test")
     assert fd.num_clients == 1000
@@ -66,6 +70,7 @@ def test_apfl_mnist_generator_matches_paper_total_and_mean():
 
 
 def test_cache_is_reused_and_invalid_partition_dirs_are_refused(tmp_path, monkeypatch):
+    need_data("usps")
     spec = PartitionSpec("usps", 20, {"scheme": "shards", "shards_per_client": 2}, seed=4)
     first = build(spec)
     monkeypatch.setattr(federated, "compute", lambda *a: pytest.fail("recomputed instead of loading the cache"))
@@ -146,6 +151,7 @@ def test_partition_out_never_overwrites_what_it_did_not_write(tmp_path, capsys):
     assert (d / "partition.npz").exists() and (d / "partition.png").stat().st_mtime_ns == png
 
 
+@pytest.mark.slow
 def test_entry_point_reports_errors_without_traceback(tmp_path):
     r = subprocess.run([sys.executable, "-m", "fedmosaic.cli.main", "partition", "--dataset", "mnist",
                         "--clients", "10", "--scheme", "dirichlet", "--alpha", "0"],

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import scipy.io
+from conftest import NO_SHARED_DATA, need_data
 from PIL import Image
 
 from fedmosaic.data import load_dataset
@@ -24,7 +25,6 @@ from fedmosaic.errors import CorruptDataError, DataNotFoundError
 
 # the `shared` folder beside the repository root (CI clones the repo with ../shared/ next to it)
 SHARED = Path(__file__).resolve().parents[2].parent / "shared" / "data"
-FASHION = Path("/usr/share/datasets/fashion-mnist")
 rng = np.random.default_rng(0)
 
 
@@ -42,7 +42,7 @@ def private_cache(monkeypatch, cache_dir):
 @pytest.fixture
 def shared(monkeypatch) -> Path:
     if not SHARED.is_dir():
-        pytest.skip(f"real data not found at {SHARED}")
+        pytest.skip(NO_SHARED_DATA)
     monkeypatch.setenv("FEDMOSAIC_DATA", str(SHARED))
     return SHARED
 
@@ -83,9 +83,8 @@ def test_mnist_real(shared):
     assert channel_means(d.x_train) == pytest.approx([0.1307 * 255], abs=0.1)  # the well-known MNIST mean
 
 
-@pytest.mark.skipif(not FASHION.is_dir(), reason="Debian package dataset-fashion-mnist is not installed")
-def test_fashion_mnist_real(monkeypatch, tmp_path):
-    monkeypatch.setenv("FEDMOSAIC_DATA", str(tmp_path))  # /usr/share/datasets is searched anyway
+def test_fashion_mnist_real():
+    need_data("fashion-mnist")  # not among the offline copies: Debian's package or a download
     d = load_dataset("fmnist")
     assert d.name == "fashion-mnist" and d.classes[0] == "T-shirt/top"
     check_images(d, (1, 28, 28), 60000, 10000, 10, ([6000] * 10, [1000] * 10))
@@ -128,6 +127,7 @@ def test_vehicle_real(shared):
     assert d.x_test is None and "test_split" in d.meta
 
 
+@pytest.mark.slow  # decodes 60k JPEGs
 def test_cifar10_real_and_cache(shared, cache_dir, monkeypatch):
     d = load_dataset("cifar10")
     check_images(d, (3, 32, 32), 50000, 10000, 10, ([5000] * 10, [1000] * 10))
@@ -140,6 +140,7 @@ def test_cifar10_real_and_cache(shared, cache_dir, monkeypatch):
     assert np.array_equal(again.x_train, d.x_train) and np.array_equal(again.y_test, d.y_test)
 
 
+@pytest.mark.slow
 def test_cifar10_gray_real(shared):
     # runs after test_cifar10_real_and_cache, so the decoded JPEGs come from the session cache
     d, rgb = load_dataset("cifar10-gray"), load_dataset("cifar10")
@@ -168,6 +169,7 @@ def test_luma_matches_pil_on_every_colour_corner():
         luma(np.zeros((2, 1, 4, 4), np.uint8))
 
 
+@pytest.mark.slow
 def test_cifar100_real(shared):
     d = load_dataset("cifar100")
     check_images(d, (3, 32, 32), 50000, 10000, 100, ([500] * 100, [100] * 100))
@@ -175,6 +177,7 @@ def test_cifar100_real(shared):
     assert channel_means(d.x_train) == pytest.approx([129.3, 124.1, 112.4], abs=1.0)
 
 
+@pytest.mark.slow
 def test_tiny_imagenet_real(shared):
     d = load_dataset("tiny-imagenet")
     check_images(d, (3, 64, 64), 10000, 10000, 200, ([50] * 200, [50] * 200))
@@ -187,11 +190,8 @@ def test_tiny_imagenet_real(shared):
     assert np.abs(small.x_train[:50].mean((2, 3)) - d.x_train[:50].mean((2, 3))).max() < 1.0
 
 
-SVHN_MISSING = "shared/data/README.md marks SVHN as missing (not available offline); reader tested below"
-
-
-@pytest.mark.skip(reason=SVHN_MISSING)
-def test_svhn_real(shared):
+def test_svhn_real():
+    need_data("svhn")  # not among the offline copies (its reader is tested below on a tiny file)
     check_images(load_dataset("svhn"), (3, 32, 32), 73257, 26032, 10)
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import SHARED_DATA
+from conftest import NO_SHARED_DATA, SHARED_DATA
 
 from fedmosaic.cli.main import main
 from fedmosaic.data.registry import REGISTRY, DatasetSpec, Layout, Source
@@ -217,7 +217,7 @@ def test_parse_sums_formats(tmp_path):
     assert len(parsed.problems) == 1 and parsed.problems[0].startswith(f"{sums}:6: malformed line")
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "SHA256SUMS").is_file(), reason="no shared data folder")
+@pytest.mark.skipif(not (SHARED_DATA / "SHA256SUMS").is_file(), reason=NO_SHARED_DATA)
 def test_shared_data_verifies(capsys):
     """The real data folder (~240 MB hashed, a few seconds): every dataset there matches its SHA256SUMS."""
     status, out, err = verify(SHARED_DATA, capsys)

@@ -55,6 +55,7 @@ def test_ditto_lambda_pulls_personal_models_together(fd):
     assert spread(5.0) < spread(0.0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", [{"name": "fedavg"}, {"name": "fedprox", "mu": 0.5}, {"name": "ditto", "lam": 0.3},
                                   {"name": "fedproto", "lam": 1.0}])
 def test_vectorized_equals_sequential_and_chunking(fd, algo):
@@ -220,6 +221,7 @@ def test_personal_summary_and_table_say_which_mean(fd, tmp_path):
         assert column in header
 
 
+@pytest.mark.slow  # torch.compile
 def test_compiled_fused_steps_equal_eager(fd):
     """torch.compile with padded cohort buckets and fused steps gives the eager numbers."""
     algo = {"name": "fedprox", "mu": 0.1}

@@ -38,6 +38,7 @@ def test_bad_resnet_options_are_one_line_errors():
         build_model("resnet10", (3, 32, 32), 10, groups=3)
 
 
+@pytest.mark.slow
 def test_groupnorm_resnet_trains_vectorized_exactly_as_sequentially():
     from fedtest import assert_trees_close, train
 
