@@ -186,7 +186,10 @@ class EngineConfig(Schema):
                             description="with compile: local steps per compiled call (fewer Python round trips)")
     preload_mb: int = Field(2048, ge=0, le=MAX_COUNT,
                             description="normalise the data once up front if it fits in this many MiB")
-    threads: int | None = Field(None, ge=1, le=1024, description="torch intra-op threads (default: torch's choice)")
+    threads: int | None = Field(
+        None, ge=1, le=1024, description="torch CPU threads (kept as set). Default: OMP_NUM_THREADS if set, else the "
+        "cores this process may use (CPU affinity, cgroup quota), divided by FEDMOSAIC_PARALLEL_RUNS (runs sharing "
+        "the machine), less the cores other processes keep busy at its start — never more threads than free cores")
 
     @field_validator("backend", mode="before")
     @classmethod
@@ -227,6 +230,12 @@ class EvalConfig(Schema):
     cross_clients: bool = Field(
         False, description="the K x K matrix of client i's model on client j's test split, with intra-domain "
         "(diagonal) and inter-domain (off-diagonal) accuracy (personalized and model-heterogeneous algorithms)")
+    continual_sample: int | None = Field(
+        10_000, ge=1, le=MAX_COUNT, description="data.tasks: a continual evaluation makes at most this many "
+        "predictions (models x test samples of the seen classes), so its cost stays flat as classes accumulate; "
+        "beyond it every model (the global one, or each client's own) judges its share of a fixed class-stratified "
+        "sample, the same for every method. null: every model on every sample (exact; the default's numbers too "
+        "when models x samples fit, e.g. a global model on CIFAR-100's 10,000)")
     tensorboard: bool = Field(False, description="also write every round's numbers as TensorBoard event files in "
                               "<run>/tensorboard (needs the tensorboard package: pip install 'fedmosaic[tensorboard]')")
 

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -89,10 +93,102 @@ def test_tiny_steps_train_on_one_cpu_thread_unless_threads_are_configured():
     assert choose("auto", "auto", 8, big, "cpu", SHORT).threads is None
 
 
-def test_the_trainer_restores_torchs_threads(fd):
-    before = torch.get_num_threads()
+@pytest.mark.slow
+def test_the_trainer_restores_the_processs_threads(fd, torch_threads):
+    fed = train(make_cfg(engine={"threads": 2}), fd)
+    assert fed.groups[0].trainer.threads is None and torch.get_num_threads() == 2
     fed = train(make_cfg(), fd)
-    assert fed.groups[0].trainer.threads == 1 and torch.get_num_threads() == before
+    assert fed.groups[0].trainer.threads == 1 and torch.get_num_threads() == fed.threads.count
+
+
+# ---- CPU threads: never more than the cores free for the run -----------------------------------------------------
+@pytest.fixture
+def torch_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_thread_count_takes_the_runs_share_of_the_cores_less_those_kept_busy():
+    assert ex.thread_count(2) == 2
+    assert ex.thread_count(2, busy=1.0) == 1  # beside one busy core: one thread, not two waiting for one core
+    assert ex.thread_count(2, busy=0.4) == 2  # a core less than half busy counts free
+    assert ex.thread_count(2, busy=3.0) == 1  # at least one
+    assert ex.thread_count(16, runs=4) == 4 and ex.thread_count(16, runs=4, busy=14.0) == 2
+    assert ex.thread_count(2, runs=3) == 1
+
+
+def test_the_default_threads_follow_the_free_cores_and_what_the_user_says(monkeypatch):
+    monkeypatch.setattr(ex, "usable_cores", lambda: 8)
+    monkeypatch.setattr(ex, "busy_cores", lambda: 3.0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(ex.PARALLEL_RUNS, raising=False)
+    assert ex.cpu_threads(None) == ex.Threads(5, "8 usable cores, 3.0 kept busy by other processes")
+    monkeypatch.setenv(ex.PARALLEL_RUNS, "4")
+    assert ex.cpu_threads(None).count == 2
+    assert ex.cpu_threads(6) == ex.Threads(6, "engine.threads")  # set: kept, whatever runs beside
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert ex.cpu_threads(None) == ex.Threads(3, "OMP_NUM_THREADS")
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setenv(ex.PARALLEL_RUNS, "two")
+    with pytest.raises(ConfigError, match=f"^{ex.PARALLEL_RUNS}: .*positive integer.*'two'"):
+        ex.cpu_threads(None)
+
+
+def test_usable_cores_honour_a_cgroup_quota(monkeypatch, tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    (tmp_path / "v2").write_text("150000 100000\n")  # 1.5 cores: one thread (two would be throttled)
+    (tmp_path / "none").write_text("max 100000\n")
+    (tmp_path / "quota").write_text("-1\n")
+    (tmp_path / "period").write_text("100000\n")
+    monkeypatch.setattr(ex, "CGROUP_QUOTA", ((tmp_path / "v2",),))
+    assert ex.usable_cores() == 1
+    monkeypatch.setattr(ex, "CGROUP_QUOTA", ((tmp_path / "none",), (tmp_path / "quota", tmp_path / "period"),
+                                             (tmp_path / "absent",)))
+    assert ex.usable_cores() == affinity
+    (tmp_path / "quota").write_text("100000\n")
+    assert ex.usable_cores() == 1
+
+
+def test_a_busy_process_beside_the_run_is_seen():
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)  # its interpreter started
+        assert ex.busy_cores.__wrapped__(0.5) >= 0.5
+    finally:
+        busy.kill()
+        busy.wait()
+
+
+def test_a_run_takes_the_free_cores_prints_and_records_them(fd, tmp_path, capsys, monkeypatch, torch_threads):
+    monkeypatch.setattr(ex, "usable_cores", lambda: 2)
+    monkeypatch.setattr(ex, "busy_cores", lambda: 1.0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(ex.PARALLEL_RUNS, raising=False)
+    torch.set_num_threads(2)
+    run(make_cfg(engine={"backend": "sequential"}), tmp_path / "r", progress=False, fd=fd)
+    assert torch.get_num_threads() == 1  # evaluation too: not only training's tiny steps
+    assert capsys.readouterr().out.splitlines()[0] == ("fedmosaic: execution: sequential (as configured); 1 CPU thread "
+                                                        "(2 usable cores, 1.0 kept busy by other processes)")
+    [rec] = json.loads((tmp_path / "r" / "meta.json").read_text())["execution"]
+    assert (rec["cpu_threads"], rec["cpu_threads_why"]) == (1, "2 usable cores, 1.0 kept busy by other processes")
+
+
+def test_a_resumed_run_keeps_the_threads_it_started_with(fd, tmp_path, capsys, monkeypatch, torch_threads):
+    """The thread count changes a sum's last bits: a run resumed on a quieter machine must not switch."""
+    monkeypatch.setattr(ex, "usable_cores", lambda: 2)
+    monkeypatch.setattr(ex, "busy_cores", lambda: 1.0)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv(ex.PARALLEL_RUNS, raising=False)
+    cfg = make_cfg(engine={"backend": "sequential"}, train__rounds=3)
+    run(cfg, tmp_path / "r", progress=False, fd=fd, stop_after=1)
+    monkeypatch.setattr(ex, "busy_cores", lambda: 0.0)  # the other process is gone: a new run would take 2
+    capsys.readouterr()
+    run(cfg, tmp_path / "r", resume=True, progress=False, fd=fd)
+    assert torch.get_num_threads() == 1
+    assert capsys.readouterr().out.splitlines()[0].endswith("; 1 CPU thread (as when the run started)")
+    run(cfg, tmp_path / "n", progress=False, fd=fd)
+    assert torch.get_num_threads() == 2
 
 
 def test_models_with_buffers_always_take_the_per_client_loop():
@@ -128,6 +224,7 @@ def test_config_errors_name_the_choices():
 
 
 # ---- the looped steps give the mapped numbers ----------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("algo", [{"name": "fedavg"}, {"name": "fedprox", "mu": 0.5}, {"name": "fedcurv"},
                                   {"name": "pfedme", "K": 2}, {"name": "perfedavg"}, {"name": "ditto", "lam": 0.3},
                                   {"name": "fedproto", "lam": 1.0}])
@@ -200,5 +297,6 @@ def test_the_run_prints_and_records_its_execution(fd, tmp_path, capsys):
     [rec] = meta["execution"]
     assert rec["model"] == "MLP" and rec["backend"] == "vectorized" and rec["compile"] is False
     assert rec["chosen"] == ["backend", "compile"] and rec["label"] in line
-    run(make_cfg(engine={"backend": "sequential"}), tmp_path / "s", progress=False, fd=fd)
-    assert capsys.readouterr().out.splitlines()[0] == "fedmosaic: execution: sequential (as configured)"
+    run(make_cfg(engine={"backend": "sequential", "threads": 1}), tmp_path / "s", progress=False, fd=fd)
+    assert capsys.readouterr().out.splitlines()[0] == ("fedmosaic: execution: sequential (as configured); "
+                                                        "1 CPU thread (engine.threads)")

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from .mapping import for_each_client
+from .seeding import CONTINUAL_EVAL, rng
 from .tree import tmap
 
 EVAL_BATCH = 4096  # bounds activation memory for CNNs (32x28x28 floats per sample after conv1)
@@ -105,6 +106,59 @@ def stacked_correct(apply, stacked_params, x, y, transform, vectorize: bool, bat
         return torch.cat(out)
 
     return for_each_client(hits, (0,), vectorize)(stacked_params)
+
+
+# ---- continual evaluation: a fixed number of predictions, however many classes have been seen ----------------
+def class_ranks(y: np.ndarray, seed: int) -> np.ndarray:
+    """Per sample its rank within its class in a seeded random order (fixed for a run and a data seed, so the same
+    for every evaluation and method)."""
+    order = np.lexsort((rng(seed, CONTINUAL_EVAL).permutation(len(y)), y))  # by class, then at random
+    starts = np.concatenate([[0], np.cumsum(np.bincount(y))])
+    ranks = np.empty(len(y), dtype=np.int64)
+    ranks[order] = np.arange(len(y)) - starts[y[order]]
+    return ranks
+
+
+def deal(y: np.ndarray, ranks: np.ndarray, rows: np.ndarray, n: int, budget: int | None) -> np.ndarray:
+    """[n, m]: the samples (of ``rows``) each of ``n`` models judges, ``budget`` predictions at most (None: no limit).
+
+    Within budget every model judges every sample. Beyond it each judges ``m = budget // n``: the samples are put in
+    a class-stratified order (each class's samples by ``ranks``, the classes interleaved in proportion to their
+    sizes) and dealt to the models in consecutive blocks, wrapping around when ``n * m`` exceeds them; so every
+    model judges a stratified share, the samples judged are a stratified sample (all of them when ``n * m`` covers
+    them) and, as classes accumulate, each class's judged samples are a prefix of the same order."""
+    N = len(rows)
+    if budget is None or n * N <= budget:
+        return np.tile(rows, (n, 1))
+    m = max(1, budget // n)
+    size = np.bincount(y[rows])[y[rows]]
+    order = rows[np.lexsort((y[rows], (ranks[rows] + 0.5) / size))]
+    return order[(np.arange(n)[:, None] * m + np.arange(m)) % N]
+
+
+@torch.no_grad()
+def judged_correct(apply, stacked_params, x, y, rows: torch.Tensor, transform, vectorize: bool, logits_fn=None,
+                   batch: int = EVAL_BATCH) -> torch.Tensor:
+    """[n, m]: whether model i predicts sample ``rows[i, j]`` right (every model its own samples), ``batch``
+    samples at a time in all (a CNN's activations are per model)."""
+
+    def hits(params, xb, yb):
+        z, logits = apply(params, transform(xb))
+        return (logits if logits_fn is None else logits_fn(z, logits)).argmax(1) == yb
+
+    mapped = for_each_client(hits, (0, 0, 0), vectorize)
+    return torch.cat([mapped(stacked_params, x[r], y[r]) for r in rows.split(max(1, batch // len(rows)), 1)], 1)
+
+
+def judged_class_accuracy(rows: np.ndarray, hits: np.ndarray, y: np.ndarray, num_classes: int) -> np.ndarray:
+    """[C] per class the mean over its judged samples of the share of their judges that were right (NaN: none
+    judged); ``rows``/``hits`` as :func:`deal` and :func:`judged_correct` give them."""
+    judges = np.bincount(rows.ravel(), minlength=len(y))
+    right = np.bincount(rows.ravel(), hits.ravel().astype(np.float64), len(y))
+    judged = judges > 0
+    total = np.bincount(y[judged], right[judged] / judges[judged], num_classes)
+    count = np.bincount(y[judged], minlength=num_classes)
+    return np.where(count > 0, total / np.maximum(count, 1), np.nan)
 
 
 def local_class_accuracy(apply, stacked_params, x, y, num_classes: int, transform, vectorize: bool) -> torch.Tensor:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import replace
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ from ..models import build_model, head_keys, parameter_count
 from . import evaluate as ev
 from . import memory as mem
 from .augment import black
-from .execution import Execution, ModelFacts, RunFacts, choose, step_profile
+from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .mapping import for_each_client
 from .program import Phase, Setting, Signals, View
@@ -136,10 +136,12 @@ def check_slots(algo, server: dict, state: dict, clients: np.ndarray) -> None:
 
 
 class Federation:
-    def __init__(self, cfg: RunConfig, fd: FederatedData | None = None):
+    def __init__(self, cfg: RunConfig, fd: FederatedData | None = None, threads: int | None = None):
+        """``threads``: the CPU threads a resumed run started with (``execution.cpu_threads``)."""
         self.cfg = cfg
-        if cfg.engine.threads:
-            torch.set_num_threads(cfg.engine.threads)
+        #: torch's CPU threads for the whole run: never more than the cores free for it (``execution.cpu_threads``)
+        self.threads = cpu_threads(cfg.engine.threads, threads)
+        torch.set_num_threads(self.threads.count)
         self.device = dev = resolve_device(cfg.engine.device)  # before any data is read
         self.fd = fd if fd is not None else build(data_spec(cfg))
         normalize = make_normalizer(cfg.data.normalize, self.fd.x["train"], dev)
@@ -230,11 +232,11 @@ class Federation:
 
     @property
     def execution(self) -> str:
-        """How the run executes, in words (one group; several: each named)."""
+        """How the run executes, in words (one group; several: each named), and on how many CPU threads."""
         described = [g.execution.describe() for g in self.groups]
-        if len(set(described)) == 1:
-            return described[0]
-        return "; ".join(f"{g.module.__class__.__name__}: {d}" for g, d in zip(self.groups, described, strict=True))
+        text = described[0] if len(set(described)) == 1 else "; ".join(
+            f"{g.module.__class__.__name__}: {d}" for g, d in zip(self.groups, described, strict=True))
+        return f"{text}; {self.threads}"
 
     def run_facts(self, g: Group, sample: int = 32) -> RunFacts:
         """The run's step profile for group ``g`` (``execution.RunFacts``), from up to ``sample`` of its cohorts
@@ -260,8 +262,8 @@ class Federation:
 
     def _choose_execution(self, g: Group) -> Execution:
         e = self.cfg.engine
-        return choose(e.backend, e.compile, e.fuse_steps, ModelFacts.of(g.module), self.device.type, self.run_facts(g),
-                      threads=e.threads)
+        return replace(choose(e.backend, e.compile, e.fuse_steps, ModelFacts.of(g.module), self.device.type,
+                              self.run_facts(g), threads=e.threads), cpu_threads=self.threads)
 
     def _pool_train_split(self) -> None:
         """Deal the pooled train samples out again at random, each client keeping its count (``Algorithm.pooled``)."""
@@ -773,28 +775,53 @@ class Federation:
         """Class-incremental accuracy after round ``t``: the model(s) clients predict with — the global one, or each
         client's own (then the mean over clients) — on the global test samples of every class met so far, choosing
         among those classes only (no task id). ``tasks[j]``: on the classes first met in stage j (the accuracy
-        matrix's row; for a shared task order, task j's classes)."""
+        matrix's row; for a shared task order, task j's classes).
+
+        An evaluation makes at most ``eval.continual_sample`` predictions, so its cost stays flat as classes
+        accumulate: beyond it each model judges its share of a fixed class-stratified order of the seen samples
+        (``evaluate.deal``; recorded as ``sample``). Each class's accuracy over its judged samples then counts by
+        the class's test size, as in the full evaluation, which it equals when every model judges every sample."""
         stage = self.stage(t)
         first = self.first_met(stage)
-        seen = first <= stage
         x, y = self.global_test
-        keep = torch.as_tensor(seen, device=self.device)[y]
-        x, y = x[keep], y[keep]
-        unseen = torch.as_tensor(~seen, device=self.device)
+        labels, C = self.fd.y_global, self.fd.num_classes
+        unseen = torch.as_tensor(first > stage, device=self.device)
 
         def masked(z, logits):
             return self.algo.eval_logits(z, logits, self.server).masked_fill(unseen, float("-inf"))
 
-        ok = []
-        for g in self.groups[:1] if self.algo.global_model else self.groups:
+        groups = self.groups[:1] if self.algo.global_model else self.groups
+        n = 1 if self.algo.global_model else sum(len(g.clients) for g in groups)
+        seen = np.flatnonzero(first[labels] <= stage)
+        rows = ev.deal(labels, self._test_ranks, seen, n, self.cfg.eval.continual_sample)
+        hits, lo = [], 0
+        for g in groups:
             g.module.eval()
-            params, bufs = self._predictors(g, t, 1 if self.algo.global_model else None)
-            ok.append(ev.stacked_correct(g.apply, {**params, **bufs}, x, y, self.transform, g.trainer.vectorize,
-                                         logits_fn=masked).double())
-        hit = torch.cat(ok).mean(0)  # per sample: the share of the models that got it right
-        group = torch.as_tensor(first, device=self.device)[y]
-        tasks = [float(hit[group == j].mean()) if (group == j).any() else None for j in range(stage + 1)]
-        return {"stage": stage, "task_end": self.task_ends(t), "seen_acc": float(hit.mean()), "tasks": tasks}
+            k = 1 if self.algo.global_model else len(g.clients)
+            params, bufs = self._predictors(g, t, k)
+            mine = torch.as_tensor(rows[lo : lo + k], device=self.device)
+            lo += k
+            hits.append(ev.judged_correct(g.apply, {**params, **bufs}, x, y, mine, self.transform,
+                                          g.trainer.vectorize, masked).cpu().numpy())
+        acc = ev.judged_class_accuracy(rows, np.concatenate(hits), labels, C)
+        size = np.bincount(labels, minlength=C) * ~np.isnan(acc)  # classes by their test sizes (judged ones)
+        acc = np.nan_to_num(acc)
+
+        def mean(classes):
+            return float(size[classes] @ acc[classes] / size[classes].sum()) if size[classes].any() else None
+
+        out = {"stage": stage, "task_end": self.task_ends(t), "seen_acc": mean(first <= stage),
+               "tasks": [mean(first == j) for j in range(stage + 1)]}
+        if rows.shape[1] < len(seen):
+            out["sample"] = {"models": n, "per_model": rows.shape[1], "samples": len(np.unique(rows)),
+                             "of": len(seen)}
+        return out
+
+    @cached_property
+    def _test_ranks(self) -> np.ndarray:
+        """Per global test sample its rank in its class (``evaluate.class_ranks``): fixed by the data seed, so a
+        sampled continual evaluation judges the same samples for every method and evaluation."""
+        return ev.class_ranks(self.fd.y_global, data_spec(self.cfg).seed)
 
     def _predictors(self, g: Group, t: int, n: int | None = None) -> tuple[dict, dict]:
         """(parameters, buffers) of the model each client of ``g`` predicts with, stacked: the global model

@@ -372,7 +372,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         changes = config_changes(load_config(out / "config.yaml"), cfg, out / "config.yaml", amend)
     if cfg.eval.tensorboard:
         tensorboard_writer()
-    fed = Federation(cfg, fd)  # before creating anything: a config or data error leaves no empty run directory
+    # before creating anything: a config or data error leaves no empty run directory
+    fed = Federation(cfg, fd, _started_threads(out) if resume else None)
     print(f"fedmosaic: execution: {fed.execution}", flush=True)  # stdout: stderr is for warnings and errors
     created, claimed = not out.exists(), False
     try:
@@ -452,6 +453,15 @@ def claim(path: Path, text: str) -> None:
         atomic_write(path, text.encode(), exclusive=True)
     except FileExistsError:
         raise FedMosaicError(f"{path.parent} was taken by another run meanwhile; choose another --out") from None
+
+
+def _started_threads(out: Path) -> int | None:
+    """The CPU threads the run in ``out`` started with (``meta.json``), None where it does not say."""
+    try:
+        count = json.loads((out / "meta.json").read_text())["execution"][0]["cpu_threads"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return count if isinstance(count, int) and count > 0 else None
 
 
 def _executions(fed: Federation) -> list[dict]:

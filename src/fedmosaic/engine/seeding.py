@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 (COHORT, BATCHES, INIT, AUGMENT, VIEWS, FINETUNE, POOL, WARMUP, PUBLIC, SERVER, TASKS, MEMORY,
- TASK_END) = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13
+ TASK_END, CONTINUAL_EVAL) = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 
 
 def rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
