@@ -1,4 +1,4 @@
-"""AHF (paper 002, METHODS.md §5): model-heterogeneous clients that learn from each other through logits on
+"""AHF: model-heterogeneous clients that learn from each other through logits on
 random noise.
 
 Round t, client k: every cohort client's logits z_i on the public stream X0 at the models they start the round

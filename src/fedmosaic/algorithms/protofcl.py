@@ -1,4 +1,4 @@
-"""ProtoFCL (paper 003, METHODS.md §6): federated class-incremental learning with prototypes, distillation and replay.
+"""ProtoFCL: federated class-incremental learning with prototypes, distillation and replay.
 
 Clients never share weights, only class prototypes (the mean feature of each class, eq. 2); the server keeps a
 growing library of global prototypes, each the unweighted mean over the clients that sent that class (eq. 4), a

@@ -25,7 +25,7 @@ MAX_MESSAGE = 1000
 
 
 def _config_path(source: str) -> Path:
-    from ..presets import preset_names, preset_path
+    from ..presets import preset_choices, preset_names, preset_path
 
     path = Path(source)
     if path.is_file():
@@ -33,7 +33,7 @@ def _config_path(source: str) -> Path:
     found = preset_path(source) if source in preset_names() else None
     if found is None:
         what = "a directory, not a config file" if path.is_dir() else "neither a file nor a preset"
-        raise FedMosaicError(f"config {source!r} is {what}; presets: {', '.join(preset_names())}")
+        raise FedMosaicError(f"config {source!r} is {what}; {preset_choices(source)}")
     return found
 
 
@@ -416,6 +416,12 @@ def main(argv: list[str] | None = None) -> int:
             with _sigterm_unwinds():
                 _load_plugins(args)
                 status = args.fn(args)
+                sys.stdout.flush()  # a reader that went away shows here, not in Python's flush at exit
+        except BrokenPipeError:
+            # the reader stopped reading (`fedmosaic list | head`): end quietly with 128 + SIGPIPE, as
+            # `yes | head` does; the rest of stdout goes to /dev/null, so the flush at exit cannot fail again
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 128 + signal.SIGPIPE
         except FedMosaicError as e:
             if debug:
                 raise

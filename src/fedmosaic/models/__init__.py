@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 from collections.abc import Callable
 
@@ -102,7 +103,10 @@ def build_model(name: str, input_shape, num_classes: int, **options) -> FedModel
 
 def _construct(name: str, shape: tuple, num_classes: int, options: dict, where: str) -> FedModel:
     if name not in MODELS:
-        raise ConfigError(f"model.name: unknown {name!r}{plugins.hint('model')}; allowed: {', '.join(sorted(MODELS))}")
+        near = difflib.get_close_matches(name, MODELS, n=1) if isinstance(name, str) else []
+        guess = f"did you mean {near[0]!r}? " if near else ""
+        raise ConfigError(f"model.name: unknown {name!r}{plugins.hint('model')}; {guess}"
+                          f"allowed: {', '.join(sorted(MODELS))}")
     options = dict(options)
     project = options.pop("project", None)
     if project is not None and (type(project) is not int or not 1 <= project <= 1 << 20):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 from importlib import resources
 from pathlib import Path
 
@@ -13,3 +14,10 @@ def preset_names() -> list[str]:
 def preset_path(name: str) -> Path | None:
     p = resources.files(__package__) / f"{name}.yaml"
     return Path(str(p)) if p.is_file() else None
+
+
+def preset_choices(name: str) -> str:
+    """What to tell a user whose ``name`` is no preset: the nearest preset if it looks mistyped, then all."""
+    names = preset_names()
+    near = difflib.get_close_matches(name, names, n=1)
+    return f"{f'did you mean {near[0]!r}? ' if near else ''}presets: {', '.join(names)}"

@@ -4,11 +4,15 @@ every hyper-parameter, its type, default and range; models with their options; p
 from __future__ import annotations
 
 import inspect
+import re
 import typing
 
 from pydantic.fields import FieldInfo
 
 SECTIONS = ("algorithms", "models", "presets", "datasets")
+#: a preset's ``# runtime: ~2 h (estimated: ...)`` comment: what the whole run takes on a 2-core CPU, and how
+#: that was found
+RUNTIME = re.compile(r"# runtime: ([^(]*[^(\s])")
 
 
 def _summary(obj) -> str:
@@ -73,13 +77,17 @@ def models() -> list[str]:
 
 
 def presets() -> list[str]:
+    """Each preset's first comment line, after its expected runtime: the TIME of its ``# runtime: TIME (how it
+    was found)`` comment, '?' where it has none."""
     from ..presets import preset_names, preset_path
 
-    out = []
+    out = [f"{'':28s} {'runtime':>9s}  (of `fedmosaic run NAME` on one thread of a 2-core CPU, ~ = estimated; "
+           "`compare NAME` runs each method it lists)"]
     for name in preset_names():
-        first = preset_path(name).read_text().splitlines()[:1]
-        about = first[0].lstrip("# ").strip() if first and first[0].startswith("#") else ""
-        out.append(f"{name:28s} {about}")
+        lines = preset_path(name).read_text().splitlines()
+        about = lines[0].lstrip("# ").strip() if lines and lines[0].startswith("#") else ""
+        runtime = next((m[1] for m in map(RUNTIME.match, lines) if m), "?")
+        out.append(f"{name:28s} {runtime:>9s}  {about}")
     return out
 
 

@@ -7,6 +7,7 @@ one sorted ``int64`` index array per client. See METHODS.md section 1 for the se
 
 from __future__ import annotations
 
+import difflib
 from typing import Annotated, Union
 
 from pydantic import Field, ValidationError
@@ -44,7 +45,9 @@ def parse_partition(d: dict | PartitionScheme, prefix: str = "partition") -> Par
     name = d.get("scheme")
     if not isinstance(name, str) or name not in SCHEMES:
         what = "missing" if name is None else f"unknown {shown(name)}"
-        raise ConfigError(f"{prefix}.scheme: {what}; allowed: {', '.join(sorted(SCHEMES))}")
+        near = difflib.get_close_matches(name, SCHEMES, n=1) if isinstance(name, str) else []
+        raise ConfigError(f"{prefix}.scheme: {what}; {f'did you mean {near[0]!r}? ' if near else ''}"
+                          f"allowed: {', '.join(sorted(SCHEMES))}")
     cls = SCHEMES[name]
     try:
         return cls.model_validate(d)

@@ -1,0 +1,81 @@
+"""What a new user meets first: `fedmosaic list` (each preset's runtime, no internal references), a mistyped
+name answered with the nearest valid one, and `fedmosaic list | head` ending without a "Broken pipe" error."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+from fedtest import HANG_S
+
+from fedmosaic.cli.main import main
+from fedmosaic.presets import preset_choices, preset_names, preset_path
+
+LIST = [sys.executable, "-m", "fedmosaic.cli.main", "list"]
+
+
+@pytest.mark.slow
+def test_list_into_a_reader_that_went_away_ends_quietly():
+    # the reader is gone before the first write (the read end of the pipe is closed): always a broken pipe
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        gone = subprocess.run(LIST, stdout=write, stderr=subprocess.PIPE, text=True, timeout=HANG_S)
+    finally:
+        os.close(write)
+    assert (gone.returncode, gone.stderr) == (128 + signal.SIGPIPE, "")
+    # `fedmosaic list | head -1`: the first line, then a quiet end
+    pipe = 'set -o pipefail; "$@" | head -1'
+    head = subprocess.run(["bash", "-c", pipe, "bash", *LIST], capture_output=True, text=True, timeout=HANG_S)
+    assert head.stdout == "algorithms:\n" and head.stderr == ""
+    assert head.returncode in (0, 128 + signal.SIGPIPE)  # 0 if every line fitted in the pipe before head left
+
+
+@pytest.mark.parametrize("argv, typo, near", [
+    (["run", "--set", "data.partition.scheme={}"], "dirichlt", "dirichlet"),
+    (["partition", "--dataset", "digits", "--clients", "5", "--scheme", "{}"], "Shards", "shards"),
+    (["run", "--set", "model.name={}"], "mpl", "mlp"),
+])
+def test_a_mistyped_name_is_answered_with_the_nearest_valid_one(argv, typo, near, tmp_path, capsys):
+    for name, hint in ((typo, f"did you mean {near!r}? "), ("voronoi", "")):  # nothing near 'voronoi'
+        assert main([*(a.format(name) for a in argv), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("fedmosaic: error: ") and err.count("\n") == 1
+        assert re.search(rf"unknown '{name}'( \(.*\))?; {re.escape(hint)}allowed: ", err), err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_mistyped_preset_name_is_answered_with_the_nearest_preset(tmp_path, capsys):
+    assert main(["run", "quikstart", "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith("fedmosaic: error: config 'quikstart' is neither a file nor a preset; "
+                                              "did you mean 'quickstart'? presets: ")
+    assert preset_choices("quikstart").startswith("did you mean 'quickstart'? presets: ahf-digits, ")
+    assert preset_choices("apfl-cifar").startswith("did you mean 'apfl-cifar10'? presets: ")
+    assert preset_choices("my-own.yaml") == f"presets: {', '.join(preset_names())}"
+
+
+def test_list_presets_shows_each_presets_runtime(capsys):
+    assert main(["list", "presets"]) == 0
+    out = capsys.readouterr().out
+    for name in preset_names():
+        # a whole run on a 2-core CPU, "~" when extrapolated from timed rounds
+        line = re.search(rf"^  {re.escape(name)} +(~?[\d.]+ (s|min|h|days))  \S", out, re.MULTILINE)
+        assert line, f"no runtime for {name} in:\n{out}"
+        comment = [ln for ln in preset_path(name).read_text().splitlines() if ln.startswith("# runtime: ")]
+        assert len(comment) == 1, name  # and it says how the time was found
+        assert ("(estimated: " if line[1].startswith("~") else "(measured: ") in comment[0], name
+
+
+def test_what_users_read_has_no_internal_references(capsys):
+    assert main(["list"]) == 0
+    text = capsys.readouterr().out
+    for argv in ([], ["run"], ["compare"], ["report"], ["list"], ["partition"], ["data"], ["data", "list"]):
+        assert main([*argv, "--help"]) == 0
+        text += capsys.readouterr().out
+    assert len(text) > 10_000
+    assert not re.search(r"METHODS\.md|§|paper 0\d\d|\(00\d|issue \d|our copy", text), \
+        re.search(r".{0,60}(METHODS\.md|§|paper 0\d\d|\(00\d|issue \d|our copy).{0,60}", text)[0]
