@@ -8,7 +8,7 @@ import signal
 import torch
 
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.tree import leaves
+from fedmosaic.protocol.tree import leaves
 
 #: The small federation most engine tests train: 8 blob clients, Dirichlet(0.5), an MLP, momentum and weight decay.
 BLOBS8 = {

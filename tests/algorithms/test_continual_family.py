@@ -11,14 +11,14 @@ import torch
 from fedtest import assert_trees_close, train, with_overrides
 
 from fedmosaic.algorithms.protofcl import ProtoFCL, distances
-from fedmosaic.algorithms.terms import LocalContext
 from fedmosaic.engine import memory as mem
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.program import Phase, Setting, Signals
-from fedmosaic.engine.seeding import TASK_END
 from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run, summarize
-from fedmosaic.engine.tree import leaves
+from fedmosaic.engine.seeding import TASK_END
 from fedmosaic.errors import ConfigError
+from fedmosaic.protocol.context import LocalContext
+from fedmosaic.protocol.program import Phase, Setting, Signals
+from fedmosaic.protocol.tree import leaves
 
 R = 2  # rounds per task
 

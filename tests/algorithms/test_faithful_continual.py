@@ -12,8 +12,8 @@ from fedtest import train, with_overrides
 
 from fedmosaic.algorithms.fedweit import FedWeIT, FedWeITConfig
 from fedmosaic.algorithms.glfc import GLFC, GLFCConfig
-from fedmosaic.algorithms.terms import LocalContext, TaskLoss
-from fedmosaic.engine.program import Setting
+from fedmosaic.protocol.context import LocalContext, TaskLoss
+from fedmosaic.protocol.program import Setting
 
 C = 6
 TOLD = {"task_classes": torch.tensor([0.0, 0, 1, 1, 0, 0]),  # the client's task: classes 2 and 3

@@ -14,11 +14,11 @@ from fedtest import BLOBS6, assert_trees_close, blobs6_partition, train, with_ov
 from pydantic import ValidationError
 
 from fedmosaic.algorithms import ALGORITHMS
-from fedmosaic.algorithms.base import Algorithm
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.program import Phase, Step
 from fedmosaic.engine.seeding import FINETUNE
-from fedmosaic.engine.tree import leaves, tmap
+from fedmosaic.protocol.algorithm import Algorithm
+from fedmosaic.protocol.program import Phase, Step
+from fedmosaic.protocol.tree import leaves, tmap
 
 #: momentum and weight decay in the run's optimiser: internal plain steps must ignore both
 HEAVY = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}

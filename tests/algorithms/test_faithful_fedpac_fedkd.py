@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from fedtest import BLOBS6, assert_trees_close, blobs6_partition, with_overrides
 
 from fedmosaic.algorithms.fedpac import collaboration_weights
-from fedmosaic.algorithms.terms import LocalContext
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.program import Signals
-from fedmosaic.engine.tree import tmap
+from fedmosaic.protocol.context import LocalContext
+from fedmosaic.protocol.program import Signals
+from fedmosaic.protocol.tree import tmap
 
 
 def make_cfg(**over):

@@ -13,10 +13,10 @@ from torch.func import functional_call
 from fedmosaic.algorithms.fccl import FCCL, FCCLConfig, cross_correlation_loss
 from fedmosaic.algorithms.feddf import FedDF, FedDFConfig
 from fedmosaic.algorithms.rhfl import RHFL, RHFLConfig, sce_parts
-from fedmosaic.algorithms.terms import LocalContext
 from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.federation import Federation
 from fedmosaic.errors import ConfigError
+from fedmosaic.protocol.context import LocalContext
 
 D = torch.float64
 

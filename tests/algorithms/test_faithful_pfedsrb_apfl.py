@@ -14,8 +14,8 @@ from fedtest import BLOBS6, assert_trees_close, blobs6_partition, with_overrides
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.program import Signals
-from fedmosaic.engine.tree import tmap
+from fedmosaic.protocol.program import Signals
+from fedmosaic.protocol.tree import tmap
 
 
 def make_cfg(**over):

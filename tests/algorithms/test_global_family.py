@@ -11,21 +11,16 @@ import math
 import numpy as np
 import pytest
 import torch
+from fedtest import assert_trees_close, train
 
 from fedmosaic.algorithms.fednova import local_step_normaliser
-from fedmosaic.algorithms.terms import (
-    ControlVariate,
-    CurvaturePenalty,
-    LocalContext,
-    ModelContrastive,
-    NotTrueDistillation,
-)
+from fedmosaic.algorithms.terms import ControlVariate, CurvaturePenalty, ModelContrastive, NotTrueDistillation
 from fedmosaic.config import validate
 from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.optim import OptimizerConfig
-from fedtest import assert_trees_close, train
-from fedmosaic.engine.tree import leaves, tmap
+from fedmosaic.protocol.context import LocalContext
+from fedmosaic.protocol.tree import leaves, tmap
 
 DIRICHLET = {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}
 
@@ -225,7 +220,8 @@ def test_fednova_equal_steps_plain_sgd_equals_fedavg(fd_iid):
 def test_fednova_ccvr_shifts_gradients_by_the_previous_normalised_update(fd):
     """ccvr keeps d_i / lr per client (d_i: the normalised update it uploaded) and subtracts it from every later
     local gradient: with the task loss alone the step is -lr (g - d_i / lr)."""
-    from fedmosaic.algorithms.terms import GradientShift, LocalContext
+    from fedmosaic.algorithms.terms import GradientShift
+    from fedmosaic.protocol.context import LocalContext
 
     fed = Federation(make_cfg({"name": "fednova", "ccvr": True}, rounds=1), fd)
     calls = spy_aggregate(fed)

@@ -17,8 +17,8 @@ from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.evaluate import cross_summary
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run
-from fedmosaic.engine.tree import leaves
 from fedmosaic.errors import ConfigError
+from fedmosaic.protocol.tree import leaves
 
 FAMILY = [{"name": "ahf"}, {"name": "ahf", "pd": "dissimilarity", "use_sd": False}, {"name": "fedmd"},
           {"name": "feddf", "tau": 2.0}, {"name": "rhfl"}, {"name": "fccl"}, {"name": "local"}]
@@ -128,7 +128,7 @@ def test_the_exchange_carries_every_cohort_clients_logits_and_bytes_count_them(f
 def test_the_public_stream_is_the_same_batches_for_every_client(fd):
     fed = Federation(make_cfg(), fd)
     trainer = fed.groups[0].trainer
-    from fedmosaic.engine.program import Phase, View
+    from fedmosaic.protocol.program import Phase, View
 
     plan = trainer._plan(trainer.public, np.array([0, 3, 5]), Phase(view=View("public"), batch=5), 0, 7, 2, ())
     rows = plan["rows"]

@@ -14,17 +14,17 @@ from fedtest import BLOBS6, assert_trees_close, blobs6_partition, train, with_ov
 
 from fedmosaic.algorithms import ALGORITHMS
 from fedmosaic.algorithms.apfl_pd import plateau_step
-from fedmosaic.algorithms.base import Algorithm
 from fedmosaic.algorithms.fedkd import truncated_svd
 from fedmosaic.algorithms.fedpac import collaboration_weights, simplex_projection
 from fedmosaic.algorithms.pfedsrb import soft_threshold
-from fedmosaic.algorithms.terms import LocalContext
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.local import view_offsets
-from fedmosaic.engine.program import Phase, Signals, Step, View
 from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run
-from fedmosaic.engine.tree import leaves, tmap
 from fedmosaic.errors import ConfigError
+from fedmosaic.protocol.algorithm import Algorithm
+from fedmosaic.protocol.context import LocalContext
+from fedmosaic.protocol.program import Phase, Signals, Step, View
+from fedmosaic.protocol.tree import leaves, tmap
 
 NEW = [
     {"name": "apfl_pd", "z": 1, "refresh_first": 2},

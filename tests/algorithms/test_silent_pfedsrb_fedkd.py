@@ -13,8 +13,8 @@ import yaml
 from fedtest import BLOBS6, assert_trees_close, blobs6_partition, train, with_overrides
 
 from fedmosaic.cli.main import main
-from fedmosaic.engine.tree import leaves
 from fedmosaic.errors import ConfigError
+from fedmosaic.protocol.tree import leaves
 
 
 def make_cfg(**over):

@@ -8,12 +8,12 @@ import json
 import numpy as np
 import pytest
 import torch
+from fedtest import BLOBS8, assert_trees_close, blobs8_partition, train, with_overrides
 
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.runner import read_metrics, run, TIMING_KEYS
-from fedtest import BLOBS8, assert_trees_close, blobs8_partition, train, with_overrides
-from fedmosaic.engine.tree import leaves
+from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run
 from fedmosaic.errors import FedMosaicError
+from fedmosaic.protocol.tree import leaves
 
 
 def make_cfg(**over):

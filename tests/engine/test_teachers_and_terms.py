@@ -13,13 +13,13 @@ from torch import nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms.protofcl import ProtoFCL, distances, entropy_ratio
-from fedmosaic.algorithms.terms import LocalContext
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.program import Setting
 from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run, summarize
-from fedmosaic.engine.tree import tmap
 from fedmosaic.errors import ConfigError
 from fedmosaic.models import MODELS, Wrapped, register_model
+from fedmosaic.protocol.context import LocalContext
+from fedmosaic.protocol.program import Setting
+from fedmosaic.protocol.tree import tmap
 
 
 def bn_tiny(input_shape, num_classes):

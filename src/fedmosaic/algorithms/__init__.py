@@ -1,5 +1,6 @@
 """Algorithms, registered by name with their hyper-parameters as typed config."""
 
+from ..protocol.algorithm import ALGORITHMS, AlgoConfig, Algorithm, register_algorithm
 from . import (  # noqa: F401  (registration)
     ahf,
     apfl_pd,
@@ -11,18 +12,18 @@ from . import (  # noqa: F401  (registration)
     fedavg,
     fedavgm,
     fedcurv,
-    fedewc,
     feddf,
+    fedewc,
     fedkd,
     fedlwf,
     fedmd,
     fednova,
     fedntd,
     fedpac,
-    glfc,
     fedproto,
     fedprox,
     fedweit,
+    glfc,
     local,
     meta,
     moon,
@@ -32,7 +33,6 @@ from . import (  # noqa: F401  (registration)
     rhfl,
     scaffold,
 )
-from .base import ALGORITHMS, AlgoConfig, Algorithm, register_algorithm
 
 __all__ = ["ALGORITHMS", "AlgoConfig", "Algorithm", "register_algorithm"]
 

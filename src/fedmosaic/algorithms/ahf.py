@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from .base import register_algorithm
+from ..protocol.algorithm import register_algorithm
+from ..protocol.context import TaskLoss
 from .exchange import ExchangeConfig, LogitExchange, distill_to, kl_rows, masked_mean, others
-from .terms import TaskLoss
 
 
 class AHFConfig(ExchangeConfig):

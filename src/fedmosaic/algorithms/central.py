@@ -2,8 +2,8 @@
 again (each client keeps its number of samples), then FedAvg with one local epoch — what FedAvg reaches when the
 data are not heterogeneous. Test splits stay the clients' own."""
 
-from ..engine.program import Phase
-from .base import Algorithm, register_algorithm
+from ..protocol.algorithm import Algorithm, register_algorithm
+from ..protocol.program import Phase
 
 
 @register_algorithm

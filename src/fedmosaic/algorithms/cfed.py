@@ -11,10 +11,11 @@ class-incremental baselines are run (PyCIL's LwF); CFeD's code is not public.
 
 from pydantic import Field
 
-from ..engine.program import Phase, Step, View
-from .base import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import CE_CLASSES, TaskLoss
+from ..protocol.program import Phase, Step, View
 from .continual import Distill, KeepsTeacher
-from .terms import CE_CLASSES, TaskLoss, ce_classes_field
+from .terms import ce_classes_field
 
 
 class CFeDConfig(AlgoConfig):

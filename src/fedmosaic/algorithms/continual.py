@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.tree import clone
-from .terms import UNKNOWN, LocalContext  # UNKNOWN: what a class the teacher never met scores
+from ..protocol.context import UNKNOWN, LocalContext  # UNKNOWN: what a class the teacher never met scores
+from ..protocol.tree import clone
 
 
 def soft_ce(teacher: torch.Tensor, student: torch.Tensor, known: torch.Tensor, T: float) -> torch.Tensor:

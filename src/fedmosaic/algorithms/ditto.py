@@ -5,9 +5,10 @@ the two objectives trains them exactly as two separate loops would. lambda = 0 i
 
 from pydantic import Field
 
-from ..engine.tree import clone
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import Prox, TaskLoss
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import TaskLoss
+from ..protocol.tree import clone
+from .terms import Prox
 
 
 class DittoConfig(AlgoConfig):

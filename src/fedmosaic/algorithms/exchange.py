@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from ..engine.program import Phase, Step, View
-from ..engine.tree import clone
-from .base import AlgoConfig
+from ..protocol.algorithm import AlgoConfig
+from ..protocol.context import LocalContext, TaskLoss
+from ..protocol.program import Phase, Step, View
+from ..protocol.tree import clone
 from .local import Local
-from .terms import LocalContext, TaskLoss
 
 PUBLIC = View("public")
 

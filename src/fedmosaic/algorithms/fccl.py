@@ -18,10 +18,10 @@ differs there from the authors').
 import torch
 from pydantic import Field
 
-from ..engine.tree import clone
-from .base import register_algorithm
+from ..protocol.algorithm import register_algorithm
+from ..protocol.context import TaskLoss
+from ..protocol.tree import clone
 from .exchange import ExchangeConfig, LogitExchange, kl_rows
-from .terms import TaskLoss
 
 
 class FCCLConfig(ExchangeConfig):

@@ -31,9 +31,9 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..engine.program import Phase, Step, View
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import LocalContext
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import LocalContext
+from ..protocol.program import Phase, Step, View
 
 
 class FedALAConfig(AlgoConfig):

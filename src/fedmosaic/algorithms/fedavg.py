@@ -1,6 +1,6 @@
 """FedAvg (McMahan et al.): local SGD on the task loss, weighted average of the client models."""
 
-from .base import Algorithm, register_algorithm
+from ..protocol.algorithm import Algorithm, register_algorithm
 
 
 @register_algorithm

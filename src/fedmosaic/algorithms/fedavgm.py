@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..engine.tree import tmap, weighted_mean
-from .base import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.tree import tmap, weighted_mean
 
 
 class FedAvgMConfig(AlgoConfig):

@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..engine.program import Probe
-from ..engine.tree import tmap, weighted_mean
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import CurvaturePenalty, TaskLoss
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import TaskLoss
+from ..protocol.program import Probe
+from ..protocol.tree import tmap, weighted_mean
+from .terms import CurvaturePenalty
 
 
 class FedCurvConfig(AlgoConfig):

@@ -21,8 +21,8 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..engine.program import Phase, Step
-from .base import Algorithm, register_algorithm
+from ..protocol.algorithm import Algorithm, register_algorithm
+from ..protocol.program import Phase, Step
 from .exchange import PUBLIC, ExchangeConfig, LogitExchange
 
 

@@ -11,10 +11,11 @@ Fisher with over every class met so far — both as PyCIL's class-incremental EW
 import torch
 from pydantic import Field
 
-from ..engine.program import Probe
-from ..engine.tree import clone, leaves, tmap
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import CE_CLASSES, TaskLoss, ce_classes_field
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import CE_CLASSES, TaskLoss
+from ..protocol.program import Probe
+from ..protocol.tree import clone, leaves, tmap
+from .terms import ce_classes_field
 
 
 class FedEWCConfig(AlgoConfig):

@@ -34,9 +34,9 @@ from typing import Literal
 import torch
 from pydantic import Field, model_validator
 
-from ..engine.tree import clone, nbytes, weighted_mean
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import LocalContext, per_sample_task_loss
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import LocalContext, per_sample_task_loss
+from ..protocol.tree import clone, nbytes, weighted_mean
 
 
 class FedKDConfig(AlgoConfig):

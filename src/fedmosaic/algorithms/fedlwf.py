@@ -7,9 +7,10 @@ old classes' columns are the distillation's alone, not pushed down by every new 
 
 from pydantic import Field
 
-from .base import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import CE_CLASSES, TaskLoss
 from .continual import Distill, KeepsTeacher
-from .terms import CE_CLASSES, TaskLoss, ce_classes_field
+from .terms import ce_classes_field
 
 
 class FedLwFConfig(AlgoConfig):

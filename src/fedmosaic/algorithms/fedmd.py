@@ -2,7 +2,7 @@
 the cohort's logits, which is all the server sends back — with an L1 loss (the reference "digest" step), then trains
 on its private data with CE ("revisit")."""
 
-from .base import register_algorithm
+from ..protocol.algorithm import register_algorithm
 from .exchange import LogitExchange
 
 

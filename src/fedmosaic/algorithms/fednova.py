@@ -14,12 +14,12 @@ learning rate, d_i^prev / lr (zero before its first round); the server side is u
 from __future__ import annotations
 
 import torch
-
 from pydantic import Field
 
-from ..engine.tree import tmap, weighted_mean
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import GradientShift, TaskLoss
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import TaskLoss
+from ..protocol.tree import tmap, weighted_mean
+from .terms import GradientShift
 
 
 def local_step_normaliser(steps: torch.Tensor, optimizer) -> torch.Tensor:

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import NotTrueDistillation, TaskLoss
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import TaskLoss
+from .terms import NotTrueDistillation
 
 
 class FedNTDConfig(AlgoConfig):

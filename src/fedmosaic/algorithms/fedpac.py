@@ -41,10 +41,11 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..engine.program import Phase, Probe, Step
-from ..engine.tree import tmap, weighted_mean
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import LocalContext, PrototypeMSE, TaskLoss, class_sums
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import LocalContext, TaskLoss
+from ..protocol.program import Phase, Probe, Step
+from ..protocol.tree import tmap, weighted_mean
+from .terms import PrototypeMSE, class_sums
 
 BOTH = ("body", "head")
 

@@ -10,9 +10,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..engine.tree import clone
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import PrototypeMSE, TaskLoss, class_sums
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import TaskLoss
+from ..protocol.tree import clone
+from .terms import PrototypeMSE, class_sums
 
 
 class FedProtoConfig(AlgoConfig):

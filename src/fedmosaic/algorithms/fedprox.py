@@ -2,8 +2,9 @@
 
 from pydantic import Field
 
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import Prox, TaskLoss
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import TaskLoss
+from .terms import Prox
 
 
 class FedProxConfig(AlgoConfig):

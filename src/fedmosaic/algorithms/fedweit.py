@@ -23,10 +23,10 @@ a fresh mask starts at a constant (the authors draw it around 0 with std 1/sqrt(
 import torch
 from pydantic import Field
 
-from ..engine.tree import clone, nbytes, tmap, weighted_mean
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import CE_CLASSES, LocalContext
+from ..protocol.tree import clone, nbytes, tmap, weighted_mean
 from .apfl_pd import _unit
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import CE_CLASSES, LocalContext
 
 
 class FedWeITConfig(AlgoConfig):

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from pydantic import Field
 
-from .base import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import CE_CLASSES, LocalContext, onehot, only, per_sample_task_loss
 from .continual import UNKNOWN, KeepsTeacher
-from .terms import CE_CLASSES, LocalContext, onehot, only, per_sample_task_loss
 
 
 class GLFCConfig(AlgoConfig):

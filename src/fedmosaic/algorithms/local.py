@@ -1,7 +1,7 @@
 """Local: every client trains its own model and never communicates (the personalization floor)."""
 
-from ..engine.tree import clone
-from .base import Algorithm, register_algorithm
+from ..protocol.algorithm import Algorithm, register_algorithm
+from ..protocol.tree import clone
 
 
 @register_algorithm

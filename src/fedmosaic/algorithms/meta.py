@@ -28,9 +28,9 @@ import torch
 from pydantic import Field
 from torch.func import grad
 
-from ..engine.program import Phase, Step, View
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import LocalContext
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import LocalContext
+from ..protocol.program import Phase, Step, View
 
 
 def _adapted(ctx: LocalContext, w: dict, alpha: float, first_order: bool) -> dict:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from ..engine.tree import clone
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import ModelContrastive, TaskLoss
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import TaskLoss
+from ..protocol.tree import clone
+from .terms import ModelContrastive
 
 
 class MoonConfig(AlgoConfig):

@@ -21,10 +21,10 @@ from __future__ import annotations
 import torch
 from pydantic import Field
 
-from ..engine.program import Phase, Step
-from ..engine.tree import clone, tmap, weighted_mean
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import LocalContext
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import LocalContext
+from ..protocol.program import Phase, Step
+from ..protocol.tree import clone, tmap, weighted_mean
 
 
 class PFedMeConfig(AlgoConfig):

@@ -28,10 +28,10 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..engine.program import Phase
-from ..engine.tree import tmap, weighted_mean
-from .base import AlgoConfig, Algorithm, register_algorithm
-from .terms import LocalContext
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import LocalContext
+from ..protocol.program import Phase
+from ..protocol.tree import tmap, weighted_mean
 
 
 class PFedSRBConfig(AlgoConfig):

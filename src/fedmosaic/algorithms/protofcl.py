@@ -33,13 +33,14 @@ from typing import Literal
 import torch
 from pydantic import Field
 
-from ..engine.program import Probe
-from ..engine.tree import clone
 from ..errors import ConfigError
-from .base import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
+from ..protocol.context import LocalContext, onehot, only
+from ..protocol.program import Probe
+from ..protocol.tree import clone
 from .continual import UNKNOWN, KeepsTeacher, soft_ce
 from .fedproto import PrototypeServer
-from .terms import LocalContext, class_sums, onehot, only
+from .terms import class_sums
 
 
 class ProtoFCLConfig(AlgoConfig):

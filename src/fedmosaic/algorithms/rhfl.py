@@ -20,10 +20,10 @@ import math
 import torch
 from pydantic import Field
 
-from ..engine.program import Probe
-from .base import register_algorithm
+from ..protocol.algorithm import register_algorithm
+from ..protocol.context import onehot, per_sample_task_loss
+from ..protocol.program import Probe
 from .exchange import ExchangeConfig, LogitExchange, kl_rows, masked_mean, others
-from .terms import onehot, per_sample_task_loss
 
 
 class RHFLConfig(ExchangeConfig):

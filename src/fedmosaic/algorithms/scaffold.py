@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.tree import tmap, weighted_mean
-from .base import Algorithm, register_algorithm
+from ..protocol.algorithm import Algorithm, register_algorithm
+from ..protocol.context import TaskLoss
+from ..protocol.tree import tmap, weighted_mean
 from .fednova import local_step_normaliser
-from .terms import ControlVariate, TaskLoss
+from .terms import ControlVariate
 
 
 @register_algorithm

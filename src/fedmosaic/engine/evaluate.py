@@ -7,9 +7,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..protocol.tree import tmap
 from .mapping import for_each_client
 from .seeding import CONTINUAL_EVAL, rng
-from .tree import tmap
 
 EVAL_BATCH = 4096  # bounds activation memory for CNNs (32x28x28 floats per sample after conv1)
 

@@ -16,23 +16,23 @@ import numpy as np
 import torch
 from torch.utils._pytree import tree_structure
 
-from ..algorithms import ALGORITHMS, Algorithm
 from ..config import RunConfig
 from ..data.federated import FederatedData, PartitionSpec, build
 from ..data.partition.tasks import task_streams
 from ..data.public import public_images
 from ..errors import ConfigError, CorruptDataError, FedMosaicError
 from ..models import build_model, head_keys, parameter_count
+from ..protocol.algorithm import Algorithm, registered
+from ..protocol.program import Phase, Setting, Signals, View
+from ..protocol.tree import all_finite, leaves, nbytes, put, take, tmap, weighted_mean
 from . import evaluate as ev
 from . import memory as mem
 from .augment import black
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .mapping import for_each_client
-from .program import Phase, Setting, Signals, View
 from .seeding import INIT, MEMORY, POOL, PUBLIC, TASKS, rng, sample_cohort
 from .transforms import make_normalizer
-from .tree import all_finite, leaves, nbytes, put, take, tmap, weighted_mean
 
 
 class NonFiniteLoss(FedMosaicError):
@@ -173,7 +173,7 @@ class Federation:
 
         self.groups = self._build_groups(dev)
         dims = {g.module.feature_dim for g in self.groups}
-        algo_cls = ALGORITHMS[cfg.algorithm.name]
+        algo_cls = registered()[cfg.algorithm.name]
         algo_cfg = algo_cls.Config.model_validate(cfg.algorithm.params())
         if algo_cls.shares_features and len(dims) > 1:
             raise ConfigError(f"algorithm {cfg.algorithm.name!r} exchanges features, but the architectures' feature "

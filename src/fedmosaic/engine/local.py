@@ -28,15 +28,15 @@ from torch.func import functional_call, grad
 from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils import _pytree as pytree
 
-from ..algorithms.base import Algorithm
-from ..algorithms.terms import LocalContext, TaskLoss
 from ..errors import ConfigError
+from ..protocol.algorithm import Algorithm
+from ..protocol.context import LocalContext, TaskLoss
+from ..protocol.program import Phase, Probe, Step, View
+from ..protocol.tree import leaves, put, take, tmap
 from . import augment, optim
 from .augment import AugmentConfig
 from .mapping import for_each_client
-from .program import Phase, Probe, Step, View
 from .seeding import FINETUNE, SERVER, TASK_END, VIEWS, WARMUP, batch_plan, rng
-from .tree import leaves, put, take, tmap
 
 
 @dataclass

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from torch.func import vmap
 
-from .tree import clone, leaves, stack, tmap
+from ..protocol.tree import clone, leaves, stack, tmap
 
 
 def _batch_size(args, in_dims) -> int:

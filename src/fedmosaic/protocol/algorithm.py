@@ -13,14 +13,15 @@ the first round.
 
 from __future__ import annotations
 
+import importlib
 from typing import ClassVar
 
 import torch
 
-from ..engine.program import Phase, Probe, Setting, Signals
-from ..engine.tree import nbytes, weighted_mean
 from ..schema import Schema
-from .terms import LocalContext, TaskLoss, term_name
+from .context import LocalContext, TaskLoss, term_name
+from .program import Phase, Probe, Setting, Signals
+from .tree import nbytes, weighted_mean
 
 
 class AlgoConfig(Schema):
@@ -231,3 +232,9 @@ def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
         raise ValueError(f"algorithm {cls.name!r} registered twice")
     ALGORITHMS[cls.name] = cls
     return cls
+
+
+def registered() -> dict[str, type[Algorithm]]:
+    """Every registered algorithm, the built-in ones imported on first use: the engine names no algorithm itself."""
+    importlib.import_module("fedmosaic.algorithms")
+    return ALGORITHMS
