@@ -60,7 +60,7 @@ def old_continual(fed: Federation, t: int) -> dict:
     unseen = torch.as_tensor(~seen, device=fed.device)
 
     def masked(z, logits):
-        return fed.algo.eval_logits(z, logits, fed.server).masked_fill(unseen, float("-inf"))
+        return fed.algo.eval_logits(z, logits, fed.algo.broadcast(fed.server, 0)).masked_fill(unseen, float("-inf"))
 
     ok = []
     for g in fed.groups[:1] if fed.algo.global_model else fed.groups:

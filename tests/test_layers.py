@@ -46,3 +46,20 @@ def test_the_scan_sees_relative_and_absolute_imports(tmp_path):
     mod.write_text("from ..algorithms.terms import x\nfrom . import local\nimport fedmosaic.protocol.tree\n"
                    "from .. import data\nfrom fedmosaic.models import y\nimport torch\n")
     assert imported_packages(mod, tmp_path) == {"algorithms", "engine", "protocol", "data", "models"}
+
+
+def test_client_hooks_never_take_the_servers_state():
+    from fedmosaic.protocol.algorithm import CLIENT_HOOKS, Algorithm, register_algorithm, registered
+
+    assert len(registered()) > 30  # every built-in algorithm was checked when it registered
+
+    class Old(Algorithm):
+        name = "old-style"
+
+        def personal_params(self, state, server, own):
+            return server["model"]
+
+    with pytest.raises(TypeError, match=r"^algorithm 'old-style': the client hook personal_params takes the "
+                                        r"server's state; .*: personal_params\(state, payload\)$"):
+        register_algorithm(Old)
+    assert "old-style" not in registered() and "probes" in CLIENT_HOOKS

@@ -16,6 +16,7 @@ from .data.partition.tasks import count_range
 from .engine.augment import AugmentConfig
 from .engine.optim import OptimizerConfig
 from .errors import ConfigError
+from .protocol.algorithm import registered
 from .schema import MAX_COUNT, MAX_SEED, Schema
 
 #: A config file larger than this is not a config (a YAML alias bomb or a wrong file).
@@ -415,7 +416,7 @@ def validate(raw: dict, where: str = "config") -> RunConfig:
         cfg = RunConfig.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(format_validation_error(e)) from None
-    from .algorithms import ALGORITHMS  # late import: algorithms import the engine
+    algorithms = registered()
 
     from .data.partition import parse_partition
     from .data.registry import get_spec
@@ -427,18 +428,18 @@ def validate(raw: dict, where: str = "config") -> RunConfig:
         raise ConfigError(f"data.dataset: {e}") from None
     checks = [("algorithm", cfg.algorithm)] + [(f"compare.{i}", a) for i, a in enumerate(cfg.compare or [])]
     for where_, a in checks:
-        algo = ALGORITHMS.get(a.name)
+        algo = algorithms.get(a.name)
         if algo is None:
-            near = difflib.get_close_matches(a.name, list(ALGORITHMS), n=1)
+            near = difflib.get_close_matches(a.name, list(algorithms), n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
             raise ConfigError(f"{where_}.name: unknown {short_repr(a.name)}; {hint}"
-                              f"allowed: {', '.join(sorted(ALGORITHMS))}")
+                              f"allowed: {', '.join(sorted(algorithms))}")
         try:
             algo.Config.model_validate(a.params())
         except ValidationError as e:
             raise ConfigError(format_validation_error(e, where_, algo.Config)) from None
     # what runs: with compare its entries (RunConfig.variants), not the top-level algorithm
-    running = [ALGORITHMS[a.name] for a in cfg.compare or [cfg.algorithm]]
+    running = [algorithms[a.name] for a in cfg.compare or [cfg.algorithm]]
     for algo in running:
         check_family(cfg, algo)
     return cfg
@@ -448,9 +449,7 @@ def advise(cfg: RunConfig, compare_given: bool = False) -> None:
     """Warn about what a new run's config holds but will not use (not for the configs a run directory saved: a
     comparison's variant keeps the comparison's data.public although it alone never uses it). ``compare_given``:
     the compare list came from the command line (``--algorithms``), which replaces the algorithm knowingly."""
-    from .algorithms import ALGORITHMS
-
-    running = [ALGORITHMS[a.name] for a in cfg.compare or [cfg.algorithm]]
+    running = [registered()[a.name] for a in cfg.compare or [cfg.algorithm]]
     if cfg.data.public is not None and not any(algo.uses_public for algo in running):
         names = ", ".join(sorted({repr(algo.name) for algo in running}))
         warnings.warn(f"data.public: no algorithm of this run uses a public stream ({names}); it is ignored",

@@ -406,7 +406,7 @@ def test_glfc_loss_by_hand():
 
 def test_cfed_reviews_on_the_surrogate_stream_after_learning_the_task():
     fed = Federation(make_cfg(algorithm={"name": "cfed", "review_steps": 2}, data__public=SURROGATE))
-    first, review = fed.algo.program(fed.server, 0)
+    first, review = fed.algo.program(0)
     assert first.view.part == "all" and review.view.part == "public" and review.steps == 2
     rec = fed.round(0)
     assert rec["local_steps_max"] > 2

@@ -194,7 +194,7 @@ def test_fedweit_defaults_and_initialisation_are_the_authors():
     assert algo.cfg.lam1 == 1e-3
     B = fedweit_params()
     server = algo.init_server([B])
-    st = algo.init_client(server, B)
+    st = algo.init_client(B)
     w = algo.compose(B, st["mask"], st["A"], st["alpha"], server["kb"], server["kb_has"])
     for k, b in B.items():
         torch.testing.assert_close(w[k], b * 0.5 + b / 3)
@@ -218,7 +218,7 @@ def test_fedweits_retroactive_penalty_sums_over_every_earlier_task_as_the_author
     B_prev = {k: v - 0.1 * (i + 1) for i, (k, v) in enumerate(B.items())}
     masks = torch.tensor([[0.5, -1.0, 2.0], [1.5, 0.0, -0.5], [9.0, 9.0, 9.0], [0, 0, 0]])  # two ended, one not
     kb_has = torch.tensor([1.0, 1.0, 0.0, 0.0])
-    st = {**algo.init_client(server, B), "masks": {"fc": masks}}
+    st = {**algo.init_client(B), "masks": {"fc": masks}}
     params = {"B": B, "mask": st["mask"], "A": st["A"], "alpha": st["alpha"]}
     payload = {**algo.broadcast(server, 0), "B_prev": B_prev, "kb_has": kb_has,
                "own": {**{k: torch.ones(3) for k in ("task_classes", "seen_classes")},

@@ -68,7 +68,7 @@ class Repeats(Algorithm):
     def until(losses, params, state, payload):
         return torch.as_tensor(losses.shape[0]) >= 1 + payload["own"]["cid"] % 3
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         return [Phase(updates=(Step(plain=True),), until=self.until, max_repeats=self.max_repeats)]
 
 
@@ -80,7 +80,7 @@ def test_phase_until_runs_the_same_batches_again_per_client(fd, monkeypatch, bac
     fed = Federation(make_cfg(algorithm={"name": "repeats_test"}, engine={"backend": backend}), fd)
     g, tr = fed.groups[0], fed.split["train"]
     clients = np.arange(6)
-    phase = fed.algo.program(fed.server, 0)[0]
+    phase = fed.algo.program(0)[0]
     plan = g.trainer._plan(tr, clients, phase, 0, 5, 0, ())
     w0 = fed.server["model"]
     up, _, _, steps, _ = g.trainer.train(tr, clients, fed.algo.broadcast(fed.server, 0), {}, {}, lr=0.1, seed=5,
@@ -105,7 +105,7 @@ def test_fedala_p0_mixes_every_tensor_as_the_authors_layer_idx_0():
     assert fedala(fedala.Config(p=0))._top(model) == list(model)
     assert fedala(fedala.Config(p=2))._top(model) == ["fc.weight", "fc.bias"]
     assert fedala(fedala.Config(p=9))._top(model) == list(model)
-    assert set(fedala(fedala.Config(p=0)).init_client({}, model)["A"]) == set(model)
+    assert set(fedala(fedala.Config(p=0)).init_client(model)["A"]) == set(model)
 
 
 def test_fedala_weights_stay_one_where_their_gradient_is_zero_under_momentum_and_weight_decay(fd):
@@ -133,7 +133,7 @@ def test_fedala_start_phase_trains_a_until_the_loss_std_settles(fd):
     ones = {k: torch.ones_like(v) for k, v in glob.items()}
     states = stacked([{"local": loc, "A": ones, "seen": torch.tensor(float(s))} for loc, s in zip(locals_, (0, 1, 2))])
     clients = np.array([0, 1, 2])
-    phase = algo.program(fed.server, 0)[0]
+    phase = algo.program(0)[0]
     plan = g.trainer._plan(tr, clients, phase, 0, 5, 0, ())
     _, new, _, steps, _ = g.trainer.train(tr, clients, algo.broadcast(fed.server, 0), states, {}, lr=0.05, seed=5,
                                           round_idx=0, program=[phase])
@@ -162,9 +162,9 @@ def test_fedala_start_phase_is_capped(fd):
     cfg = make_cfg(algorithm={"name": "fedala", "threshold": 1e-30, "max_start_passes": 4, "sample": 0.5})
     fed = Federation(cfg, fd)
     algo, g, tr = fed.algo, fed.groups[0], fed.split["train"]
-    state = algo.init_client(fed.server, fed.server["model"])
+    state = algo.init_client(fed.server["model"])
     state = {**state, "local": tmap(lambda t: t + 0.3, state["local"]), "seen": torch.tensor(1.0)}
-    phase = algo.program(fed.server, 0)[0]
+    phase = algo.program(0)[0]
     plan = g.trainer._plan(tr, np.array([3]), phase, 0, 5, 0, ())
     steps = g.trainer.train(tr, np.array([3]), algo.broadcast(fed.server, 0), stacked([state]), {}, lr=0.05,
                             seed=5, round_idx=0, program=[phase])[3]
@@ -181,7 +181,7 @@ def test_pfedme_local_rounds_are_plain_moreau_steps(fd):
     fed = Federation(cfg, fd)
     algo, g, tr = fed.algo, fed.groups[0], fed.split["train"]
     clients = np.array([1, 4])
-    phase = algo.program(fed.server, 0)[0]
+    phase = algo.program(0)[0]
     plan = g.trainer._plan(tr, clients, phase, 0, 5, 0, ())
     store = tmap(lambda t: t[torch.as_tensor(fed.row_of[clients])], g.store)
     up, new, _, steps, _ = g.trainer.train(tr, clients, algo.broadcast(fed.server, 0), store, {}, lr=eta, seed=5,
@@ -218,7 +218,7 @@ def test_perfedavg_batches_d_and_d_prime_are_disjoint_halves_of_one_shuffle(fd):
     fed = Federation(make_cfg(algorithm={"name": "perfedavg"}, train__local_epochs=2), fd)
     g, tr = fed.groups[0], fed.split["train"]
     clients = np.arange(6)
-    plan = g.trainer._plan(tr, clients, fed.algo.program(fed.server, 0)[0], 0, 5, 0, ())
+    plan = g.trainer._plan(tr, clients, fed.algo.program(0)[0], 0, 5, 0, ())
     for i, k in enumerate(clients):
         n, per = int(tr.sizes[k]), int(np.ceil(tr.sizes[k] / 16))
         assert plan["steps"][i] == 2 * per
@@ -239,7 +239,7 @@ def test_perfedavg_beta_step_is_plain(fd):
     fed = Federation(make_cfg(algorithm={"name": "perfedavg", "alpha": alpha, "beta": beta}), fd)
     algo, g, tr = fed.algo, fed.groups[0], fed.split["train"]
     clients = np.array([2])
-    phase = algo.program(fed.server, 0)[0]
+    phase = algo.program(0)[0]
     plan = g.trainer._plan(tr, clients, phase, 0, 5, 0, ())
     up = g.trainer.train(tr, clients, algo.broadcast(fed.server, 0), {}, {}, lr=0.05, seed=5, round_idx=0,
                          program=[phase])[0]

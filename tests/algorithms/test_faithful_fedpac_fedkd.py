@@ -124,8 +124,8 @@ def test_fedpac_statistics_are_taken_at_the_received_model(fd):
     clients = np.array([0, 3])
     own = fed._own(clients)[0]
     up = g.trainer.train(fed.split["train"], clients, algo.broadcast(fed.server, 1), tmap(lambda t: t[:2], g.store),
-                         {}, own=own, lr=0.1, seed=0, round_idx=1, program=algo.program(fed.server, 1),
-                         probes=algo.probes(fed.server, 1))[0]
+                         {}, own=own, lr=0.1, seed=0, round_idx=1, program=algo.program(1),
+                         probes=algo.probes(1, fed.algo.broadcast(fed.server, 1)))[0]
     tr = fed.split["train"]
     body = {k: v for k, v in fed.server["model"].items() if k not in own["head"]}
     for i, k in enumerate(clients):
@@ -168,7 +168,8 @@ def test_fedpac_head_learning_rate_is_its_own(fd):
         g, algo, clients = fed.groups[0], fed.algo, np.array([0, 3])
         return g.trainer.train(fed.split["train"], clients, algo.broadcast(fed.server, 0),
                                tmap(lambda t: t[:2], g.store), {}, own=fed._own(clients)[0], lr=lr, seed=0,
-                               round_idx=0, program=algo.program(fed.server, 0)[:1], probes=algo.probes(fed.server, 0))[0]
+                               round_idx=0, program=algo.program(0)[:1],
+                               probes=algo.probes(0, algo.broadcast(fed.server, 0)))[0]
 
     own_rate, fast, slow = first_round(0.1, 0.3), first_round(0.3, None), first_round(0.1, None)
     assert_trees_close(own_rate["head"], fast["head"], exact=True)

@@ -276,7 +276,7 @@ def test_fedmeta_batches_come_from_support_and_query(fd):
     fed = Federation(make_cfg(algorithm={"name": "fedmeta"}), fd)
     g, tr = fed.groups[0], fed.split["train"]
     k = 0
-    plan = g.trainer._plan(tr, np.array([k]), fed.algo.program(fed.server, 0)[0], 0, 5, 0, ())
+    plan = g.trainer._plan(tr, np.array([k]), fed.algo.program(0)[0], 0, 5, 0, ())
     s = set((tr.ptr[k] + view_offsets(View("support", 0.8), int(tr.sizes[k]), 5, k, 0)).tolist())
     used = plan["rows"][plan["mask"] > 0].tolist()
     used2 = plan["rows2"][plan["mask2"] > 0].tolist()
@@ -298,7 +298,7 @@ def test_a_misspelt_slot_is_one_line_before_training(fd, monkeypatch):
     class Typo(Algorithm):
         name = "typo"
 
-        def program(self, server, round_idx):
+        def program(self, round_idx):
             return [Phase(updates=(Step(("modle",)),))]
 
     monkeypatch.setitem(ALGORITHMS, "typo", Typo)
@@ -353,7 +353,7 @@ def test_a_client_with_nothing_to_pair_with_trains_without_error(fd):
     data = ClientTensors(tr.x[:1], tr.y[:1], np.array([0, 1]))
     payload = fed.algo.broadcast(fed.server, 0)
     up, _, loss, steps, _ = g.trainer.train(data, np.array([0]), payload, {}, {}, lr=0.1, seed=0, round_idx=0,
-                                            program=fed.algo.program(fed.server, 0))
+                                            program=fed.algo.program(0))
     assert steps.tolist() == [1] and float(loss[0]) == 0.0
     assert_trees_close(tmap(lambda t: t[0], up["model"]), fed.server["model"], exact=True)
 
@@ -384,7 +384,7 @@ def test_fedala_weights_follow_the_projected_gradient_on_a_hand_example(fd):
     stacked = tmap(lambda t: t[None], state)
     own = {"cid": torch.tensor([0])}
     new_state = g.trainer.train(tr, np.array([0]), algo.broadcast(fed.server, 0), stacked, {}, own=own, lr=0.1,
-                                seed=0, round_idx=0, program=algo.program(fed.server, 0)[:1])[1]
+                                seed=0, round_idx=0, program=algo.program(0)[:1])[1]
     assert_trees_close(tmap(lambda t: t[0], new_state["A"]), expected, atol=1e-6, rtol=1e-4)
     assert all(float(t.min()) >= 0 and float(t.max()) <= 1 for t in leaves(new_state["A"]))
     assert any(float(t.min()) < 1 for t in leaves(new_state["A"]))  # it moved
@@ -454,8 +454,8 @@ def test_fedpac_phases_train_only_their_part(fd):
     clients = np.array([0, 3])
     own = fed._own(clients)[0]
     args = (fed.split["train"], clients, algo.broadcast(fed.server, 0), tmap(lambda t: t[:2], g.store), {})
-    up = g.trainer.train(*args, own=own, lr=0.1, seed=0, round_idx=0, program=algo.program(fed.server, 0),
-                         probes=algo.probes(fed.server, 0))[0]
+    up = g.trainer.train(*args, own=own, lr=0.1, seed=0, round_idx=0, program=algo.program(0),
+                         probes=algo.probes(0, fed.algo.broadcast(fed.server, 0)))[0]
     assert_trees_close(up["head"], own["head"], exact=True)
     tr = fed.split["train"]
     for i, k in enumerate(clients):  # the "final" probe: one pass over the client's data at its final model
@@ -467,8 +467,8 @@ def test_fedpac_phases_train_only_their_part(fd):
     assert not torch.equal(w, fed.server["model"]["body.0.weight"].expand_as(w))
     fed2 = Federation(make_cfg(algorithm={"name": "fedpac", "head_epochs": 1}), fd)
     up = fed2.groups[0].trainer.train(*args, own=own, lr=0.1, seed=0, round_idx=0,
-                                      program=fed2.algo.program(fed2.server, 0)[:1],
-                                      probes=fed2.algo.probes(fed2.server, 0))[0]
+                                      program=fed2.algo.program(0)[:1],
+                                      probes=fed2.algo.probes(0, fed2.algo.broadcast(fed2.server, 0)))[0]
     body = {k: v[None].expand(2, *v.shape) for k, v in fed2.server["model"].items() if k in up["body"]}
     assert_trees_close(up["body"], body, exact=True)
     assert not torch.equal(up["head"]["fc.weight"], own["head"]["fc.weight"])

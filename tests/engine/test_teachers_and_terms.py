@@ -196,7 +196,7 @@ def test_protofcl_with_local_prototypes_exchanges_nothing_and_predicts_by_its_ow
     g = fed.groups[0]
     state = tmap(lambda t: t[0], g.store)
     assert float(state["has"].sum()) > 0  # the client's own library
-    params = fed.algo.personal_params(state, fed.server, {})
+    params = fed.algo.personal_params(state, {**fed.algo.broadcast(fed.server, 0), "own": {}})
     x = fed.transform(fed.split["test"].x[:50]) if len(fed.split["test"].y) else fed.global_test[0][:50]
     z, logits = g.apply(params, x)
     d = torch.where(state["has"] > 0, distances(z, state["protos"]), float("inf"))

@@ -96,12 +96,12 @@ class APFLPD(Algorithm):
                 "peak": scalar(0), "mu_old": scalar(0), "sigma_old": scalar(0), "flag": scalar(0),
                 "plateaus": scalar(0)}
 
-    def _refresh(self, server, round_idx) -> bool:
-        return round_idx < self.cfg.refresh_first or bool(server["flag"])
-
     def broadcast(self, server, round_idx):
         on = torch.tensor(float(round_idx >= self.cfg.z), device=server["flag"].device)
-        return {"global": server["model"], "F": server["F"], "decompose": on}
+        # whether the cohort measures the gradients that refresh F this round (eq. 5): the first rounds, and after
+        # the detector saw a plateau
+        refresh = torch.tensor(round_idx < self.cfg.refresh_first, device=on.device) | (server["flag"] > 0)
+        return {"global": server["model"], "F": server["F"], "decompose": on, "refresh": refresh}
 
     def aggregate(self, server, uploads, weights, round_idx, signals):
         out = {**server, "model": weighted_mean(uploads["model"], weights)}
@@ -124,7 +124,7 @@ class APFLPD(Algorithm):
         return out
 
     # ---- client --------------------------------------------------------------------------------------
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         model = init_params
         units = {_unit(k): torch.zeros(v.shape[0], device=v.device) for k, v in model.items()}
         return {"mask": units, "private": tmap(torch.zeros_like, model),
@@ -173,15 +173,15 @@ class APFLPD(Algorithm):
         n = ctx.mask.sum()
         return {"sum": self.received_loss(ctx) * n, "n": n}
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         if round_idx < self.cfg.z:
             return [Phase(updates=(Step(("shared",), self.plain_loss),))]
         slots = ("shared",) + ("mask",) * self.cfg.learn_mask + ("private",) * self.cfg.learn_private
         return [Phase(updates=(Step(slots),))]
 
-    def probes(self, server, round_idx):
+    def probes(self, round_idx, payload):
         loss = Probe("global_loss", at="received", kind="sums", objective=self.global_loss_sums)
-        if not self._refresh(server, round_idx):
+        if not bool(payload["refresh"]):
             return [loss]
         return [loss, Probe("grad", at="received", kind="grad", objective=self.received_loss, slots=("shared",))]
 
@@ -196,13 +196,13 @@ class APFLPD(Algorithm):
                      "started": torch.maximum(state["started"], on)}
         return upload, new_state
 
-    def report(self, server, store):
+    def report(self, server, reports):
         """The newest entry of the detector's window (the global model's training loss) and the plateaus seen."""
         seen = int(server["seen"])
         newest = {"global_train_loss": float(server["losses"][seen - 1])} if seen else {}
         return {**newest, "plateaus": float(server["plateaus"])}
 
-    def personal_params(self, state, server, own):
-        w_s = server["model"]
+    def personal_params(self, state, payload):
+        w_s = payload["global"]
         mine = self.compose(w_s, state["mask"], state["private"])
         return {k: torch.where(state["started"] > 0, mine[k], w_s[k]) for k in w_s}

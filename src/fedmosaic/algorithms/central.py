@@ -11,5 +11,5 @@ class Central(Algorithm):
     name = "central"
     pooled = True
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         return [Phase(epochs=1)]

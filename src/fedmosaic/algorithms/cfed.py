@@ -36,6 +36,6 @@ class CFeD(KeepsTeacher, Algorithm):
     def terms(self):
         return [TaskLoss(classes=self.cfg.ce_classes)]
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         review = Step(objective=Distill(self.cfg.lam, self.cfg.T))  # LwF's term, on the surrogate batches
         return [Phase(), Phase(epochs=1, steps=self.cfg.review_steps, view=View("public"), updates=(review,))]

@@ -24,9 +24,9 @@ class KeepsTeacher:
     """Mixin: every client keeps the model it predicted with at the end of its previous task (``teacher``) and the
     classes the federation had met by then (``known``); both start empty (no teacher in the first task)."""
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         dev = next(iter(init_params.values())).device
-        return {**super().init_client(server, init_params), "teacher": clone(init_params),
+        return {**super().init_client(init_params), "teacher": clone(init_params),
                 "known": torch.zeros(self.num_classes, device=dev)}
 
     def end_task(self, state, model, stats, seen, payload):

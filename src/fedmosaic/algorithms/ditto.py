@@ -21,7 +21,7 @@ class Ditto(Algorithm):
     personalized = True
     Config = DittoConfig
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"personal": clone(init_params)}
 
     def local_init(self, payload, state):
@@ -33,5 +33,5 @@ class Ditto(Algorithm):
     def finish(self, params, state, payload, stats):
         return {"model": params["model"]}, {"personal": params["personal"]}
 
-    def personal_params(self, state, server, own):
+    def personal_params(self, state, payload):
         return state["personal"]

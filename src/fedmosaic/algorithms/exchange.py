@@ -46,7 +46,7 @@ class LogitExchange(Local):
     def local_init(self, payload, state):
         return {"model": state["model"], **({"snap": state["model"]} if self.snapshot else {})}
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         return [Phase(view=PUBLIC, epochs=self.cfg.public_epochs, batch=self.cfg.public_batch,
                       updates=(Step(("model",), self.collaborate),), after=_snapshot if self.snapshot else None),
                 Phase(updates=(Step(("model",), self.local_loss),), key=0)]

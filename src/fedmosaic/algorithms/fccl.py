@@ -55,7 +55,7 @@ class FCCL(LogitExchange):
     Config = FCCLConfig
     needs_warmup = True  # without it the frozen "pre-trained" teacher would be a random model
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"model": clone(init_params), "pre": clone(init_params)}
 
     def after_warmup(self, state):

@@ -57,7 +57,7 @@ class FedALA(Algorithm):
         names = list(model)
         return names[-self.cfg.p:] if self.cfg.p else names  # (names[-p:] is all of them once p >= len)
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         dev = next(iter(init_params.values())).device
         # seen: rounds trained, capped at 2 (0: w_loc is w_glob; 1: this round's ALA is the start phase)
         return {"local": {k: v.clone() for k, v in init_params.items()},
@@ -87,7 +87,7 @@ class FedALA(Algorithm):
     def start_from_mix(self, params, state, payload):
         return {**params, "model": self._mix(params["A"], self._local(state, payload), payload["global"])}, state
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         ala = Step(("A",), self.ala_loss, lr=self.cfg.eta, clamp=(0.0, 1.0), plain=True)
         return [Phase(epochs=1, view=View("sample", self.cfg.sample), updates=(ala,), after=self.start_from_mix,
                       key=1, until=self.converged, max_repeats=self.cfg.max_start_passes - 1),
@@ -97,5 +97,5 @@ class FedALA(Algorithm):
         return {"model": params["model"]}, {"local": params["model"], "A": params["A"],
                                             "seen": torch.clamp(state["seen"] + 1, max=2)}
 
-    def personal_params(self, state, server, own):
-        return {k: torch.where(state["seen"] > 0, v, server["model"][k]) for k, v in state["local"].items()}
+    def personal_params(self, state, payload):
+        return {k: torch.where(state["seen"] > 0, v, payload["global"][k]) for k, v in state["local"].items()}

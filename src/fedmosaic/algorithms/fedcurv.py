@@ -51,10 +51,10 @@ class FedCurv(Algorithm):
             "V": tmap(lambda s, d: s + d.sum(0), server["V"], uploads["dv"]),
         }
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"u": tmap(torch.zeros_like, init_params), "v": tmap(torch.zeros_like, init_params)}
 
-    def probes(self, server, round_idx):
+    def probes(self, round_idx, payload):
         return [Probe("grad_sq", at="final", samples=self.cfg.samples)]
 
     def terms(self):

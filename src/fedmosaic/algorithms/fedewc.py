@@ -31,7 +31,7 @@ class FedEWC(Algorithm):
     Config = FedEWCConfig
     needs_tasks = True
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"anchor": clone(init_params), "fisher": tmap(torch.zeros_like, init_params)}
 
     def task_probes(self):

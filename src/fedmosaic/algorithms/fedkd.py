@@ -92,7 +92,7 @@ class FedKD(Algorithm):
         energy = self.cfg.t_start + (self.cfg.t_end - self.cfg.t_start) * frac
         return {"global": server["model"], "energy": torch.tensor(energy)}
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"mentor": clone(self.setting.models["mentor"])}
 
     def local_init(self, payload, state):
@@ -136,5 +136,5 @@ class FedKD(Algorithm):
         mean = weighted_mean(delta, weights)
         return {**server, "model": {k: g + mean[k] for k, g in server["model"].items()}}
 
-    def personal_params(self, state, server, own):
+    def personal_params(self, state, payload):
         return state["mentor"]

@@ -48,7 +48,7 @@ class FedNova(Algorithm):
     name = "fednova"
     Config = FedNovaConfig
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"shift": tmap(torch.zeros_like, init_params)} if self.cfg.ccvr else {}
 
     def terms(self):

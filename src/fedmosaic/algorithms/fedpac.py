@@ -128,12 +128,12 @@ class FedPAC(Algorithm):
     def terms(self):
         return [TaskLoss(BOTH), PrototypeMSE(self.cfg.lam, BOTH)]
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         head = Phase(epochs=self.cfg.head_epochs, updates=(Step(("head",), TaskLoss(BOTH), lr=self.cfg.head_lr),),
                      key=1)
         return [*([head] if self.cfg.head_epochs else []), Phase(updates=(Step(("body",)),), key=0)]
 
-    def probes(self, server, round_idx):
+    def probes(self, round_idx, payload):
         return [Probe("received", at="received", kind="sums", objective=self.statistics),
                 Probe("final", at="final", kind="sums", objective=self.centroid_sums)]
 
@@ -166,6 +166,6 @@ class FedPAC(Algorithm):
         has = (total > 0).to(protos.dtype)  # this round's cohort only: no stale centroid
         return {"model": model, "protos": protos * has[:, None], "has": has, "heads": new}
 
-    def personal_params(self, state, server, own):
-        body, _ = self._split(server["model"])
-        return {**body, **own["head"]}
+    def personal_params(self, state, payload):
+        body, _ = self._split(payload["global"])
+        return {**body, **payload["own"]["head"]}

@@ -54,7 +54,7 @@ class FedProto(PrototypeServer, Algorithm):
         protos, count = self.senders_mean(uploads)
         return {"protos": protos, "has": (count > 0).to(protos.dtype)}
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"model": clone(init_params)}
 
     def local_init(self, payload, state):
@@ -71,11 +71,11 @@ class FedProto(PrototypeServer, Algorithm):
         protos = stats["acc"]["sum"] / count.clamp(min=1)[:, None]
         return {"protos": protos, "has": (count > 0).to(protos.dtype)}, {"model": params["model"]}
 
-    def personal_params(self, state, server, own):
+    def personal_params(self, state, payload):
         return state["model"]
 
-    def eval_logits(self, z, logits, server):
+    def eval_logits(self, z, logits, payload):
         if self.cfg.predict == "logits":
             return logits
-        dist = torch.cdist(z, server["protos"])
-        return torch.where(server["has"] > 0, -dist, torch.full_like(dist, float("-inf")))
+        dist = torch.cdist(z, payload["protos"])
+        return torch.where(payload["has"] > 0, -dist, torch.full_like(dist, float("-inf")))

@@ -85,7 +85,7 @@ class FedWeIT(Algorithm):
         empty = self.kb_size - int(payload["kb_has"].sum())
         return nbytes(payload) - empty * nbytes(payload["kb"]) // self.kb_size - nbytes(payload["B0"])
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         dev = next(iter(init_params.values())).device
         units = {_unit(k): torch.full((v.shape[0],), self.cfg.mask_init, device=dev) for k, v in init_params.items()}
         return {"mask": units, "A": tmap(lambda v: self.cfg.a_init * v, init_params),
@@ -131,5 +131,6 @@ class FedWeIT(Algorithm):
                 "masks": tmap(lambda ms, m: torch.where(newest.view(-1, 1), m, ms), state["masks"], state["mask"]),
                 "alpha": torch.where(newest, 1.0, state["alpha"])}
 
-    def personal_params(self, state, server, own):
-        return self.compose(server["B"], state["mask"], state["A"], state["alpha"], server["kb"], server["kb_has"])
+    def personal_params(self, state, payload):
+        return self.compose(payload["global"], state["mask"], state["A"], state["alpha"], payload["kb"],
+                            payload["kb_has"])

@@ -19,7 +19,7 @@ class Local(Algorithm):
     def aggregate(self, server, uploads, weights, round_idx, signals):
         return server
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"model": clone(init_params)}
 
     def local_init(self, payload, state):
@@ -28,5 +28,5 @@ class Local(Algorithm):
     def finish(self, params, state, payload, stats):
         return {}, {"model": params["model"]}
 
-    def personal_params(self, state, server, own):
+    def personal_params(self, state, payload):
         return state["model"]

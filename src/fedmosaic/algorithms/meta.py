@@ -88,7 +88,7 @@ class PerFedAvg(MAML):
     Config = PerFedAvgConfig
     first_order = True
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         return [Phase(pair=View("next"), updates=(Step(lr=self.cfg.beta, plain=True),))]
 
 
@@ -107,7 +107,7 @@ class FedMeta(MAML):
     Config = FedMetaConfig
     first_order = False
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         return [Phase(view=View("support", self.cfg.support), pair=View("query", self.cfg.support))]
 
 

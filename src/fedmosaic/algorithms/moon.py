@@ -25,7 +25,7 @@ class Moon(Algorithm):
     name = "moon"
     Config = MoonConfig
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"prev": clone(init_params)}
 
     def terms(self):

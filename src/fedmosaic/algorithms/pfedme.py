@@ -47,7 +47,7 @@ class PFedMe(Algorithm):
     Config = PFedMeConfig
     personalized = True
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"theta": clone(init_params), "trained": torch.zeros((), device=next(iter(init_params.values())).device)}
 
     def local_init(self, payload, state):
@@ -64,7 +64,7 @@ class PFedMe(Algorithm):
         """Its gradient is lam (w_loc − θ): the w_loc update as a plain step at the round's learning rate."""
         return 0.5 * self.cfg.lam * _sq_dist(ctx.params["model"], tmap(torch.detach, ctx.params["theta"]))
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         inner = Step(("theta",), self.personal_loss, lr=self.cfg.personal_lr, plain=True)
         outer = Step(("model",), self.local_loss, plain=True)
         return [Phase(steps=self.cfg.R, updates=(inner,) * self.cfg.K + (outer,))]
@@ -77,5 +77,5 @@ class PFedMe(Algorithm):
     def finish(self, params, state, payload, stats):
         return {"model": params["model"]}, {"theta": params["theta"], "trained": torch.ones_like(state["trained"])}
 
-    def personal_params(self, state, server, own):
-        return {k: torch.where(state["trained"] > 0, v, server["model"][k]) for k, v in state["theta"].items()}
+    def personal_params(self, state, payload):
+        return {k: torch.where(state["trained"] > 0, v, payload["global"][k]) for k, v in state["theta"].items()}

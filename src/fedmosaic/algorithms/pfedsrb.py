@@ -61,7 +61,7 @@ class PFedSRB(Algorithm):
         w = torch.ones_like(weights) if self.cfg.server_mean == "plain" else weights
         return {**server, "model": weighted_mean(uploads["model"], w)}
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"S": tmap(torch.zeros_like, init_params), "u": tmap(torch.zeros_like, init_params)}
 
     def local_init(self, payload, state):
@@ -72,7 +72,7 @@ class PFedSRB(Algorithm):
         pen = sum(((w[k] - S[k] - W[k] + u[k]) ** 2).sum() for k in w)
         return ctx.term("task_loss", ctx.task_loss_of(w)) + ctx.term("admm_penalty", 0.5 * self.cfg.rho * pen)
 
-    def program(self, server, round_idx):
+    def program(self, round_idx):
         if not self.cfg.learn_s:  # S = u = 0: R phases of FedProx's objective around W (see the module docstring)
             return [Phase(steps=self.cfg.w_steps) for _ in range(self.cfg.R)]
         return [Phase(steps=self.cfg.w_steps, before=self.first_s_step if i == 0 else self.s_step,
@@ -97,11 +97,14 @@ class PFedSRB(Algorithm):
     def finish(self, params, state, payload, stats):
         return {"model": params["model"]}, state
 
-    def personal_params(self, state, server, own):
-        return tmap(torch.add, server["model"], state["S"])
+    def personal_params(self, state, payload):
+        return tmap(torch.add, payload["global"], state["S"])
 
-    def report(self, server, store):
+    def client_report(self, state):
+        return {"nonzero": sum((t != 0).sum() for t in state["S"].values())}
+
+    def report(self, server, reports):
         """Sparsity of the personal parts: the mean fraction of zeros in S_m and the mean count of non-zeros."""
-        nonzero = sum((t != 0).flatten(1).sum(1) for t in store["S"].values()).double()
-        total = sum(t[0].numel() for t in store["S"].values())
+        nonzero = reports["nonzero"].double()
+        total = sum(t.numel() for t in server["model"].values())  # S_m has the model's shapes
         return {"personal_nonzero": float(nonzero.mean()), "personal_sparsity": float(1 - nonzero.mean() / total)}

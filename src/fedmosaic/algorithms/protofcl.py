@@ -100,11 +100,12 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         return {"protos": torch.where(count[:, None] > 0, mean, server["protos"]),
                 "has": torch.maximum(server["has"], (count > 0).to(mean.dtype))}
 
-    def init_client(self, server, init_params):
-        state = {**super().init_client(server, init_params), "model": clone(init_params),
-                 "teacher_protos": torch.zeros_like(server["protos"])}
+    def init_client(self, init_params):
+        dev = next(iter(init_params.values())).device
+        protos = torch.zeros(self.num_classes, self.feature_dim, device=dev)  # the server's library's shape
+        state = {**super().init_client(init_params), "model": clone(init_params), "teacher_protos": protos}
         if self.local:  # the client's own library
-            state.update(protos=torch.zeros_like(server["protos"]), has=torch.zeros_like(server["has"]))
+            state.update(protos=protos.clone(), has=torch.zeros(self.num_classes, device=dev))
         return state
 
     def library(self, payload, state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -148,7 +149,7 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
             loss = loss + cfg.beta * ctx.term("l_r", l_r)
         return loss
 
-    def probes(self, server, round_idx):
+    def probes(self, round_idx, payload):
         return [Probe("protos", kind="sums", objective=self._class_sums)]
 
     def _class_sums(self, ctx):
@@ -163,7 +164,7 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
                         "protos": torch.where(sent[:, None] > 0, protos, state["protos"])}
         return {"protos": protos, "has": sent}, {**state, "model": params["model"]}
 
-    def personal_params(self, state, server, own):
+    def personal_params(self, state, payload):
         if not self.local:
             return state["model"]
         # nearest of the client's own prototypes through the model's linear head: argmin ||z - p_k|| is
@@ -172,7 +173,7 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         w, b = sorted(self.setting.head_keys, key=lambda k: -model[k].dim())  # the [C, d] weight, the [C] bias
         return {**model, w: 2 * p, b: torch.where(has > 0, -(p * p).sum(1), UNKNOWN)}
 
-    def eval_logits(self, z, logits, server):
+    def eval_logits(self, z, logits, payload):
         if self.local:
             return logits
-        return torch.where(server["has"] > 0, -distances(z, server["protos"]), float("-inf"))
+        return torch.where(payload["has"] > 0, -distances(z, payload["protos"]), float("-inf"))

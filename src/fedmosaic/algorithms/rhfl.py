@@ -73,7 +73,7 @@ class RHFL(LogitExchange):
         ce, rce = sce_parts(s, ctx.y)
         return ctx.term("ce", self.cfg.alpha * ctx.mean(ce)) + ctx.term("rce", self.cfg.beta * ctx.mean(rce))
 
-    def probes(self, server, round_idx):
+    def probes(self, round_idx, payload):
         return [Probe("loss", kind="sums", objective=self._losses)]
 
     def _losses(self, ctx):

@@ -35,7 +35,7 @@ class Scaffold(Algorithm):
         c = tmap(lambda c, dc: c + (n / self.num_clients) * dc.mean(0), server["c"], uploads["dc"])
         return {**server, "model": weighted_mean(uploads["model"], weights), "c": c}
 
-    def init_client(self, server, init_params):
+    def init_client(self, init_params):
         return {"c": tmap(torch.zeros_like, init_params)}
 
     def terms(self):

@@ -122,13 +122,14 @@ def check_slots(algo, server: dict, state: dict, clients: np.ndarray) -> None:
     a misspelt name is one line before the first round, not a KeyError deep inside a mapped function."""
     ids = torch.as_tensor(clients)
     own = {**tmap(lambda t: t[0], algo.client_payload(server, ids)), "cid": ids[0]}
-    slots = set(algo.local_init({**algo.broadcast(server, 0), "own": own}, state))
+    sent = algo.broadcast(server, 0)
+    slots = set(algo.local_init({**sent, "own": own}, state))
     terms = algo.terms() if type(algo).loss is Algorithm.loss else []  # an own ``loss`` need not use terms
     used = [(f"term {type(t).__name__}", s) for t in terms if hasattr(t, "slot")
             for s in ((t.slot,) if isinstance(t.slot, str) else t.slot)]
-    for phase in [*algo.program(server, 0), *(algo.finetune() or [])]:
+    for phase in [*algo.program(0), *(algo.finetune() or [])]:
         used += [("program step", s) for u in phase.updates for s in (u.slots or ())]
-    used += [(f"probe {p.name!r}", s) for p in algo.probes(server, 0) for s in (p.slots or ())]
+    used += [(f"probe {p.name!r}", s) for p in algo.probes(0, sent) for s in (p.slots or ())]
     for what, slot in used:
         if slot not in slots:
             raise ConfigError(f"algorithm {algo.name!r}: {what} uses slot {slot!r}, but local_init returns only "
@@ -209,10 +210,10 @@ class Federation:
             self.row_of[g.clients] = np.arange(len(g.clients))
         own_init = cfg.model.init == "own" or (cfg.model.init == "auto" and cfg.model.heterogeneous is not None)
         for g in self.groups:
-            one = self.algo.init_client(self.server, g.init)
+            one = self.algo.init_client(g.init)
             self._check_training_memory(g, nbytes(one))
             if own_init:  # every client its own initialisation (seeded by client), through the same hook
-                g.store = for_each_client(lambda p: self.algo.init_client(self.server, p), (0,), False)(
+                g.store = for_each_client(self.algo.init_client, (0,), False)(
                     self._client_inits(g, dev))
             else:
                 g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
@@ -246,7 +247,7 @@ class Federation:
         cohorts = [c[self.group_of[c] == g.gid] for c in
                    (self.cohort(int(t)) for t in picks)]
         sizes = self.split["train"].sizes
-        program = self.algo.program(self.server, 0)
+        program = self.algo.program(0)
         active = np.zeros(0)
         for ph in program:
             batch = ph.batch or self.batch
@@ -289,7 +290,7 @@ class Federation:
         warm-up epochs, an algorithm's 2^31-1 steps) is refused up front, not an out-of-memory error in round 0."""
         cfg, algo, tc = self.cfg, self.algo, self.cfg.train
         every = min(cfg.engine.chunk_size, self.num_clients)  # warm-up and fine-tuning: every client, chunk by chunk
-        program = algo.program(self.server, 0)
+        program = algo.program(0)
         plans = [(ph, self.chunk, f" of phase {i + 1} of the round" if len(program) > 1 else "", None)
                  for i, ph in enumerate(program)]
         plans += [(ph, every, " of the fine-tuning", None) for ph in algo.finetune() or ()]
@@ -685,7 +686,7 @@ class Federation:
         g.module.train()
         up, new_state, loss, steps, terms = g.trainer.train(
             train, members, payload, take(g.store, rows), bufs, own=own,
-            program=self.algo.program(self.server, t), probes=self.algo.probes(self.server, t), lr=lr,
+            program=self.algo.program(t), probes=self.algo.probes(t, payload), lr=lr,
             seed=self.cfg.seed, round_idx=t)
         return g, members, up, new_state, loss, steps, bufs, terms
 
@@ -726,7 +727,8 @@ class Federation:
         ev_cfg = self.cfg.eval
         test = self.split["test"]
         gp = self.algo.global_params(self.server)
-        logits_fn = lambda z, logits: self.algo.eval_logits(z, logits, self.server)  # noqa: E731
+        sent = self.algo.broadcast(self.server, round_idx)  # what the clients predict with, beside their own state
+        logits_fn = lambda z, logits: self.algo.eval_logits(z, logits, sent)  # noqa: E731
         for g in self.groups:
             g.module.eval()  # BatchNorm: use the running statistics, do not update them
         if gp is not None:
@@ -766,7 +768,7 @@ class Federation:
                     out["cross"]["names"] = list(names)  # one client per group: name the rows by the domain
         if self.tasks is not None:
             out["continual"] = self._continual(round_idx)
-        report = {k: v for g in self.groups for k, v in self.algo.report(self.server, g.store).items()}
+        report = self.algo.report(self.server, self._client_reports())
         if report:
             out["report"] = report
         return out
@@ -787,8 +789,10 @@ class Federation:
         labels, C = self.fd.y_global, self.fd.num_classes
         unseen = torch.as_tensor(first > stage, device=self.device)
 
+        sent = self.algo.broadcast(self.server, t)
+
         def masked(z, logits):
-            return self.algo.eval_logits(z, logits, self.server).masked_fill(unseen, float("-inf"))
+            return self.algo.eval_logits(z, logits, sent).masked_fill(unseen, float("-inf"))
 
         groups = self.groups[:1] if self.algo.global_model else self.groups
         n = 1 if self.algo.global_model else sum(len(g.clients) for g in groups)
@@ -832,6 +836,15 @@ class Federation:
             return tmap(lambda v: v.unsqueeze(0).repeat(n, *([1] * v.dim())), gp), g.global_buffers_like(n)
         return self._personal(g, t), g.buffers
 
+    def _client_reports(self) -> dict:
+        """Every client's ``client_report`` of its state, stacked in client order (none: {})."""
+        if type(self.algo).client_report is Algorithm.client_report:
+            return {}
+        parts = [(g.clients, for_each_client(self.algo.client_report, (0,), g.trainer.vectorize)(g.store))
+                 for g in self.groups]
+        order = torch.as_tensor(np.argsort(np.concatenate([c for c, _ in parts]), kind="stable"), device=self.device)
+        return tmap(lambda *ts: torch.cat(ts).index_select(0, order), *[r for _, r in parts])
+
     def _personal(self, g: Group, t: int) -> dict:
         """Every client's personal model in group ``g`` (stacked): fine-tuned from ``local_init`` when the
         algorithm fine-tunes before evaluation, else ``personal_params`` of its state and the server's."""
@@ -842,7 +855,8 @@ class Federation:
                                      lr=self.cfg.train.optimizer.lr_at(t), seed=self.cfg.seed, round_idx=t)
             params = params["model"]
         else:
-            params = for_each_client(lambda s, o: self.algo.personal_params(s, self.server, o), (0, 0),
+            sent = self.algo.broadcast(self.server, t)
+            params = for_each_client(lambda s, o: self.algo.personal_params(s, {**sent, "own": o}), (0, 0),
                                      g.trainer.vectorize)(g.store, self._own(g.clients)[0])
         return params
 

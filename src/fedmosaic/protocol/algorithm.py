@@ -14,6 +14,7 @@ the first round.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import ClassVar
 
 import torch
@@ -132,12 +133,13 @@ class Algorithm:
         return lr
 
     # ---- the round program -------------------------------------------------------------------------
-    def program(self, server: dict, round_idx: int) -> list[Phase]:
+    def program(self, round_idx: int) -> list[Phase]:
         """What a client does this round: one phase over its train split with :meth:`loss` (the default)."""
         return [Phase()]
 
-    def probes(self, server: dict, round_idx: int) -> list[Probe]:
-        """Gradient passes whose results reach :meth:`finish` as ``stats[probe.name]``."""
+    def probes(self, round_idx: int, payload: dict) -> list[Probe]:
+        """Gradient passes whose results reach :meth:`finish` as ``stats[probe.name]``; ``payload``: this round's
+        :meth:`broadcast` (the same for every cohort client)."""
         return []
 
     def finetune(self) -> list[Phase] | None:
@@ -146,8 +148,9 @@ class Algorithm:
         return None
 
     # ---- client side (one client; vmapped) ----------------------------------------------------------
-    def init_client(self, server: dict, init_params: dict) -> dict:
-        """Persistent per-client state, created once for every client (stacked in the client store)."""
+    def init_client(self, init_params: dict) -> dict:
+        """Persistent per-client state, created once for every client (stacked in the client store) from the
+        initial parameters of its architecture."""
         return {}
 
     def after_warmup(self, state: dict) -> dict:
@@ -208,26 +211,43 @@ class Algorithm:
     def global_params(self, server: dict) -> dict | None:
         return server.get("model")
 
-    def personal_params(self, state: dict, server: dict, own: dict) -> dict | None:
-        """A client's personalized model from its state, the server's and its per-client payload ``own`` (with its
-        ``cid``; one client; vmapped), or None if the algorithm has none. Only asked when ``personalized`` is set
-        and there is no ``finetune``."""
+    def personal_params(self, state: dict, payload: dict) -> dict | None:
+        """A client's personalized model from its state and what it was sent: ``payload`` is the
+        :meth:`broadcast` with its :meth:`client_payload` as ``payload["own"]`` (with its ``cid``; one client;
+        vmapped), or None if the algorithm has none. Only asked when ``personalized`` is set and there is no
+        ``finetune``."""
         return None
 
-    def report(self, server: dict, store: dict) -> dict:
-        """Extra metrics from the server and the stacked client store of one architecture group (e.g. the sparsity
-        of personal parts); reported with every evaluation."""
+    def client_report(self, state: dict) -> dict:
+        """Tensors a client reports of its state with every evaluation (one client; vmapped), for :meth:`report`."""
         return {}
 
-    def eval_logits(self, z: torch.Tensor, logits: torch.Tensor, server: dict) -> torch.Tensor:
-        """Scores used for prediction at evaluation time (FedProto may use prototype distances instead)."""
+    def report(self, server: dict, reports: dict) -> dict:
+        """Extra metrics from the server state and the clients' :meth:`client_report` s, stacked in client order
+        (e.g. the sparsity of personal parts); reported with every evaluation."""
+        return {}
+
+    def eval_logits(self, z: torch.Tensor, logits: torch.Tensor, payload: dict) -> torch.Tensor:
+        """Scores used for prediction at evaluation time, from what a client was sent (``payload``: the
+        :meth:`broadcast`; FedProto may use prototype distances instead)."""
         return logits
 
 
 ALGORITHMS: dict[str, type[Algorithm]] = {}
 
 
+#: hooks that run where a client's data is: they see what it was sent (the broadcast, its assignment), never the
+#: server's state, so the same algorithm runs with the server in another process or on another machine
+CLIENT_HOOKS = ("init_client", "after_warmup", "local_init", "program", "probes", "accumulate", "finish",
+                "end_task", "personal_params", "client_report", "eval_logits")
+
+
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+    for hook in CLIENT_HOOKS:
+        if "server" in inspect.signature(getattr(cls, hook)).parameters:
+            wanted = ", ".join(list(inspect.signature(getattr(Algorithm, hook)).parameters)[1:])
+            raise TypeError(f"algorithm {cls.name!r}: the client hook {hook} takes the server's state; it runs on "
+                            f"the client and sees what was sent: {hook}({wanted})")
     if cls.name in ALGORITHMS:
         raise ValueError(f"algorithm {cls.name!r} registered twice")
     ALGORITHMS[cls.name] = cls
