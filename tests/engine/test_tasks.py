@@ -53,3 +53,16 @@ def test_rounds_beyond_the_last_task_are_a_one_line_error():
     with pytest.raises(ConfigError, match=r"train.rounds: the longest client task stream \(5 tasks of 1 rounds\) ends "
                                           r"after round 5"):
         Federation(make_cfg(rounds_per_task=1))
+
+
+def test_the_calendar_is_the_servers_view_of_the_streams():
+    from fedmosaic.engine.calendar import TaskCalendar
+
+    streams = [[(0, np.array([0, 1])), (1, np.array([2, 3]))],  # two tasks
+               [(1, np.array([2, 3])), (2, np.array([4])), (0, np.array([0, 1]))]]  # three, its own order
+    cal = TaskCalendar(streams, rounds_per_task=2, num_classes=6)
+    assert [cal.stage(t) for t in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert [cal.task_ends(t) for t in range(4)] == [False, True, False, True]
+    assert cal.first_met(0).tolist() == [0, 0, 0, 0, 1, 1] and cal.first_met(1).tolist() == [0, 0, 0, 0, 1, 2]
+    assert cal.seen_classes(1).tolist() == [True] * 5 + [False]
+    assert cal.live(3) is None and cal.live(4).tolist() == [1]  # client 0's stream ended after stage 1

@@ -28,6 +28,7 @@ from ..protocol.tree import all_finite, leaves, nbytes, put, take, tmap, weighte
 from . import evaluate as ev
 from . import memory as mem
 from .augment import black
+from .calendar import TaskCalendar
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .mapping import for_each_client
@@ -183,6 +184,10 @@ class Federation:
         self._check_family(cfg, algo_cls)
         self.public = self._build_public(cfg, normalize if preload else None, dev)
         self.tasks = self._build_tasks(cfg)
+        #: what the server knows of the task streams (``calendar.TaskCalendar``); None without ``data.tasks``
+        self.calendar = None if self.tasks is None else TaskCalendar(
+            [[(task, classes) for task, classes, _ in st] for st in self.tasks], cfg.data.tasks.rounds_per_task,
+            self.fd.num_classes)
         #: per client its exemplar memory (``data.tasks.memory``): class -> offsets into its train rows, best first
         self.exemplars = [{} for _ in range(self.num_clients)] if self.tasks and cfg.exemplar_memory() else None
         #: ``train.optimizer.plateau``: the learning rate's scale, the best mean loss so far, rounds without progress
@@ -452,24 +457,16 @@ class Federation:
         return replace(tr, subset={k: offsets(k, st[stage][2]) for k, st in enumerate(self.tasks) if stage < len(st)})
 
     def stage(self, t: int) -> int:
-        """The task stage round ``t`` belongs to (the i-th task of every client's stream)."""
-        return t // self.cfg.data.tasks.rounds_per_task
+        return self.calendar.stage(t)
 
     def task_ends(self, t: int) -> bool:
-        """Round ``t`` is the last of a task."""
-        return self.tasks is not None and (t + 1) % self.cfg.data.tasks.rounds_per_task == 0
+        return self.calendar is not None and self.calendar.task_ends(t)
 
     def first_met(self, stage: int) -> np.ndarray:
-        """[C] the stage at which some client first met each class, up to ``stage`` (``stage + 1``: not yet)."""
-        first = np.full(self.fd.num_classes, stage + 1)
-        for st in self.tasks:
-            for j, (_, classes, _) in enumerate(st[: stage + 1]):
-                first[classes] = np.minimum(first[classes], j)
-        return first
+        return self.calendar.first_met(stage)
 
     def seen_classes(self, stage: int) -> np.ndarray:
-        """[C] bool: the classes some client has met in its tasks up to ``stage`` (the federation's)."""
-        return self.first_met(stage) <= stage
+        return self.calendar.seen_classes(stage)
 
     def _track_plateau(self, t: int, loss: float) -> None:
         """``train.optimizer.plateau``: torch's ReduceLROnPlateau on the cohort's mean loss (relative threshold
@@ -543,9 +540,7 @@ class Federation:
     def cohort(self, t: int) -> np.ndarray:
         """The clients of round ``t``: ``clients_per_round`` drawn among those with a task in that round's stage
         (a client whose task stream has ended drops out), or among all."""
-        live = None
-        if self.tasks is not None and any(len(st) <= self.stage(t) for st in self.tasks):
-            live = np.array([k for k, st in enumerate(self.tasks) if self.stage(t) < len(st)], dtype=np.int64)
+        live = self.calendar.live(t) if self.calendar is not None else None
         return sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t, live)
 
     def round(self, t: int) -> dict:
