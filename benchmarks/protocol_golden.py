@@ -42,17 +42,6 @@ CONTINUAL = {"data": {"dataset": "digits", "clients": 4, "partition": {"scheme":
                       "tasks": {"n_tasks": 5, "rounds_per_task": 1, "memory": {"per_class": 2}}},
              "eval": {"client_test": False}}
 BATCHNORM = {"model": {"name": "resnet10", "options": {"norm": "batch", "width": 0.125}}}
-CASES = {
-    "fedavg": ({"name": "fedavg"}, {}), "scaffold": ({"name": "scaffold"}, {}), "fedcurv": ({"name": "fedcurv"}, {}),
-    "ditto": ({"name": "ditto"}, {}), "apfl_pd": ({"name": "apfl_pd", "z": 1}, {}), "pfedsrb": ({"name": "pfedsrb"}, {}),
-    "fedpac": ({"name": "fedpac"}, {}), "fedkd": ({"name": "fedkd"}, {}), "fedproto": ({"name": "fedproto"}, {}),
-    "ahf": ({"name": "ahf"}, HETERO), "fccl": ({"name": "fccl"}, HETERO), "fedmd": ({"name": "fedmd"}, HETERO),
-    "rhfl": ({"name": "rhfl"}, HETERO), "feddf_global": ({"name": "feddf_global"}, PUBLIC),
-    "protofcl": ({"name": "protofcl"}, CONTINUAL), "fedweit": ({"name": "fedweit"}, CONTINUAL),
-    "glfc": ({"name": "glfc"}, CONTINUAL), "fedlwf": ({"name": "fedlwf"}, CONTINUAL),
-    "fedewc": ({"name": "fedewc"}, CONTINUAL), "cfed": ({"name": "cfed"}, CONTINUAL),
-    "fedavg_batchnorm": ({"name": "fedavg"}, BATCHNORM),
-}
 BACKENDS = ("sequential", "vectorized")
 
 
@@ -62,6 +51,19 @@ def merged(base: dict, over: dict) -> dict:
         nested = isinstance(v, dict) and isinstance(out.get(k), dict) and k not in ("partition", "model")
         out[k] = merged(out[k], v) if nested else copy.deepcopy(v)
     return out
+
+
+CASES = {
+    "fedavg": ({"name": "fedavg"}, {}), "scaffold": ({"name": "scaffold"}, {}), "fedcurv": ({"name": "fedcurv"}, {}),
+    "ditto": ({"name": "ditto"}, {}), "apfl_pd": ({"name": "apfl_pd", "z": 1}, {}), "pfedsrb": ({"name": "pfedsrb"}, {}),
+    "fedpac": ({"name": "fedpac"}, {}), "fedkd": ({"name": "fedkd"}, {}), "fedproto": ({"name": "fedproto"}, {}),
+    "ahf": ({"name": "ahf"}, HETERO), "fccl": ({"name": "fccl"}, HETERO), "fedmd": ({"name": "fedmd"}, HETERO),
+    "rhfl": ({"name": "rhfl"}, HETERO), "feddf_global": ({"name": "feddf_global"}, PUBLIC),
+    "protofcl": ({"name": "protofcl"}, CONTINUAL), "fedweit": ({"name": "fedweit"}, CONTINUAL),
+    "glfc": ({"name": "glfc"}, CONTINUAL), "fedlwf": ({"name": "fedlwf"}, CONTINUAL),
+    "fedewc": ({"name": "fedewc"}, CONTINUAL), "cfed": ({"name": "cfed"}, merged(CONTINUAL, PUBLIC)),
+    "fedavg_batchnorm": ({"name": "fedavg"}, BATCHNORM),
+}
 
 
 def digest(tree) -> list[str]:
