@@ -6,11 +6,9 @@ are the runner's business (runner.py).
 
 from __future__ import annotations
 
-import os
 import warnings
 from dataclasses import replace
 from functools import cached_property, partial
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,7 +21,7 @@ from ..data.public import public_images
 from ..errors import ConfigError, CorruptDataError, FedMosaicError
 from ..models import build_model, head_keys, parameter_count
 from ..protocol.algorithm import Algorithm, registered
-from ..protocol.program import Phase, Setting, Signals, View
+from ..protocol.program import Setting, Signals
 from ..protocol.tree import all_finite, leaves, nbytes, put, take, tmap, weighted_mean
 from . import evaluate as ev
 from . import memory as mem
@@ -32,6 +30,16 @@ from .calendar import TaskCalendar
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
 from .local import ClientTensors, LocalTrainer, cat_trees
 from .mapping import for_each_client
+from .preflight import (
+    check_evaluation,
+    check_fits,
+    check_memory_total,
+    check_plans,
+    check_slots,
+    check_training_memory,
+    memory_bytes,
+    resolve_device,
+)
 from .seeding import INIT, MEMORY, POOL, PUBLIC, TASKS, rng, sample_cohort
 from .transforms import make_normalizer
 
@@ -73,68 +81,10 @@ class Group:
         return self.trainer.apply(params, x, slot=slot)
 
 
-def resolve_device(name: str) -> torch.device:
-    """``auto``: the first CUDA device when there is one, else the CPU. A device that is not there is an error."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda":
-        there = torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
-    else:
-        there = dev.type != "mps" or torch.backends.mps.is_available()
-    if not there:
-        raise ConfigError(f"engine.device: {name!r} is not available on this machine (use 'auto' or 'cpu')")
-    return dev
-
-
-def memory_bytes(device: torch.device) -> int | None:
-    """The memory a run on ``device`` can use at most: the GPU's, or the machine's (or its cgroup's limit)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
-    try:
-        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return None
-    try:
-        return min(total, int(Path("/sys/fs/cgroup/memory.max").read_text()))  # cgroup v2; "max" = no limit
-    except (OSError, ValueError):
-        return total
-
-
-def gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
-def check_fits(need: int, budget: int | None, device: torch.device, what: str) -> None:
-    """Requests that cannot fit are refused up front, in one line, before an allocator fails (or the OOM killer
-    strikes a lazily committed allocation)."""
-    if budget is not None and need > budget:
-        raise ConfigError(f"{what} needs about {gib(need)}, more than the {gib(budget)} of memory on {device}")
-
-
 def data_spec(cfg: RunConfig) -> PartitionSpec:
     d = cfg.data
     return PartitionSpec(d.dataset, d.clients, d.partition, d.pool, d.client_test, d.client_val,
                          cfg.seed if d.seed is None else d.seed, None if d.classes is None else tuple(d.classes))
-
-
-def check_slots(algo, server: dict, state: dict, clients: np.ndarray) -> None:
-    """The slot names an algorithm's terms, program steps and probes use must be trees ``local_init`` returns:
-    a misspelt name is one line before the first round, not a KeyError deep inside a mapped function."""
-    ids = torch.as_tensor(clients)
-    own = {**tmap(lambda t: t[0], algo.client_payload(server, ids)), "cid": ids[0]}
-    sent = algo.broadcast(server, 0)
-    slots = set(algo.local_init({**sent, "own": own}, state))
-    terms = algo.terms() if type(algo).loss is Algorithm.loss else []  # an own ``loss`` need not use terms
-    used = [(f"term {type(t).__name__}", s) for t in terms if hasattr(t, "slot")
-            for s in ((t.slot,) if isinstance(t.slot, str) else t.slot)]
-    for phase in [*algo.program(0), *(algo.finetune() or [])]:
-        used += [("program step", s) for u in phase.updates for s in (u.slots or ())]
-    used += [(f"probe {p.name!r}", s) for p in algo.probes(0, sent) for s in (p.slots or ())]
-    for what, slot in used:
-        if slot not in slots:
-            raise ConfigError(f"algorithm {algo.name!r}: {what} uses slot {slot!r}, but local_init returns only "
-                              f"{sorted(slots)}")
 
 
 class Federation:
@@ -181,7 +131,7 @@ class Federation:
             raise ConfigError(f"algorithm {cfg.algorithm.name!r} exchanges features, but the architectures' feature "
                               f"sizes differ ({sorted(dims)}): give each a common size with model options "
                               "'project: <d>'")
-        self._check_family(cfg, algo_cls)
+        check_evaluation(cfg, algo_cls.personalized, self.num_clients, len(self.split["test"].y) > 0)
         self.public = self._build_public(cfg, normalize if preload else None, dev)
         self.tasks = self._build_tasks(cfg)
         #: what the server knows of the task streams (``calendar.TaskCalendar``); None without ``data.tasks``
@@ -207,7 +157,9 @@ class Federation:
         if self.algo.pooled:
             self._pool_train_split()
         self.server = self.algo.init_server([g.init for g in self.groups])
-        self._check_plans()
+        check_plans(cfg, self.algo, self.server, self.num_clients, self.chunk, self.batch,
+                    int(self.split["train"].sizes.max(initial=1)), None if self.public is None else len(self.public.y),
+                    self.memory, self.device)
         self.group_of = np.zeros(self.num_clients, dtype=np.int64)
         self.row_of = np.zeros(self.num_clients, dtype=np.int64)
         for g in self.groups:
@@ -216,7 +168,7 @@ class Federation:
         own_init = cfg.model.init == "own" or (cfg.model.init == "auto" and cfg.model.heterogeneous is not None)
         for g in self.groups:
             one = self.algo.init_client(g.init)
-            self._check_training_memory(g, nbytes(one))
+            check_training_memory(g.module, g.init, len(g.clients), nbytes(one), self.chunk, self.memory, dev)
             if own_init:  # every client its own initialisation (seeded by client), through the same hook
                 g.store = for_each_client(self.algo.init_client, (0,), False)(
                     self._client_inits(g, dev))
@@ -289,48 +241,6 @@ class Federation:
         self.batch = int(max(1, min(tc.batch_size, sizes.max(initial=1))))
         self.chunk = min(cfg.engine.chunk_size, tc.clients_per_round)  # clients trained at once
 
-    def _check_plans(self) -> None:
-        """The batch plan of every phase a client or the server runs — per client, step and slot an index (numpy
-        and torch), a mask, augmentation — fits in memory: a step or epoch count no machine can run (10^9 local or
-        warm-up epochs, an algorithm's 2^31-1 steps) is refused up front, not an out-of-memory error in round 0."""
-        cfg, algo, tc = self.cfg, self.algo, self.cfg.train
-        every = min(cfg.engine.chunk_size, self.num_clients)  # warm-up and fine-tuning: every client, chunk by chunk
-        program = algo.program(0)
-        plans = [(ph, self.chunk, f" of phase {i + 1} of the round" if len(program) > 1 else "", None)
-                 for i, ph in enumerate(program)]
-        plans += [(ph, every, " of the fine-tuning", None) for ph in algo.finetune() or ()]
-        plans += [(ph, 1, " of the server's training", None) for ph in algo.server_program(self.server, 0) or ()]
-        if tc.warmup_epochs:
-            plans.append((Phase(epochs=tc.warmup_epochs), every, " of the warm-up", "train.warmup_epochs"))
-        largest = int(self.split["train"].sizes.max(initial=1))
-        for ph, n, what, knob in plans:
-            public = ph.view.part == "public"
-            size = len(self.public.y) if public and self.public is not None else largest
-            b = ph.batch or self.batch
-            width = 2 * b if ph.pair is not None else b  # slots per step: a paired batch doubles them
-            # View("next") cuts both halves from the phase's own shuffle: an epoch is then ceil(n / 2B) steps
-            steps = ph.steps or (ph.epochs or tc.local_epochs) * -(-size // (width if ph.pair == View("next") else b))
-            per_slot = 8 + 1 + 8 + 4 + (40 if cfg.data.augment.active and not public else 0)
-            knob = knob or (self._option_of(ph.steps, "its step count") if ph.steps is not None
-                            else "train.local_epochs" if ph.epochs is None
-                            else self._option_of(ph.epochs, "its epoch count"))
-            check_fits(n * steps * width * per_slot, self.memory, self.device,
-                       f"the local batch plan{what} ({n} clients x {steps:,} steps x batch {width}; {knob}, "
-                       "train.batch_size, engine.chunk_size)")
-
-    def _option_of(self, value: int, otherwise: str) -> str:
-        """The algorithm option(s) holding a phase's step or epoch count ``value`` (e.g. ``algorithm.w_steps``)."""
-        names = [f"algorithm.{k}" for k, v in self.algo.cfg if type(v) is int and v == value]
-        return " or ".join(names) or otherwise
-
-    def _check_training_memory(self, g: Group, state_bytes: int) -> None:
-        """Every client's persistent state, plus the cohort chunk's parameters, gradients and optimiser state."""
-        params, n = nbytes(g.init), self.chunk
-        need = state_bytes * len(g.clients) + params * (4 + 5 * n)
-        check_fits(need, self.memory, self.device,
-                   f"training {g.module.__class__.__name__} ({params // 4:,} parameters; {len(g.clients)} client "
-                   f"states, {n} clients trained at once: engine.chunk_size, train.clients_per_round)")
-
     def _build_groups(self, dev) -> list[Group]:
         m, shape, C = self.cfg.model, self.fd.dataset.input_shape, self.fd.num_classes
         archs = m.heterogeneous or []
@@ -369,20 +279,6 @@ class Federation:
                 module = build_model(spec.name, shape, C, **spec.options).to(dev)
             out.append({n: p.detach() for n, p in module.named_parameters()})
         return tmap(lambda *ts: torch.stack(ts), *out)
-
-    def _check_family(self, cfg: RunConfig, algo_cls) -> None:
-        """What the per-client evaluation can only be checked against once the partition is known (the family's
-        config-only settings: ``config.check_family``)."""
-        tested = len(self.split["test"].y) > 0
-        if cfg.eval.cross_clients and not tested:
-            raise ConfigError("eval.cross_clients: the clients have no test splits to cross-test on; set "
-                              "data.client_test (e.g. 0.25)")
-        if cfg.eval.cross_clients and self.num_clients > 256:
-            raise ConfigError(f"eval.cross_clients: {self.num_clients} clients would test "
-                              f"{self.num_clients ** 2:,} model/split pairs every evaluation; at most 256 clients")
-        if cfg.eval.client_test and algo_cls.personalized and not tested:
-            warnings.warn(f"data.client_test: {cfg.algorithm.name!r} is personalized, but the clients have no test "
-                          "splits: no personal accuracy is measured; set data.client_test (e.g. 0.25)", stacklevel=3)
 
     def _build_public(self, cfg: RunConfig, normalize, dev) -> ClientTensors | None:
         """The shared public stream (``data.public``): noise uniform in [0, 1) of the private input shape (in the
@@ -424,23 +320,10 @@ class Federation:
                               f"rounds) ends after round {longest * tc.rounds_per_task} (got {cfg.train.rounds})")
         mc = cfg.exemplar_memory()
         if mc is not None and mc.total is not None:
-            self._check_memory_total(mc.total, "data.tasks.memory.total" if mc is tc.memory
+            check_memory_total(mc.total, "data.tasks.memory.total" if mc is tc.memory
                                      else f"algorithm.memory.total of {cfg.algorithm.name}",
                                      max(len(classes) for st in streams for _, classes, _ in st), longest)
         return [[(t, classes, rows - ptr[k]) for t, classes, rows in st] for k, st in enumerate(streams)]
-
-    @staticmethod
-    def _check_memory_total(total: int, at: str, per_task: int, longest: int) -> None:
-        """A total memory budget is shared equally by the classes a client has met (``memory.per_class_budget``),
-        rounded down: below one sample per class the memory is empty, replay silently off."""
-        if total < per_task:
-            raise ConfigError(f"{at}: {total} shared by the {per_task} classes of a task keeps 0 samples of each: "
-                              f"the memory would stay empty; set at least {per_task} (or use per_class)")
-        full = total // per_task  # the tasks after which a client that met all their classes still keeps some
-        if full < longest - 1:
-            warnings.warn(f"{at}: {total} shared by the classes met keeps 0 samples of each once more than "
-                          f"{full * per_task} are met: the memory is empty from task {full + 2} of {longest} on; "
-                          f"{(longest - 1) * per_task} would keep one of each to the last task", stacklevel=4)
 
     def train_split(self, t: int, memory: bool = True) -> ClientTensors:
         """What clients may train on in round ``t``: their whole train split, or their current task's samples and

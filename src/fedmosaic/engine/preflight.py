@@ -1,0 +1,151 @@
+"""The checks a run passes before anything is allocated or written: the device and the memory it has, and every
+request that could not fit or could not work (a batch plan of 10^9 steps, a model of 10^9 parameters, a slot name
+that local_init does not return, a cross-client matrix of 10^6 pairs, a memory budget that keeps nothing) — each
+refused in one line that names the setting, not an out-of-memory error or a KeyError in round 0."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..config import RunConfig
+from ..errors import ConfigError
+from ..protocol.algorithm import Algorithm
+from ..protocol.program import Phase, View
+from ..protocol.tree import nbytes, tmap
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``: the first CUDA device when there is one, else the CPU. A device that is not there is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda":
+        there = torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
+    else:
+        there = dev.type != "mps" or torch.backends.mps.is_available()
+    if not there:
+        raise ConfigError(f"engine.device: {name!r} is not available on this machine (use 'auto' or 'cpu')")
+    return dev
+
+
+def memory_bytes(device: torch.device) -> int | None:
+    """The memory a run on ``device`` can use at most: the GPU's, or the machine's (or its cgroup's limit)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
+    try:
+        return min(total, int(Path("/sys/fs/cgroup/memory.max").read_text()))  # cgroup v2; "max" = no limit
+    except (OSError, ValueError):
+        return total
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:.1f} GiB"
+
+
+def check_fits(need: int, budget: int | None, device: torch.device, what: str) -> None:
+    """Requests that cannot fit are refused up front, in one line, before an allocator fails (or the OOM killer
+    strikes a lazily committed allocation)."""
+    if budget is not None and need > budget:
+        raise ConfigError(f"{what} needs about {gib(need)}, more than the {gib(budget)} of memory on {device}")
+
+
+def check_slots(algo, server: dict, state: dict, clients: np.ndarray) -> None:
+    """The slot names an algorithm's terms, program steps and probes use must be trees ``local_init`` returns:
+    a misspelt name is one line before the first round, not a KeyError deep inside a mapped function."""
+    ids = torch.as_tensor(clients)
+    own = {**tmap(lambda t: t[0], algo.client_payload(server, ids)), "cid": ids[0]}
+    sent = algo.broadcast(server, 0)
+    slots = set(algo.local_init({**sent, "own": own}, state))
+    terms = algo.terms() if type(algo).loss is Algorithm.loss else []  # an own ``loss`` need not use terms
+    used = [(f"term {type(t).__name__}", s) for t in terms if hasattr(t, "slot")
+            for s in ((t.slot,) if isinstance(t.slot, str) else t.slot)]
+    for phase in [*algo.program(0), *(algo.finetune() or [])]:
+        used += [("program step", s) for u in phase.updates for s in (u.slots or ())]
+    used += [(f"probe {p.name!r}", s) for p in algo.probes(0, sent) for s in (p.slots or ())]
+    for what, slot in used:
+        if slot not in slots:
+            raise ConfigError(f"algorithm {algo.name!r}: {what} uses slot {slot!r}, but local_init returns only "
+                              f"{sorted(slots)}")
+
+
+def check_plans(cfg: RunConfig, algo: Algorithm, server: dict, clients: int, chunk: int, batch: int, largest: int,
+                public: int | None, memory: int | None, device: torch.device) -> None:
+    """The batch plan of every phase a client or the server runs — per client, step and slot an index (numpy
+    and torch), a mask, augmentation — fits in memory: a step or epoch count no machine can run (10^9 local or
+    warm-up epochs, an algorithm's 2^31-1 steps) is refused up front, not an out-of-memory error in round 0.
+    ``clients``: the federation's; ``chunk``: clients trained at once; ``largest``: the largest client's train
+    samples; ``public``: the public stream's size (None: none)."""
+    tc = cfg.train
+    every = min(cfg.engine.chunk_size, clients)  # warm-up and fine-tuning: every client, chunk by chunk
+    program = algo.program(0)
+    plans = [(ph, chunk, f" of phase {i + 1} of the round" if len(program) > 1 else "", None)
+             for i, ph in enumerate(program)]
+    plans += [(ph, every, " of the fine-tuning", None) for ph in algo.finetune() or ()]
+    plans += [(ph, 1, " of the server's training", None) for ph in algo.server_program(server, 0) or ()]
+    if tc.warmup_epochs:
+        plans.append((Phase(epochs=tc.warmup_epochs), every, " of the warm-up", "train.warmup_epochs"))
+    for ph, n, what, knob in plans:
+        on_public = ph.view.part == "public"
+        size = public if on_public and public is not None else largest
+        b = ph.batch or batch
+        width = 2 * b if ph.pair is not None else b  # slots per step: a paired batch doubles them
+        # View("next") cuts both halves from the phase's own shuffle: an epoch is then ceil(n / 2B) steps
+        steps = ph.steps or (ph.epochs or tc.local_epochs) * -(-size // (width if ph.pair == View("next") else b))
+        per_slot = 8 + 1 + 8 + 4 + (40 if cfg.data.augment.active and not on_public else 0)
+        knob = knob or (option_of(algo, ph.steps, "its step count") if ph.steps is not None
+                        else "train.local_epochs" if ph.epochs is None
+                        else option_of(algo, ph.epochs, "its epoch count"))
+        check_fits(n * steps * width * per_slot, memory, device,
+                   f"the local batch plan{what} ({n} clients x {steps:,} steps x batch {width}; {knob}, "
+                   "train.batch_size, engine.chunk_size)")
+
+def option_of(algo: Algorithm, value: int, otherwise: str) -> str:
+    """The algorithm option(s) holding a phase's step or epoch count ``value`` (e.g. ``algorithm.w_steps``)."""
+    names = [f"algorithm.{k}" for k, v in algo.cfg if type(v) is int and v == value]
+    return " or ".join(names) or otherwise
+
+
+def check_training_memory(module: torch.nn.Module, init: dict, clients: int, state_bytes: int, chunk: int,
+                          memory: int | None, device: torch.device) -> None:
+    """Every client's persistent state, plus the cohort chunk's parameters, gradients and optimiser state."""
+    params = nbytes(init)
+    need = state_bytes * clients + params * (4 + 5 * chunk)
+    check_fits(need, memory, device,
+               f"training {module.__class__.__name__} ({params // 4:,} parameters; {clients} client "
+               f"states, {chunk} clients trained at once: engine.chunk_size, train.clients_per_round)")
+
+
+def check_evaluation(cfg: RunConfig, personalized: bool, clients: int, tested: bool) -> None:
+    """What the per-client evaluation can only be checked against once the partition is known (the family's
+    config-only settings: ``config.check_family``). ``tested``: the clients have test splits."""
+    if cfg.eval.cross_clients and not tested:
+        raise ConfigError("eval.cross_clients: the clients have no test splits to cross-test on; set "
+                          "data.client_test (e.g. 0.25)")
+    if cfg.eval.cross_clients and clients > 256:
+        raise ConfigError(f"eval.cross_clients: {clients} clients would test "
+                          f"{clients ** 2:,} model/split pairs every evaluation; at most 256 clients")
+    if cfg.eval.client_test and personalized and not tested:
+        warnings.warn(f"data.client_test: {cfg.algorithm.name!r} is personalized, but the clients have no test "
+                      "splits: no personal accuracy is measured; set data.client_test (e.g. 0.25)", stacklevel=3)
+
+
+def check_memory_total(total: int, at: str, per_task: int, longest: int) -> None:
+    """A total memory budget is shared equally by the classes a client has met (``memory.per_class_budget``),
+    rounded down: below one sample per class the memory is empty, replay silently off."""
+    if total < per_task:
+        raise ConfigError(f"{at}: {total} shared by the {per_task} classes of a task keeps 0 samples of each: "
+                          f"the memory would stay empty; set at least {per_task} (or use per_class)")
+    full = total // per_task  # the tasks after which a client that met all their classes still keeps some
+    if full < longest - 1:
+        warnings.warn(f"{at}: {total} shared by the classes met keeps 0 samples of each once more than "
+                      f"{full * per_task} are met: the memory is empty from task {full + 2} of {longest} on; "
+                      f"{(longest - 1) * per_task} would keep one of each to the last task", stacklevel=4)
