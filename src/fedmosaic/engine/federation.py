@@ -9,6 +9,7 @@ from __future__ import annotations
 import warnings
 from dataclasses import replace
 from functools import cached_property, partial
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -28,7 +29,7 @@ from . import memory as mem
 from .augment import black
 from .calendar import TaskCalendar
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
-from .local import ClientTensors, LocalTrainer, cat_trees
+from .local import ClientTensors, LocalTrainer, Trained, cat_trees
 from .mapping import for_each_client
 from .preflight import (
     check_evaluation,
@@ -85,6 +86,15 @@ def data_spec(cfg: RunConfig) -> PartitionSpec:
     d = cfg.data
     return PartitionSpec(d.dataset, d.clients, d.partition, d.pool, d.client_test, d.client_val,
                          cfg.seed if d.seed is None else d.seed, None if d.classes is None else tuple(d.classes))
+
+
+class GroupTrained(NamedTuple):
+    """One architecture group's part of a round: its cohort members, their training, the buffers they started from."""
+
+    group: Group
+    members: np.ndarray
+    out: Trained
+    buffers: dict
 
 
 class Federation:
@@ -442,13 +452,13 @@ class Federation:
         payload = {**self.algo.broadcast(self.server, t), **shared}
         train = self.train_split(t)
         trained = [self._train_group(g, members, payload, lr, t, train) for g, members in self._by_group(cohort)]
-        cohort = np.concatenate([members for _, members, *_ in trained])
-        loss = torch.cat([r[4] for r in trained])
-        self._check_finite(t, cohort, loss, [r[2] for r in trained])
-        for g, members, _, new_state, _, _, bufs, _ in trained:
-            self._write_back(g, members, new_state, bufs, train)
-        up = self._cat_uploads([r[2] for r in trained])
-        steps = np.concatenate([r[5] for r in trained])
+        cohort = np.concatenate([r.members for r in trained])
+        loss = torch.cat([r.out.loss for r in trained])
+        self._check_finite(t, cohort, loss, [r.out.uploads for r in trained])
+        for r in trained:
+            self._write_back(r.group, r.members, r.out.states, r.buffers, train)
+        up = self._cat_uploads([r.out.uploads for r in trained])
+        steps = np.concatenate([r.out.steps for r in trained])
         weights = torch.as_tensor(train.counts(cohort), dtype=torch.float32, device=self.device)
         local = self._local_in_out(cohort, up) if self.cfg.eval.local_models else {}
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
@@ -465,7 +475,7 @@ class Federation:
             "round": t,
             "lr": lr,
             "train_loss": float(loss.mean()),
-            **self._terms([r[7] for r in trained]),
+            **self._terms([r.out.terms for r in trained]),
             "clients": len(cohort),
             "local_steps_max": int(steps.max(initial=0)),
             "bytes_down": ((self.algo.broadcast_bytes(payload) + self._buffer_bytes()) * len(cohort)
@@ -553,7 +563,8 @@ class Federation:
         return {k: torch.as_tensor(v, device=self.device)
                 for k, v in (("task_classes", task), ("memory_classes", kept), ("seen_classes", seen))}
 
-    def _train_group(self, g: Group, members: np.ndarray, payload: dict, lr: float, t: int, train: ClientTensors):
+    def _train_group(self, g: Group, members: np.ndarray, payload: dict, lr: float, t: int,
+                     train: ClientTensors) -> GroupTrained:
         rows = torch.as_tensor(self.row_of[members], device=self.device)
         # global-model algorithms start the cohort from the server's running statistics
         bufs = g.global_buffers_like(len(members)) if self.algo.global_model else take(g.buffers, rows)
@@ -562,11 +573,10 @@ class Federation:
             payload = {**payload, "global_buffers": g.global_buffers}
             own = {**own, "local_buffers": take(g.buffers, rows), "task_buffers": take(g.task_buffers, rows)}
         g.module.train()
-        up, new_state, loss, steps, terms = g.trainer.train(
-            train, members, payload, take(g.store, rows), bufs, own=own,
-            program=self.algo.program(t), probes=self.algo.probes(t, payload), lr=lr,
-            seed=self.cfg.seed, round_idx=t)
-        return g, members, up, new_state, loss, steps, bufs, terms
+        out = g.trainer.train(train, members, payload, take(g.store, rows), bufs, own=own,
+                              program=self.algo.program(t), probes=self.algo.probes(t, payload), lr=lr,
+                              seed=self.cfg.seed, round_idx=t)
+        return GroupTrained(g, members, out, bufs)
 
     @staticmethod
     def _check_finite(t: int, cohort: np.ndarray, loss: torch.Tensor, uploads: list) -> None:

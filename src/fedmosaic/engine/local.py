@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 from functools import partial
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -37,6 +38,16 @@ from . import augment, optim
 from .augment import AugmentConfig
 from .mapping import for_each_client
 from .seeding import FINETUNE, SERVER, TASK_END, VIEWS, WARMUP, batch_plan, rng
+
+
+class Trained(NamedTuple):
+    """A cohort's local training, stacked in the order of its clients."""
+
+    uploads: dict  # what each client sends (``Algorithm.finish``)
+    states: dict  # each client's new persistent state
+    loss: torch.Tensor  # [n] the mean training loss over each client's steps
+    steps: np.ndarray  # [n] the local steps each client took
+    terms: dict  # per named part of the objective (``LocalContext.term``) its mean over each client's steps, [n]
 
 
 @dataclass
@@ -289,8 +300,7 @@ class LocalTrainer:
         the same order; the buffers — BatchNorm running statistics — are updated in place). ``program`` defaults to
         one phase of ``epochs`` (default: the trainer's) with ``batch``.
 
-        Returns (uploads, new_states, mean_loss[n], steps[n], terms) stacked in the order of ``clients``; ``terms``:
-        per named part of the objective (``LocalContext.term``) its mean over each client's steps, [n].
+        Returns :class:`Trained`, stacked in the order of ``clients``.
         """
         program = program or [Phase(epochs=epochs, batch=batch)]
         if own is None:
@@ -300,8 +310,8 @@ class LocalTrainer:
                                       probes, lr, seed, round_idx, ())
                     for sl in self._chunks(len(clients))]
         uploads, new_states, losses, steps, terms = zip(*outs)
-        return (cat_trees(list(uploads)), cat_trees(list(new_states)), torch.cat(losses), np.concatenate(steps),
-                cat_trees(list(terms)))
+        return Trained(cat_trees(list(uploads)), cat_trees(list(new_states)), torch.cat(losses), np.concatenate(steps),
+                       cat_trees(list(terms)))
 
     def adapt(self, data: ClientTensors, clients: np.ndarray, payload: dict, own: dict, states, buffers, *,
               program: list[Phase], lr: float, seed: int, round_idx: int) -> dict:
@@ -431,7 +441,7 @@ class LocalTrainer:
         mean_loss = loss_sum / torch.as_tensor(np.maximum(step_sum, 1), dtype=torch.float32, device=dev)
         per_step = {name: total / torch.as_tensor(np.maximum(k, 1), dtype=torch.float32, device=dev)
                     for name, (total, k) in terms.items()}
-        return uploads, new_states, mean_loss, step_sum, per_step
+        return Trained(uploads, new_states, mean_loss, step_sum, per_step)
 
     # ---- one phase ---------------------------------------------------------------------------------------
     def _plan(self, data, clients, phase: Phase, p: int, seed: int, round_idx: int, keys: tuple) -> dict:
