@@ -16,24 +16,23 @@ import torch
 from torch.utils._pytree import tree_structure
 
 from ..config import RunConfig
-from ..data.federated import FederatedData, PartitionSpec, build
+from ..data.federated import FederatedData, build
 from ..data.partition.tasks import task_streams
-from ..data.public import public_images
 from ..errors import ConfigError, CorruptDataError, FedMosaicError
-from ..models import build_model, head_keys, parameter_count
+from ..models import head_keys
 from ..protocol.algorithm import Algorithm, registered
 from ..protocol.program import Setting, Signals
 from ..protocol.tree import all_finite, leaves, nbytes, put, take, tmap, weighted_mean
 from . import evaluate as ev
 from . import memory as mem
 from .augment import black
+from .build import Group, build_extra, build_groups, build_public, client_inits, data_spec
 from .calendar import TaskCalendar
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
 from .local import ClientTensors, LocalTrainer, Trained, cat_trees
 from .mapping import for_each_client
 from .preflight import (
     check_evaluation,
-    check_fits,
     check_memory_total,
     check_plans,
     check_slots,
@@ -41,7 +40,7 @@ from .preflight import (
     memory_bytes,
     resolve_device,
 )
-from .seeding import INIT, MEMORY, POOL, PUBLIC, TASKS, rng, sample_cohort
+from .seeding import MEMORY, POOL, TASKS, rng, sample_cohort
 from .transforms import make_normalizer
 
 
@@ -53,39 +52,6 @@ def average_buffers(stacked: dict, weights: torch.Tensor) -> dict:
     """Weighted mean of float buffers (running mean/var); integer counters take the largest value."""
     return {k: weighted_mean({k: t}, weights)[k] if t.is_floating_point() else t.max(0).values
             for k, t in stacked.items()}
-
-
-class Group:
-    """Clients that share one architecture: its module, its trainer and its rows of the client store.
-
-    ``buffers`` holds every client's module buffers (BatchNorm running statistics), stacked; ``global_buffers``
-    the server's copy for algorithms with a global model (broadcast with it, averaged like it); ``task_buffers``
-    per client those of the model it predicted with at the end of its previous task (a continual teacher's).
-    """
-
-    def __init__(self, gid: int, module: torch.nn.Module, clients: np.ndarray):
-        self.gid, self.module, self.clients = gid, module, clients
-        self.init = {k: v.detach().clone() for k, v in module.named_parameters()}
-        self.global_buffers = {k: v.detach().clone() for k, v in module.named_buffers()}
-        self.buffers = tmap(lambda t: t.unsqueeze(0).repeat(len(clients), *([1] * t.dim())), self.global_buffers)
-        self.task_buffers = tmap(torch.clone, self.buffers)
-        self.trainer: LocalTrainer | None = None
-        self.execution: Execution | None = None
-        self.store: dict = {}
-
-    def global_buffers_like(self, n: int) -> dict:
-        """The server's buffers repeated for ``n`` clients."""
-        return tmap(lambda t: t.unsqueeze(0).repeat(n, *([1] * t.dim())), self.global_buffers)
-
-    def apply(self, params, x, slot=None):
-        """(features, logits) of the group's model (or of ``slot``'s own architecture) with ``params``."""
-        return self.trainer.apply(params, x, slot=slot)
-
-
-def data_spec(cfg: RunConfig) -> PartitionSpec:
-    d = cfg.data
-    return PartitionSpec(d.dataset, d.clients, d.partition, d.pool, d.client_test, d.client_val,
-                         cfg.seed if d.seed is None else d.seed, None if d.classes is None else tuple(d.classes))
 
 
 class GroupTrained(NamedTuple):
@@ -133,7 +99,8 @@ class Federation:
         self._check_data(cfg)
         self.pad_fill = black(normalize, self.fd.dataset.input_shape, dev) if cfg.data.augment.crop_padding else 0.0
 
-        self.groups = self._build_groups(dev)
+        self.groups = build_groups(cfg, self.fd.dataset.input_shape, self.fd.num_classes, self.num_clients,
+                                   self.memory, dev)
         dims = {g.module.feature_dim for g in self.groups}
         algo_cls = registered()[cfg.algorithm.name]
         algo_cfg = algo_cls.Config.model_validate(cfg.algorithm.params())
@@ -142,7 +109,8 @@ class Federation:
                               f"sizes differ ({sorted(dims)}): give each a common size with model options "
                               "'project: <d>'")
         check_evaluation(cfg, algo_cls.personalized, self.num_clients, len(self.split["test"].y) > 0)
-        self.public = self._build_public(cfg, normalize if preload else None, dev)
+        self.public = build_public(cfg, self.fd.dataset.input_shape, self.fd.x["train"].dtype == np.uint8,
+                                   normalize if preload else None, dev)
         self.tasks = self._build_tasks(cfg)
         #: what the server knows of the task streams (``calendar.TaskCalendar``); None without ``data.tasks``
         self.calendar = None if self.tasks is None else TaskCalendar(
@@ -157,7 +125,8 @@ class Federation:
             warnings.warn(f"train.optimizer.plateau: a task of {tc.rounds_per_task} rounds compares "
                           f"{max(0, tc.rounds_per_task - pc.skip)} losses (skip {pc.skip}), too few to exceed patience "
                           f"{pc.patience}: the learning rate is never reduced", stacklevel=2)
-        self.extra = self._build_extra(algo_cls.extra_models(algo_cfg, cfg.model), dev)
+        self.extra = build_extra(cfg, algo_cls.extra_models(algo_cfg, cfg.model), len(self.groups),
+                                 self.fd.dataset.input_shape, self.fd.num_classes, self.num_clients, self.memory, dev)
         setting = Setting(self.fd.num_classes, dims.pop() if len(dims) == 1 else 0, self.fd.num_clients,
                           cfg.train.optimizer,
                           cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module),
@@ -181,7 +150,7 @@ class Federation:
             check_training_memory(g.module, g.init, len(g.clients), nbytes(one), self.chunk, self.memory, dev)
             if own_init:  # every client its own initialisation (seeded by client), through the same hook
                 g.store = for_each_client(self.algo.init_client, (0,), False)(
-                    self._client_inits(g, dev))
+                    client_inits(cfg, g, self.fd.dataset.input_shape, self.fd.num_classes, dev))
             else:
                 g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
             g.execution = ex = self._choose_execution(g)
@@ -250,64 +219,6 @@ class Federation:
         # a batch larger than the largest client is all padding: cap it (same results, no giant batch plans)
         self.batch = int(max(1, min(tc.batch_size, sizes.max(initial=1))))
         self.chunk = min(cfg.engine.chunk_size, tc.clients_per_round)  # clients trained at once
-
-    def _build_groups(self, dev) -> list[Group]:
-        m, shape, C = self.cfg.model, self.fd.dataset.input_shape, self.fd.num_classes
-        archs = m.heterogeneous or []
-        gen = torch.Generator().manual_seed(int(rng(self.cfg.seed, INIT).integers(2**62)))
-        specs = [(a.name, a.options, a.share) for a in archs] or [(m.name, m.options, 1.0)]
-        shares = np.array([s for *_, s in specs], dtype=float)
-        # round-robin by share: client k gets the architecture whose quota is most behind
-        owner = np.zeros(self.num_clients, dtype=np.int64)
-        given = np.zeros(len(specs))
-        for k in range(self.num_clients):
-            owner[k] = int(np.argmax(shares / shares.sum() * (k + 1) - given))
-            given[owner[k]] += 1
-        if m.assign is not None:  # an explicit architecture per client
-            if len(m.assign) != self.num_clients:
-                raise ConfigError(f"model.assign: one architecture index per client, {self.num_clients} clients "
-                                  f"(got {len(m.assign)})")
-            owner = np.asarray(m.assign, dtype=np.int64)
-        groups = []
-        for gid, (name, options, _) in enumerate(specs):
-            n = parameter_count(name, shape, C, **options)
-            check_fits(4 * n, self.memory, dev, f"model {name!r} ({n:,} parameters; model.options)")
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
-                module = build_model(name, shape, C, **options).to(dev)
-            groups.append(Group(gid, module, np.flatnonzero(owner == gid)))
-        return [g for g in groups if len(g.clients)]
-
-    def _client_inits(self, g: Group, dev) -> dict:
-        """Per client of ``g`` its own initial parameters (stacked), each from the seed stream (INIT, 2, client)."""
-        m, shape, C = self.cfg.model, self.fd.dataset.input_shape, self.fd.num_classes
-        spec = (m.heterogeneous or [])[g.gid] if m.heterogeneous else m
-        out = []
-        for k in g.clients:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(rng(self.cfg.seed, INIT, 2, int(k)).integers(2**62)))
-                module = build_model(spec.name, shape, C, **spec.options).to(dev)
-            out.append({n: p.detach() for n, p in module.named_parameters()})
-        return tmap(lambda *ts: torch.stack(ts), *out)
-
-    def _build_public(self, cfg: RunConfig, normalize, dev) -> ClientTensors | None:
-        """The shared public stream (``data.public``): noise uniform in [0, 1) of the private input shape (in the
-        raw value range of the data: x255 for uint8 images, so normalisation treats it like pixels), or a dataset's
-        train images resized to the private image size and channels; normalised like the private data."""
-        pc = cfg.data.public
-        if pc is None:
-            return None
-        shape, seed = self.fd.dataset.input_shape, cfg.seed if pc.seed is None else pc.seed
-        gen = rng(seed, PUBLIC)
-        if pc.source == "noise":
-            x = gen.random((pc.size, *shape), dtype=np.float32)
-            if self.fd.x["train"].dtype == np.uint8:
-                x *= 255
-        else:
-            x = public_images(pc.source, pc.size, shape, gen)
-        t = torch.as_tensor(x, device=dev)
-        t = normalize.all(t) if normalize is not None else t
-        return ClientTensors(t, torch.arange(len(t), device=dev), np.array([0, len(t)]))
 
     def _build_tasks(self, cfg: RunConfig) -> list | None:
         """Per client its task stream (``data.tasks``): [(task id, classes, offsets inside its train rows)], in the
@@ -406,28 +317,6 @@ class Federation:
             g.store = for_each_client(lambda s, p, st: self.algo.end_task(s, p, st, seen, payload), (0, 0, 0),
                                       g.trainer.vectorize, fresh=True)(g.store, params, stats)
             g.task_buffers = tmap(torch.clone, bufs)
-
-    def _build_extra(self, specs: dict, dev) -> dict:
-        """The modules of the slots an algorithm trains with architectures of their own (FedKD's mentor), built
-        from their own seed stream: one per slot, shared by every client (each client's parameters are its own)."""
-        if not specs:
-            return {}
-        if len(self.groups) > 1:
-            raise ConfigError(f"algorithm {self.cfg.algorithm.name!r}: its extra models need one architecture per "
-                              "run (model.heterogeneous is set)")
-        shape, C, out = self.fd.dataset.input_shape, self.fd.num_classes, {}
-        for i, (slot, (name, options)) in enumerate(specs.items()):
-            n = parameter_count(name, shape, C, **options)
-            check_fits(4 * n * (1 + self.num_clients), self.memory, dev,
-                       f"the {slot} model {name!r} of every client ({n:,} parameters each)")
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(int(rng(self.cfg.seed, INIT, 1 + i).integers(2**62)))
-                module = build_model(name, shape, C, **options).to(dev)
-            if any(True for _ in module.buffers()):
-                raise ConfigError(f"the {slot} model {name!r} has buffers (BatchNorm): not supported for an extra "
-                                  "model; choose one without (e.g. GroupNorm)")
-            out[slot] = module
-        return out
 
     # ---- one round ---------------------------------------------------------------------------------
     def cohort(self, t: int) -> np.ndarray:

@@ -1,0 +1,141 @@
+"""What a run is built from, before its first round: the architecture groups and their modules, each client's own
+initial parameters, an algorithm's extra models, the public stream, and the partition spec of the data — each from
+its own seed stream, so every driver that builds a run (in one process or on several) builds the same one."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..config import RunConfig
+from ..data.federated import PartitionSpec
+from ..data.public import public_images
+from ..errors import ConfigError
+from ..models import build_model, parameter_count
+from ..protocol.tree import tmap
+from .execution import Execution
+from .local import ClientTensors, LocalTrainer
+from .preflight import check_fits
+from .seeding import INIT, PUBLIC, rng
+
+
+class Group:
+    """Clients that share one architecture: its module, its trainer and its rows of the client store.
+
+    ``buffers`` holds every client's module buffers (BatchNorm running statistics), stacked; ``global_buffers``
+    the server's copy for algorithms with a global model (broadcast with it, averaged like it); ``task_buffers``
+    per client those of the model it predicted with at the end of its previous task (a continual teacher's).
+    """
+
+    def __init__(self, gid: int, module: torch.nn.Module, clients: np.ndarray):
+        self.gid, self.module, self.clients = gid, module, clients
+        self.init = {k: v.detach().clone() for k, v in module.named_parameters()}
+        self.global_buffers = {k: v.detach().clone() for k, v in module.named_buffers()}
+        self.buffers = tmap(lambda t: t.unsqueeze(0).repeat(len(clients), *([1] * t.dim())), self.global_buffers)
+        self.task_buffers = tmap(torch.clone, self.buffers)
+        self.trainer: LocalTrainer | None = None
+        self.execution: Execution | None = None
+        self.store: dict = {}
+
+    def global_buffers_like(self, n: int) -> dict:
+        """The server's buffers repeated for ``n`` clients."""
+        return tmap(lambda t: t.unsqueeze(0).repeat(n, *([1] * t.dim())), self.global_buffers)
+
+    def apply(self, params, x, slot=None):
+        """(features, logits) of the group's model (or of ``slot``'s own architecture) with ``params``."""
+        return self.trainer.apply(params, x, slot=slot)
+
+
+def data_spec(cfg: RunConfig) -> PartitionSpec:
+    d = cfg.data
+    return PartitionSpec(d.dataset, d.clients, d.partition, d.pool, d.client_test, d.client_val,
+                         cfg.seed if d.seed is None else d.seed, None if d.classes is None else tuple(d.classes))
+
+
+def build_groups(cfg: RunConfig, shape: tuple, C: int, num_clients: int, memory: int | None,
+                 dev: torch.device) -> list[Group]:
+    """One :class:`Group` per architecture (``model``, or ``model.heterogeneous`` with its shares or ``assign``),
+    each module from the run's INIT seed stream; architectures no client got are left out."""
+    m = cfg.model
+    archs = m.heterogeneous or []
+    gen = torch.Generator().manual_seed(int(rng(cfg.seed, INIT).integers(2**62)))
+    specs = [(a.name, a.options, a.share) for a in archs] or [(m.name, m.options, 1.0)]
+    shares = np.array([s for *_, s in specs], dtype=float)
+    # round-robin by share: client k gets the architecture whose quota is most behind
+    owner = np.zeros(num_clients, dtype=np.int64)
+    given = np.zeros(len(specs))
+    for k in range(num_clients):
+        owner[k] = int(np.argmax(shares / shares.sum() * (k + 1) - given))
+        given[owner[k]] += 1
+    if m.assign is not None:  # an explicit architecture per client
+        if len(m.assign) != num_clients:
+            raise ConfigError(f"model.assign: one architecture index per client, {num_clients} clients "
+                              f"(got {len(m.assign)})")
+        owner = np.asarray(m.assign, dtype=np.int64)
+    groups = []
+    for gid, (name, options, _) in enumerate(specs):
+        n = parameter_count(name, shape, C, **options)
+        check_fits(4 * n, memory, dev, f"model {name!r} ({n:,} parameters; model.options)")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(torch.randint(2**62, (1,), generator=gen)))
+            module = build_model(name, shape, C, **options).to(dev)
+        groups.append(Group(gid, module, np.flatnonzero(owner == gid)))
+    return [g for g in groups if len(g.clients)]
+
+
+def client_inits(cfg: RunConfig, g: Group, shape: tuple, C: int, dev: torch.device) -> dict:
+    """Per client of ``g`` its own initial parameters (stacked), each from the seed stream (INIT, 2, client)."""
+    m = cfg.model
+    spec = (m.heterogeneous or [])[g.gid] if m.heterogeneous else m
+    out = []
+    for k in g.clients:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(rng(cfg.seed, INIT, 2, int(k)).integers(2**62)))
+            module = build_model(spec.name, shape, C, **spec.options).to(dev)
+        out.append({n: p.detach() for n, p in module.named_parameters()})
+    return tmap(lambda *ts: torch.stack(ts), *out)
+
+
+def build_public(cfg: RunConfig, shape: tuple, pixels: bool, normalize, dev: torch.device) -> ClientTensors | None:
+    """The shared public stream (``data.public``): noise uniform in [0, 1) of the private input shape (in the
+    raw value range of the data: x255 for uint8 images, so normalisation treats it like pixels), or a dataset's
+    train images resized to the private image size and channels; normalised like the private data. ``pixels``:
+    the private data are uint8 images."""
+    pc = cfg.data.public
+    if pc is None:
+        return None
+    seed = cfg.seed if pc.seed is None else pc.seed
+    gen = rng(seed, PUBLIC)
+    if pc.source == "noise":
+        x = gen.random((pc.size, *shape), dtype=np.float32)
+        if pixels:
+            x *= 255
+    else:
+        x = public_images(pc.source, pc.size, shape, gen)
+    t = torch.as_tensor(x, device=dev)
+    t = normalize.all(t) if normalize is not None else t
+    return ClientTensors(t, torch.arange(len(t), device=dev), np.array([0, len(t)]))
+
+
+def build_extra(cfg: RunConfig, specs: dict, groups: int, shape: tuple, C: int, num_clients: int,
+                memory: int | None, dev: torch.device) -> dict:
+    """The modules of the slots an algorithm trains with architectures of their own (FedKD's mentor), built
+    from their own seed stream: one per slot, shared by every client (each client's parameters are its own)."""
+    if not specs:
+        return {}
+    if groups > 1:
+        raise ConfigError(f"algorithm {cfg.algorithm.name!r}: its extra models need one architecture per "
+                          "run (model.heterogeneous is set)")
+    out = {}
+    for i, (slot, (name, options)) in enumerate(specs.items()):
+        n = parameter_count(name, shape, C, **options)
+        check_fits(4 * n * (1 + num_clients), memory, dev,
+                   f"the {slot} model {name!r} of every client ({n:,} parameters each)")
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(int(rng(cfg.seed, INIT, 1 + i).integers(2**62)))
+            module = build_model(name, shape, C, **options).to(dev)
+        if any(True for _ in module.buffers()):
+            raise ConfigError(f"the {slot} model {name!r} has buffers (BatchNorm): not supported for an extra "
+                              "model; choose one without (e.g. GroupNorm)")
+        out[slot] = module
+    return out
