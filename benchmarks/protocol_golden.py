@@ -23,6 +23,7 @@ import torch
 
 from fedmosaic.config import validate
 from fedmosaic.engine.federation import Federation
+from fedmosaic.protocol.codec import tensor_bytes
 from fedmosaic.protocol.tree import leaves
 
 BASE = {
@@ -68,12 +69,7 @@ CASES = {
 
 def digest(tree) -> list[str]:
     """Per tensor (in tree order) its dtype, shape and the SHA-256 of its bytes."""
-    out = []
-    for t in leaves(tree):
-        t = t.detach().cpu().contiguous()
-        raw = (t.to(torch.uint8) if t.dtype == torch.bool else t).reshape(-1).view(torch.uint8).numpy().tobytes()
-        out.append(f"{t.dtype} {list(t.shape)} {hashlib.sha256(raw).hexdigest()[:16]}")
-    return out
+    return [f"{t.dtype} {list(t.shape)} {hashlib.sha256(tensor_bytes(t)).hexdigest()[:16]}" for t in leaves(tree)]
 
 
 def golden(name: str, backend: str) -> dict:

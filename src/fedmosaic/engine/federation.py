@@ -625,17 +625,12 @@ class Federation:
     def _personal(self, g: Group, t: int) -> dict:
         """Every client's personal model in group ``g`` (stacked): fine-tuned from ``local_init`` when the
         algorithm fine-tunes before evaluation, else ``personal_params`` of its state and the server's."""
-        phases = self.algo.finetune()
+        phases, sent, own = self.algo.finetune(), self.algo.broadcast(self.server, t), self._own(g.clients)[0]
         if phases is not None:
-            params = g.trainer.adapt(self.split["train"], g.clients, self.algo.broadcast(self.server, t),
-                                     self._own(g.clients)[0], g.store, g.buffers, program=phases,
-                                     lr=self.cfg.train.optimizer.lr_at(t), seed=self.cfg.seed, round_idx=t)
-            params = params["model"]
-        else:
-            sent = self.algo.broadcast(self.server, t)
-            params = for_each_client(lambda s, o: self.algo.personal_params(s, {**sent, "own": o}), (0, 0),
-                                     g.trainer.vectorize)(g.store, self._own(g.clients)[0])
-        return params
+            return g.trainer.adapt(self.split["train"], g.clients, sent, own, g.store, g.buffers, program=phases,
+                                   lr=self.cfg.train.optimizer.lr_at(t), seed=self.cfg.seed, round_idx=t)["model"]
+        return for_each_client(lambda s, o: self.algo.personal_params(s, {**sent, "own": o}), (0, 0),
+                               g.trainer.vectorize)(g.store, own)
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -24,6 +24,7 @@ import sys
 import torch
 
 from ..errors import CorruptDataError, FedMosaicError
+from .tree import nbytes
 
 MAGIC, VERSION = b"FMSG", 1
 _PREFIX = struct.Struct("<4sBI")  # magic, version, header length
@@ -38,13 +39,13 @@ SCALARS = (bool, int, float, str, type(None))
 def encode(kind: str, body) -> bytes:
     """``body`` (see the module) as one message of ``kind``."""
     header, tensors = _header(kind, body)
-    return b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, *map(_raw, tensors)])
+    return b"".join([_PREFIX.pack(MAGIC, VERSION, len(header)), header, *map(tensor_bytes, tensors)])
 
 
 def size(kind: str, body) -> int:
     """``len(encode(kind, body))``, without copying a tensor's bytes."""
     header, tensors = _header(kind, body)
-    return _PREFIX.size + len(header) + sum(map(_nbytes, tensors))
+    return _PREFIX.size + len(header) + nbytes(tensors)
 
 
 def decode(data: bytes | bytearray | memoryview, kind: str | None = None):
@@ -88,7 +89,7 @@ def _header(kind: str, body) -> tuple[bytes, list[torch.Tensor]]:
     _little_endian()
     tensors: list[torch.Tensor] = []
     header = {"kind": kind, "body": _structure(body, tensors, "body"),
-              "tensors": [[_dtype_name(t), list(t.shape), _nbytes(t)] for t in tensors]}
+              "tensors": [[_dtype_name(t), list(t.shape), nbytes(t)] for t in tensors]}
     return json.dumps(header, separators=(",", ":"), allow_nan=False).encode(), tensors
 
 
@@ -122,11 +123,8 @@ def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _raw(t: torch.Tensor) -> bytes:
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of ``t`` as they travel: its elements in order, on the CPU, bools as one byte 0 or 1."""
     flat = t.detach().to("cpu").contiguous().reshape(-1)
     if flat.dtype == torch.bool:
         flat = flat.to(torch.uint8)
