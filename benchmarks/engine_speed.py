@@ -221,9 +221,10 @@ def timed_process(argv: list[str], env: dict | None = None) -> tuple[float, str]
     return wall, done.stdout
 
 
-def e2e_once(rounds: int, name: str, sets: list[str]) -> dict:
+def e2e_once(rounds: int, name: str, sets: list[str], env: dict | None = None) -> dict:
     """One fresh process, timed from start to finish: the plain loop (``name == "plain"``) or ``fedmosaic run``
-    with ``sets`` (compiling variants get an empty inductor cache: a cold start)."""
+    with ``sets`` (compiling variants get an empty inductor cache: a cold start); ``env``: e.g. a PYTHONPATH
+    that runs another commit's fedmosaic (``--against``)."""
     if name == "plain":
         wall, out = timed_process([sys.executable, __file__, "--plain-run", str(rounds)])
         return {"wall_s": wall, **json.loads(out.strip().splitlines()[-1])}
@@ -232,7 +233,7 @@ def e2e_once(rounds: int, name: str, sets: list[str]) -> dict:
         argv = [str(exe), "run", E2E_PRESET, "--no-progress", "--out", f"{tmp}/run"]
         for item in [*E2E_SET, f"train.rounds={rounds}", *sets]:
             argv += ["--set", item]
-        wall, out = timed_process(argv, {"TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor"})
+        wall, out = timed_process(argv, {"TORCHINDUCTOR_CACHE_DIR": f"{tmp}/inductor", **(env or {})})
         summary = json.loads(Path(f"{tmp}/run/summary.json").read_text())
         line = next((ln for ln in out.splitlines() if ln.startswith("fedmosaic: execution: ")), "")
     return {"wall_s": wall, "acc_final": summary.get("global_clients_acc_final"),
@@ -240,22 +241,34 @@ def e2e_once(rounds: int, name: str, sets: list[str]) -> dict:
             "execution": line.removeprefix("fedmosaic: execution: ")}
 
 
-def time_end_to_end(rounds: int, variants: list[tuple[str, list[str]]], repeat: int = 1) -> dict:
+def time_end_to_end(rounds: int, variants: list[tuple], repeat: int = 1) -> dict:
     """Wall-clock seconds of the whole run, each in a fresh process: the plain loop and each variant (the default
     first), ``repeat`` times in alternation (plain, variants, plain, variants, ...) so that the machine's drifts
     hit all alike; each entry keeps every wall time and their median, and the speed-up is of the medians."""
     res = {"rounds": rounds, "repeat": repeat}
     build(data_spec(e2e_config(rounds)))  # the partition cache all read (made once, outside the timings)
     for _ in range(repeat):
-        for name, sets in [("plain", []), *variants]:
-            r = e2e_once(rounds, name, sets)
+        for name, sets, *env in [("plain", []), *variants]:
+            r = e2e_once(rounds, name, sets, *env)
             entry = res.setdefault(name, {**r, "walls_s": []})
             entry["walls_s"].append(r["wall_s"])
             entry["wall_s"] = float(np.median(entry["walls_s"]))
             print(json.dumps({name: r}), flush=True)
-    for name, _ in variants:
+    for name, *_ in variants:
         res[name]["speedup_vs_plain"] = res["plain"]["wall_s"] / res[name]["wall_s"]
     return res
+
+
+def against(rev: str) -> tuple[str, list[str], dict]:
+    """The default variant run by commit ``rev``'s fedmosaic: a git worktree of it, first on PYTHONPATH."""
+    root = Path(__file__).resolve().parents[1]
+    sha = subprocess.run(["git", "-C", str(root), "rev-parse", "--short", rev], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    tree = Path(tempfile.gettempdir()) / f"fedmosaic-{sha}"
+    if not tree.exists():
+        subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(tree), sha], check=True,
+                       capture_output=True)
+    return f"default@{sha}", [], {"PYTHONPATH": str(tree / "src")}
 
 
 E2E_VARIANTS = [
@@ -275,6 +288,7 @@ def main() -> None:
     ap.add_argument("--e2e-rounds", type=int, default=150)
     ap.add_argument("--e2e-repeat", type=int, default=1, help="alternate plain and variants this many times")
     ap.add_argument("--e2e-variants", help="comma-separated subset of: " + ", ".join(n for n, _ in E2E_VARIANTS))
+    ap.add_argument("--against", help="also time the default as run by this git revision (e.g. HEAD~1)")
     ap.add_argument("--plain-run", type=int, help=argparse.SUPPRESS)  # the child process of the end-to-end row
     args = ap.parse_args()
     load_at_start = os.getloadavg()
@@ -288,7 +302,8 @@ def main() -> None:
     e2e = None
     if args.only in (None, "e2e"):
         keep = args.e2e_variants.split(",") if args.e2e_variants else [n for n, _ in E2E_VARIANTS]
-        e2e = time_end_to_end(args.e2e_rounds, [v for v in E2E_VARIANTS if v[0] in keep], args.e2e_repeat)
+        variants = [v for v in E2E_VARIANTS if v[0] in keep] + ([against(args.against)] if args.against else [])
+        e2e = time_end_to_end(args.e2e_rounds, variants, args.e2e_repeat)
         print_e2e(e2e)
     for setting, m, ev in settings:
         if args.only and setting != args.only:

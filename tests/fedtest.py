@@ -33,6 +33,32 @@ BLOBS6 = {
 }
 
 
+#: One algorithm of each family and engine mechanism, with the settings it needs over BLOBS6 (a public stream and two
+#: architectures; a class-incremental stream on digits): the protocol's test set.
+HETERO = {"data": {"public": {"source": "noise", "size": 16}},
+          "model": {"heterogeneous": [{"name": "mlp", "options": {"hidden": 8}},
+                                      {"name": "mlp", "options": {"hidden": [12, 12]}}]},
+          "train": {"warmup_epochs": 1, "optimizer": {"name": "adam", "lr": 0.01}}}
+CONTINUAL = {"data": {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"}, "client_test": 0.0,
+                      "tasks": {"n_tasks": 5, "rounds_per_task": 1, "memory": {"per_class": 2}}},
+             "train": {"clients_per_round": 3, "batch_size": 16}, "eval": {"client_test": False}}
+PROTOCOL_CASES = [
+    ({"name": "fedavg"}, {}), ({"name": "scaffold"}, {}), ({"name": "fedcurv"}, {}), ({"name": "ditto"}, {}),
+    ({"name": "apfl_pd", "z": 1}, {}), ({"name": "pfedsrb"}, {}), ({"name": "fedpac"}, {}), ({"name": "fedkd"}, {}),
+    ({"name": "ahf"}, HETERO), ({"name": "fccl"}, HETERO),
+    ({"name": "feddf_global"}, {"data": {"public": {"source": "noise", "size": 16}}}),
+    ({"name": "protofcl"}, CONTINUAL), ({"name": "fedweit"}, CONTINUAL), ({"name": "glfc"}, CONTINUAL)]
+
+
+def merged(base: dict, over: dict) -> dict:
+    """``base`` with ``over`` merged in, nested dicts key by key (a partition scheme is replaced whole)."""
+    out = dict(base)
+    for k, v in over.items():
+        nested = isinstance(v, dict) and isinstance(base.get(k), dict) and k != "partition"
+        out[k] = merged(base[k], v) if nested else v
+    return out
+
+
 def blobs6_partition(blob_data):
     from fedmosaic.data.federated import PartitionSpec, compute
 

@@ -122,7 +122,7 @@ def test_fedpac_statistics_are_taken_at_the_received_model(fd):
     fed.round(0)  # (heads of their own, centroids on the server)
     g, algo = fed.groups[0], fed.algo
     clients = np.array([0, 3])
-    own = fed._own(clients)[0]
+    own = fed._own(clients)
     up = g.trainer.train(fed.split["train"], clients, algo.broadcast(fed.server, 1), tmap(lambda t: t[:2], g.store),
                          {}, own=own, lr=0.1, seed=0, round_idx=1, program=algo.program(1),
                          probes=algo.probes(1, fed.algo.broadcast(fed.server, 1)))[0]
@@ -167,7 +167,7 @@ def test_fedpac_head_learning_rate_is_its_own(fd):
         fed = Federation(make_cfg(algorithm={"name": "fedpac", "head_lr": head_lr}, train__optimizer__lr=lr), fd)
         g, algo, clients = fed.groups[0], fed.algo, np.array([0, 3])
         return g.trainer.train(fed.split["train"], clients, algo.broadcast(fed.server, 0),
-                               tmap(lambda t: t[:2], g.store), {}, own=fed._own(clients)[0], lr=lr, seed=0,
+                               tmap(lambda t: t[:2], g.store), {}, own=fed._own(clients), lr=lr, seed=0,
                                round_idx=0, program=algo.program(0)[:1],
                                probes=algo.probes(0, algo.broadcast(fed.server, 0)))[0]
 

@@ -452,7 +452,7 @@ def test_fedpac_phases_train_only_their_part(fd):
     fed = Federation(make_cfg(algorithm={"name": "fedpac", "head_epochs": 0}), fd)
     g, algo = fed.groups[0], fed.algo
     clients = np.array([0, 3])
-    own = fed._own(clients)[0]
+    own = fed._own(clients)
     args = (fed.split["train"], clients, algo.broadcast(fed.server, 0), tmap(lambda t: t[:2], g.store), {})
     up = g.trainer.train(*args, own=own, lr=0.1, seed=0, round_idx=0, program=algo.program(0),
                          probes=algo.probes(0, fed.algo.broadcast(fed.server, 0)))[0]

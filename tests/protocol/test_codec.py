@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from fedtest import BLOBS6, with_overrides
+from fedtest import BLOBS6, PROTOCOL_CASES, merged, with_overrides
 
 from fedmosaic.engine.federation import Federation
 from fedmosaic.errors import CorruptDataError
@@ -62,29 +62,7 @@ def test_what_cannot_travel_is_named():
 
 
 # ---- real payloads of each family ---------------------------------------------------------------------------------
-HETERO = {"data": {"public": {"source": "noise", "size": 16}},
-          "model": {"heterogeneous": [{"name": "mlp", "options": {"hidden": 8}},
-                                      {"name": "mlp", "options": {"hidden": [12, 12]}}]},
-          "train": {"warmup_epochs": 1, "optimizer": {"name": "adam", "lr": 0.01}}}
-CONTINUAL = {"data": {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"}, "client_test": 0.0,
-                      "tasks": {"n_tasks": 5, "rounds_per_task": 1, "memory": {"per_class": 2}}},
-             "train": {"clients_per_round": 3, "batch_size": 16}, "eval": {"client_test": False}}
-CASES = [({"name": "fedavg"}, {}), ({"name": "scaffold"}, {}), ({"name": "fedcurv"}, {}), ({"name": "ditto"}, {}),
-         ({"name": "apfl_pd", "z": 1}, {}), ({"name": "pfedsrb"}, {}), ({"name": "fedpac"}, {}),
-         ({"name": "fedkd"}, {}), ({"name": "ahf"}, HETERO), ({"name": "fccl"}, HETERO),
-         ({"name": "feddf_global"}, {"data": {"public": {"source": "noise", "size": 16}}}),
-         ({"name": "protofcl"}, CONTINUAL), ({"name": "fedweit"}, CONTINUAL), ({"name": "glfc"}, CONTINUAL)]
-
-
-def merged(base: dict, over: dict) -> dict:
-    out = dict(base)
-    for k, v in over.items():
-        nested = isinstance(v, dict) and isinstance(base.get(k), dict) and k != "partition"  # a scheme: replaced
-        out[k] = merged(base[k], v) if nested else v
-    return out
-
-
-@pytest.mark.parametrize("algo, over", CASES, ids=[c[0]["name"] for c in CASES])
+@pytest.mark.parametrize("algo, over", PROTOCOL_CASES, ids=[c[0]["name"] for c in PROTOCOL_CASES])
 def test_every_familys_payloads_and_state_travel_exactly(algo, over):
     raw = merged({**BLOBS6, "algorithm": algo, "train": {**BLOBS6["train"], "rounds": 2}}, over)
     fed = Federation(with_overrides(raw))

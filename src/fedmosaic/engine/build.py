@@ -15,6 +15,7 @@ from ..models import build_model, parameter_count
 from ..protocol.tree import tmap
 from .execution import Execution
 from .local import ClientTensors, LocalTrainer
+from .mapping import for_each_client
 from .preflight import check_fits
 from .seeding import INIT, PUBLIC, rng
 
@@ -94,6 +95,26 @@ def client_inits(cfg: RunConfig, g: Group, shape: tuple, C: int, dev: torch.devi
             module = build_model(spec.name, shape, C, **spec.options).to(dev)
         out.append({n: p.detach() for n, p in module.named_parameters()})
     return tmap(lambda *ts: torch.stack(ts), *out)
+
+
+def client_store(cfg: RunConfig, algo, g: Group, one: dict, shape: tuple, C: int, dev: torch.device) -> dict:
+    """The initial state of every client of ``g``, stacked: ``one`` (``init_client`` of the group's initial
+    parameters) for each, or with ``model.init: own`` each client's of its own initial parameters."""
+    m = cfg.model
+    if m.init == "own" or (m.init == "auto" and m.heterogeneous is not None):
+        return for_each_client(algo.init_client, (0,), False)(client_inits(cfg, g, shape, C, dev))
+    return tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
+
+
+def make_trainer(cfg: RunConfig, algo, module: torch.nn.Module, ex: Execution, transform, pad_fill, batch: int,
+                 extra: dict, public: ClientTensors | None) -> LocalTrainer:
+    """The local trainer of one architecture, run as ``ex`` says."""
+    trainer = LocalTrainer(algo, module, cfg.train.optimizer, cfg.model.task_loss, transform,
+                           ex.backend == "vectorized", cfg.engine.chunk_size, ex.compile, ex.fuse_steps,
+                           cfg.data.augment, pad_fill, cfg.train.local_epochs, batch, loop_below=ex.loop_below,
+                           threads=ex.threads, channels_last=ex.channels_last, extra=extra)
+    trainer.public = public
+    return trainer
 
 
 def build_public(cfg: RunConfig, shape: tuple, pixels: bool, normalize, dev: torch.device) -> ClientTensors | None:

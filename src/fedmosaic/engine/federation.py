@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import replace
-from functools import cached_property, partial
-from typing import NamedTuple
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -18,19 +17,19 @@ from torch.utils._pytree import tree_structure
 from ..config import RunConfig
 from ..data.federated import FederatedData, build
 from ..data.partition.tasks import task_streams
-from ..errors import ConfigError, CorruptDataError, FedMosaicError
+from ..errors import ConfigError, CorruptDataError
 from ..models import head_keys
 from ..protocol.algorithm import Algorithm, registered
 from ..protocol.program import Setting, Signals
-from ..protocol.tree import all_finite, leaves, nbytes, put, take, tmap, weighted_mean
+from ..protocol.tree import leaves, nbytes, take, tmap, weighted_mean
 from . import evaluate as ev
-from . import memory as mem
 from .augment import black
-from .build import Group, build_extra, build_groups, build_public, client_inits, data_spec
+from .build import Group, build_extra, build_groups, build_public, client_store, data_spec, make_trainer
 from .calendar import TaskCalendar
+from .client import ClientRuntime, ids_of
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
-from .local import ClientTensors, LocalTrainer, Trained, cat_trees
-from .mapping import for_each_client
+from .local import ClientTensors, cat_trees
+from .pools import InProcessPool, WirePool, order_parts
 from .preflight import (
     check_evaluation,
     check_memory_total,
@@ -40,12 +39,8 @@ from .preflight import (
     memory_bytes,
     resolve_device,
 )
-from .seeding import MEMORY, POOL, TASKS, rng, sample_cohort
+from .seeding import POOL, TASKS, rng, sample_cohort
 from .transforms import make_normalizer
-
-
-class NonFiniteLoss(FedMosaicError):
-    pass
 
 
 def average_buffers(stacked: dict, weights: torch.Tensor) -> dict:
@@ -54,18 +49,16 @@ def average_buffers(stacked: dict, weights: torch.Tensor) -> dict:
             for k, t in stacked.items()}
 
 
-class GroupTrained(NamedTuple):
-    """One architecture group's part of a round: its cohort members, their training, the buffers they started from."""
-
-    group: Group
-    members: np.ndarray
-    out: Trained
-    buffers: dict
-
-
 class Federation:
-    def __init__(self, cfg: RunConfig, fd: FederatedData | None = None, threads: int | None = None):
-        """``threads``: the CPU threads a resumed run started with (``execution.cpu_threads``)."""
+    """The server side of a run and the simulation around it: the server's state, its BatchNorm buffers and
+    learning-rate schedule, the cohorts, exchange, aggregation and the server's own training, and the evaluation.
+    The clients live in a pool (``pools``): the server sends them messages and reads their answers only."""
+
+    def __init__(self, cfg: RunConfig, fd: FederatedData | None = None, threads: int | None = None,
+                 pool: str = "local"):
+        """``threads``: the CPU threads a resumed run started with (``execution.cpu_threads``). ``pool``:
+        ``local``, every client in this process's one runtime; ``wire``, each client in a runtime of its own,
+        every message through the codec (``pools.WirePool``)."""
         self.cfg = cfg
         #: torch's CPU threads for the whole run: never more than the cores free for it (``execution.cpu_threads``)
         self.threads = cpu_threads(cfg.engine.threads, threads)
@@ -117,7 +110,7 @@ class Federation:
             [[(task, classes) for task, classes, _ in st] for st in self.tasks], cfg.data.tasks.rounds_per_task,
             self.fd.num_classes)
         #: per client its exemplar memory (``data.tasks.memory``): class -> offsets into its train rows, best first
-        self.exemplars = [{} for _ in range(self.num_clients)] if self.tasks and cfg.exemplar_memory() else None
+        self._exemplars = [{} for _ in range(self.num_clients)] if self.tasks and cfg.exemplar_memory() else None
         #: ``train.optimizer.plateau``: the learning rate's scale, the best mean loss so far, rounds without progress
         self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
         pc, tc = cfg.train.optimizer.plateau, cfg.data.tasks
@@ -139,33 +132,56 @@ class Federation:
         check_plans(cfg, self.algo, self.server, self.num_clients, self.chunk, self.batch,
                     int(self.split["train"].sizes.max(initial=1)), None if self.public is None else len(self.public.y),
                     self.memory, self.device)
+        self.group_index = {g.gid: i for i, g in enumerate(self.groups)}
         self.group_of = np.zeros(self.num_clients, dtype=np.int64)
         self.row_of = np.zeros(self.num_clients, dtype=np.int64)
         for g in self.groups:
             self.group_of[g.clients] = g.gid
             self.row_of[g.clients] = np.arange(len(g.clients))
-        own_init = cfg.model.init == "own" or (cfg.model.init == "auto" and cfg.model.heterogeneous is not None)
+        shape, C = self.fd.dataset.input_shape, self.fd.num_classes
         for g in self.groups:
             one = self.algo.init_client(g.init)
             check_training_memory(g.module, g.init, len(g.clients), nbytes(one), self.chunk, self.memory, dev)
-            if own_init:  # every client its own initialisation (seeded by client), through the same hook
-                g.store = for_each_client(self.algo.init_client, (0,), False)(
-                    client_inits(cfg, g, self.fd.dataset.input_shape, self.fd.num_classes, dev))
-            else:
-                g.store = tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
+            g.store = client_store(cfg, self.algo, g, one, shape, C, dev)
             g.execution = ex = self._choose_execution(g)
             # running statistics are updated in place during the forward pass, which vmap cannot do per client:
             # such groups take the sequential path (same results, no vmap)
             if g.global_buffers and cfg.engine.backend != "sequential":
                 warnings.warn(f"model {g.module.__class__.__name__} has buffers (BatchNorm running statistics): "
                               "its clients train on the sequential path", stacklevel=2)
-            g.trainer = LocalTrainer(self.algo, g.module, cfg.train.optimizer, cfg.model.task_loss, self.transform,
-                                     ex.backend == "vectorized", cfg.engine.chunk_size, ex.compile, ex.fuse_steps,
-                                     cfg.data.augment, self.pad_fill, cfg.train.local_epochs, self.batch,
-                                     loop_below=ex.loop_below, threads=ex.threads, channels_last=ex.channels_last,
-                                     extra=self.extra)
-            g.trainer.public = self.public
+            g.trainer = make_trainer(cfg, self.algo, g.module, ex, self.transform, self.pad_fill, self.batch,
+                                     self.extra, self.public)
             check_slots(self.algo, self.server, one, g.clients[:1])
+        self.runtime = ClientRuntime(cfg, self.algo, self.groups, self.split, self.num_clients, C, self.batch,
+                                     self.transform, self.public, dev, self.tasks, self._exemplars, self.global_test)
+        if pool not in ("local", "wire"):
+            raise ValueError(f"pool: 'local' or 'wire' (got {pool!r})")
+        self.pool = InProcessPool(self.runtime) if pool == "local" else self._wire_pool()
+
+    def _wire_pool(self) -> WirePool:
+        """One runtime per client, each built as a device would build it: its own modules (from the run's seeds),
+        its own store and trainer (run as this process's architecture groups are), and its own rows of the data."""
+        cfg, shape, C, dev = self.cfg, self.fd.dataset.input_shape, self.fd.num_classes, self.device
+        runtimes = []
+        for k in range(self.num_clients):
+            ids, algo = np.array([k]), type(self.algo)(self.algo.cfg, self.algo.setting)
+            fresh = build_groups(cfg, shape, C, self.num_clients, self.memory, dev)
+            groups = []
+            for g, full in zip(fresh, self.groups, strict=True):
+                if k not in full.clients:
+                    continue
+                mine = Group(g.gid, g.module, ids)
+                mine.store = client_store(cfg, algo, mine, algo.init_client(mine.init), shape, C, dev)
+                mine.execution = full.execution
+                mine.trainer = make_trainer(cfg, algo, g.module, full.execution, self.transform, self.pad_fill,
+                                            self.batch, self.extra, self.public)
+                groups.append(mine)
+            runtimes.append(ClientRuntime(
+                cfg, algo, groups, {s: sp.hosting(ids) for s, sp in self.split.items()}, self.num_clients, C,
+                self.batch, self.transform, self.public, dev,
+                None if self.tasks is None else [st if j == k else [] for j, st in enumerate(self.tasks)],
+                None if self.exemplars is None else [{} for _ in range(self.num_clients)], self.global_test))
+        return WirePool(runtimes, dev)
 
     @property
     def execution(self) -> str:
@@ -247,18 +263,13 @@ class Federation:
         return [[(t, classes, rows - ptr[k]) for t, classes, rows in st] for k, st in enumerate(streams)]
 
     def train_split(self, t: int, memory: bool = True) -> ClientTensors:
-        """What clients may train on in round ``t``: their whole train split, or their current task's samples and
-        (``memory``) the samples their exemplar memory keeps. A client whose stream has ended has none."""
-        tr = self.split["train"]
-        if self.tasks is None:
-            return tr
-        stage = self.stage(t)
+        """What the clients of the in-process runtime may train on in round ``t`` (``ClientRuntime.train_split``)."""
+        return self.runtime.train_split(self.stage(t) if self.tasks is not None else None, memory)
 
-        def offsets(k: int, task: np.ndarray) -> np.ndarray:
-            kept = self.exemplars[k] if memory and self.exemplars is not None else None
-            return np.union1d(task, mem.offsets_of(kept)) if kept else task
-
-        return replace(tr, subset={k: offsets(k, st[stage][2]) for k, st in enumerate(self.tasks) if stage < len(st)})
+    @property
+    def exemplars(self) -> list | None:
+        """Per client its exemplar memory (the in-process runtime's), or None."""
+        return self._exemplars if not hasattr(self, "runtime") else self.runtime.exemplars
 
     def stage(self, t: int) -> int:
         return self.calendar.stage(t)
@@ -291,32 +302,37 @@ class Federation:
             self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
 
     def _end_task(self, t: int) -> None:
-        """The last round of a task is over: every client's memory keeps the best of the task's samples under the
-        model it predicts with, the algorithm's task probes run over them and ``end_task`` updates its state."""
-        stage, tr, dev = self.stage(t), self.split["train"], self.device
-        task = self.train_split(t, memory=False)
-        seen = torch.as_tensor(self.seen_classes(stage), dtype=torch.float32, device=dev)
-        payload, probes = self.algo.broadcast(self.server, t), self.algo.task_probes()
-        mc = self.cfg.exemplar_memory()
-        how = self.algo.memory_select if mc is None or mc.select == "auto" else mc.select
-        for g in self.groups:
-            g.module.eval()  # features and probes at the running statistics, which they leave alone
-            params, bufs = self._predictors(g, t)
-            if self.exemplars is not None:
-                for k, z in zip(g.clients, g.trainer.features(task, g.clients, params, bufs), strict=True):
-                    st = self.tasks[k]
-                    if stage >= len(st):
-                        continue
-                    offs = st[stage][2]
-                    labels = tr.y[torch.as_tensor(tr.ptr[k] + offs, device=dev)].cpu().numpy()
-                    new = {int(c): z[torch.as_tensor(labels == c, device=dev)] for c in np.unique(labels)}
-                    self.exemplars[k] = mem.refresh(self.exemplars[k], new, {c: offs[labels == c] for c in new}, how,
-                                                 mc.per_class, mc.total, rng(self.cfg.seed, MEMORY, stage, int(k)))
-            stats = g.trainer.probe_at(task, g.clients, {"model": params}, g.store, payload, self._own(g.clients, t)[0],
-                                       bufs, probes, seed=self.cfg.seed, round_idx=t) if probes else {}
-            g.store = for_each_client(lambda s, p, st: self.algo.end_task(s, p, st, seen, payload), (0, 0, 0),
-                                      g.trainer.vectorize, fresh=True)(g.store, params, stats)
-            g.task_buffers = tmap(torch.clone, bufs)
+        """The last round of a task is over: every client updates its memory and state (``ClientRuntime.end_task``)
+        from the broadcast after aggregation and the model it predicts with."""
+        self.pool.end_task(self._header(t, 0.0), self.algo.broadcast(self.server, t), self._assign(self.everyone),
+                           self._global_model())
+
+    def _header(self, t: int, lr: float) -> dict:
+        """The round header: the round, its learning rate, and in a task stream its stage and the classes the
+        federation has met by then."""
+        if self.tasks is None:
+            return {"round": t, "lr": lr, "stage": None, "seen": None}
+        stage = self.stage(t)
+        return {"round": t, "lr": lr, "stage": stage, "seen": torch.as_tensor(self.seen_classes(stage))}
+
+    def _assign(self, clients: np.ndarray) -> dict:
+        """The assignment of ``clients``: their ids and what the server sends each alone, stacked."""
+        ids = torch.as_tensor(clients, device=self.device)
+        return {"ids": ids, **self.algo.client_payload(self.server, ids)}
+
+    @cached_property
+    def everyone(self) -> np.ndarray:
+        return np.arange(self.num_clients)
+
+    def _global_model(self) -> tuple[dict, dict] | None:
+        """(parameters, BatchNorm buffers) of the global model clients predict with; None: each its own."""
+        if not self.algo.global_model:
+            return None
+        return self.algo.global_params(self.server), self.groups[0].global_buffers
+
+    def _server_buffers(self) -> dict:
+        """The server's BatchNorm statistics per architecture (by its id as a string), for models that have them."""
+        return {str(g.gid): g.global_buffers for g in self.groups if g.global_buffers}
 
     # ---- one round ---------------------------------------------------------------------------------
     def cohort(self, t: int) -> np.ndarray:
@@ -331,24 +347,26 @@ class Federation:
         aggregates (and trains on the public stream: ``server_program``). Returns the round's metrics."""
         cohort = self.cohort(t)
         lr = self.algo.round_lr(self.server, t, self.cfg.train.optimizer.lr_at(t) * self.plateau["scale"])
+        header = self._header(t, lr)
         if t == 0 and self.cfg.train.warmup_epochs:
-            self._warm_up(lr)
+            self.pool.warm_up(lr, self._assign(self.everyone))
+        assignment = self._assign(cohort)
         exchanged, shared = 0, {}
         if self.algo.exchanges:  # outputs on the public stream go up first; the server's answer comes down below
-            logits, members = self._public_logits(cohort, t)
-            shared = self.algo.exchange(self.server, logits, torch.as_tensor(members, device=self.device), t)
-            exchanged = nbytes(logits)
+            reply = self.pool.public_logits(self.algo.broadcast(self.server, t), assignment)
+            shared = self.algo.exchange(self.server, reply["logits"], reply["ids"].to(self.device), t)
+            exchanged = nbytes(reply["logits"])
         payload = {**self.algo.broadcast(self.server, t), **shared}
-        train = self.train_split(t)
-        trained = [self._train_group(g, members, payload, lr, t, train) for g, members in self._by_group(cohort)]
-        cohort = np.concatenate([r.members for r in trained])
-        loss = torch.cat([r.out.loss for r in trained])
-        self._check_finite(t, cohort, loss, [r.out.uploads for r in trained])
-        for r in trained:
-            self._write_back(r.group, r.members, r.out.states, r.buffers, train)
-        up = self._cat_uploads([r.out.uploads for r in trained])
-        steps = np.concatenate([r.out.steps for r in trained])
-        weights = torch.as_tensor(train.counts(cohort), dtype=torch.float32, device=self.device)
+        parts = self.pool.train(header, {"payload": payload, "buffers": self._server_buffers()}, assignment)
+        cohort = np.concatenate([ids_of(p) for p in parts])
+        loss = torch.cat([p["loss"] for p in parts])
+        for p in parts:  # a global model's running statistics: averaged like it, by the clients' sample counts
+            g = self.groups[self.group_index[p["arch"]]]
+            if self.algo.global_model and g.global_buffers:
+                g.global_buffers = average_buffers(p["buffers"], p["n"])
+        up = self._cat_uploads([p["upload"] for p in parts])
+        steps = torch.cat([p["steps"] for p in parts]).numpy()
+        weights = torch.cat([p["n"] for p in parts])
         local = self._local_in_out(cohort, up) if self.cfg.eval.local_models else {}
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
@@ -364,11 +382,11 @@ class Federation:
             "round": t,
             "lr": lr,
             "train_loss": float(loss.mean()),
-            **self._terms([r.out.terms for r in trained]),
+            **self._terms([p["terms"] for p in parts]),
             "clients": len(cohort),
             "local_steps_max": int(steps.max(initial=0)),
             "bytes_down": ((self.algo.broadcast_bytes(payload) + self._buffer_bytes()) * len(cohort)
-                           + nbytes(self._own(cohort)[1])),
+                           + nbytes({k: v for k, v in assignment.items() if k != "ids"})),
             "bytes_up": self.algo.sent_bytes(up) + self._buffer_bytes() * len(cohort) + exchanged,
         }
 
@@ -390,26 +408,6 @@ class Federation:
                               "different architectures of model.heterogeneous; it needs one architecture")
         return cat_trees(uploads)
 
-    def _warm_up(self, lr: float) -> None:
-        """Before round 0: every client's own model trained on its private data (``train.warmup_epochs``)."""
-        for g in self.groups:
-            g.module.train()
-            trained = g.trainer.warm_up(self.split["train"], g.clients, self._own(g.clients)[0], g.store, g.buffers,
-                                        epochs=self.cfg.train.warmup_epochs, lr=lr, seed=self.cfg.seed)
-            g.store = for_each_client(self.algo.after_warmup, (0,), False)({**g.store, "model": trained})
-
-    def _public_logits(self, cohort: np.ndarray, t: int) -> tuple[torch.Tensor, np.ndarray]:
-        """([n, N0, C] every cohort client's logits on the public stream at the parameters it starts the round
-        from, the clients in that order — :meth:`_by_group`'s)."""
-        payload, out, x = self.algo.broadcast(self.server, t), [], self.transform(self.public.x)
-        by_group = list(self._by_group(cohort))
-        for g, members in by_group:
-            rows = torch.as_tensor(self.row_of[members], device=self.device)
-            params = g.trainer.start(payload, self._own(members)[0], take(g.store, rows))
-            g.module.train()
-            out.append(g.trainer.outputs(x, params["model"], take(g.buffers, rows), self.batch))
-        return torch.cat(out), np.concatenate([members for _, members in by_group])
-
     def _server_train(self, phases, uploads: dict, cohort: np.ndarray, lr: float, t: int) -> None:
         """The server's own training after aggregation (``Algorithm.server_program``): ``server["model"]`` trained
         on the public stream as a cohort of one, against the payload ``exchange`` makes of the uploaded models'
@@ -424,62 +422,9 @@ class Federation:
                                          g.global_buffers_like(1), lr=lr, seed=self.cfg.seed, round_idx=t)
         self.server = {**self.server, "model": tmap(lambda v: v[0], trained)}
 
-    def _by_group(self, cohort: np.ndarray):
-        for g in self.groups:
-            members = cohort[self.group_of[cohort] == g.gid]
-            if len(members):
-                yield g, members
-
-    def _own(self, clients: np.ndarray, t: int | None = None) -> tuple[dict, dict]:
-        """(the per-client payload of ``clients`` with their ids — and in round ``t`` of a task stream the classes
-        they are told of (:meth:`_classes`) —, the part the server really sends)."""
-        ids = torch.as_tensor(clients, device=self.device)
-        sent = self.algo.client_payload(self.server, ids)
-        told = self._classes(clients, self.stage(t)) if t is not None and self.tasks is not None else {}
-        return {**sent, "cid": ids, **told}, sent
-
-    def _classes(self, clients: np.ndarray, stage: int) -> dict:
-        """[n, C] 1/0 each: ``task_classes`` the classes of each client's task at ``stage``, ``memory_classes`` those
-        its exemplar memory holds samples of, ``seen_classes`` those the federation has met by then — from which a
-        classification term picks its output columns (``LocalContext.classes``). Metadata, not counted as sent."""
-        n, C = len(clients), self.fd.num_classes
-        task, kept = np.zeros((n, C), dtype=np.float32), np.zeros((n, C), dtype=np.float32)
-        for i, k in enumerate(clients):
-            st, memory = self.tasks[k], self.exemplars[k] if self.exemplars is not None else {}
-            task[i, st[stage][1] if stage < len(st) else []] = 1
-            kept[i, [c for c, offs in memory.items() if len(offs)]] = 1
-        seen = np.repeat(self.seen_classes(stage)[None].astype(np.float32), n, 0)
-        return {k: torch.as_tensor(v, device=self.device)
-                for k, v in (("task_classes", task), ("memory_classes", kept), ("seen_classes", seen))}
-
-    def _train_group(self, g: Group, members: np.ndarray, payload: dict, lr: float, t: int,
-                     train: ClientTensors) -> GroupTrained:
-        rows = torch.as_tensor(self.row_of[members], device=self.device)
-        # global-model algorithms start the cohort from the server's running statistics
-        bufs = g.global_buffers_like(len(members)) if self.algo.global_model else take(g.buffers, rows)
-        own = self._own(members, t)[0]
-        if g.global_buffers:  # the running statistics of the teachers a client may distil from (frozen copies)
-            payload = {**payload, "global_buffers": g.global_buffers}
-            own = {**own, "local_buffers": take(g.buffers, rows), "task_buffers": take(g.task_buffers, rows)}
-        g.module.train()
-        out = g.trainer.train(train, members, payload, take(g.store, rows), bufs, own=own,
-                              program=self.algo.program(t), probes=self.algo.probes(t, payload), lr=lr,
-                              seed=self.cfg.seed, round_idx=t)
-        return GroupTrained(g, members, out, bufs)
-
-    @staticmethod
-    def _check_finite(t: int, cohort: np.ndarray, loss: torch.Tensor, uploads: list) -> None:
-        bad = ~torch.isfinite(loss)
-        if bad.any() or not all(all_finite(u) for u in uploads):
-            who = cohort[bad.cpu().numpy()] if bad.any() else cohort
-            raise NonFiniteLoss(f"round {t}: non-finite loss or update on clients {who.tolist()[:10]}")
-
-    def _write_back(self, g: Group, members: np.ndarray, new_state: dict, bufs: dict, train: ClientTensors) -> None:
-        rows = torch.as_tensor(self.row_of[members], device=self.device)
-        put((g.store, g.buffers), rows, (new_state, bufs))
-        if self.algo.global_model and g.global_buffers:
-            w = torch.as_tensor(train.counts(members), dtype=torch.float32, device=self.device)
-            g.global_buffers = average_buffers(bufs, w)
+    def _own(self, clients: np.ndarray, t: int | None = None) -> dict:
+        """The per-client payload ``clients`` train with in round ``t`` (``ClientRuntime.own``)."""
+        return self.runtime.own(self._assign(clients), clients, None if t is None else self._header(t, 0.0))
 
     def _local_in_out(self, cohort: np.ndarray, uploads: dict) -> dict:
         """In-local / out-local accuracy of the cohort's freshly trained models (global-model algorithms)."""
@@ -499,53 +444,40 @@ class Federation:
 
     # ---- evaluation --------------------------------------------------------------------------------
     def evaluate(self, round_idx: int = 0) -> dict:
-        """Metrics after round ``round_idx`` (which also seeds any fine-tuning before evaluation)."""
+        """Metrics after round ``round_idx`` (which also seeds any fine-tuning before evaluation): the global model
+        on the global test set here (server side); on the clients' splits, the personal models, the cross matrix
+        and the clients' reports through the pool (``ClientRuntime.evaluate``)."""
         out: dict = {}
-        ev_cfg = self.cfg.eval
-        test = self.split["test"]
+        ev_cfg, t = self.cfg.eval, round_idx
         gp = self.algo.global_params(self.server)
-        sent = self.algo.broadcast(self.server, round_idx)  # what the clients predict with, beside their own state
-        logits_fn = lambda z, logits: self.algo.eval_logits(z, logits, sent)  # noqa: E731
+        sent = self.algo.broadcast(self.server, t)  # what the clients predict with, beside their own state
         for g in self.groups:
             g.module.eval()  # BatchNorm: use the running statistics, do not update them
-        if gp is not None:
-            g0 = self.groups[0]
-            gp = {**gp, **g0.global_buffers}
-            if ev_cfg.global_test and self.global_test is not None:
-                x, y = self.global_test
-                ok, ls = ev.score_samples(g0.apply, gp, x, y, self.transform, logits_fn)
-                out["global"] = ev.global_metrics(ok, ls, y, self.fd.num_classes)
-            for key, split in (("global_clients", test), ("global_val", self.split["val"])):
-                if (ev_cfg.client_test or key == "global_val") and len(split.y):
-                    ok, _ = ev.score_samples(g0.apply, gp, split.x, split.y, self.transform, logits_fn, False)
-                    out[key] = ev.client_summary(ev.per_client_correct(ok, split.ptr), split.sizes)
-        if ev_cfg.client_test and self.algo.personalized:
-            # personal models on each client's own test split, and on its validation split for best-by-val
-            splits = {k: sp for k, sp in (("personal", test), ("personal_val", self.split["val"])) if len(sp.y)}
-            correct = {k: np.zeros(self.num_clients) for k in splits}
-            cross = np.zeros((self.num_clients, self.num_clients)) if ev_cfg.cross_clients else None
-            for g in self.groups if splits else ():
-                mine = {**self._personal(g, round_idx), **g.buffers}
-                apply = partial(g.apply, slot=self.algo.personal_slot)
-                if cross is not None:
-                    cross[g.clients] = ev.cross_correct(apply, mine, test.x, test.y, test.ptr, self.transform,
-                                                        logits_fn, g.trainer.vectorize)
-                for k, sp in splits.items():
-                    if k == "personal" and cross is not None:  # the matrix's diagonal: measured already
-                        correct[k][g.clients] = cross[g.clients, g.clients]
-                        continue
-                    correct[k][g.clients] = ev.personal_correct(apply, mine, sp.x, sp.y, sp.ptr, g.clients,
-                                                                self.transform, logits_fn, g.trainer.vectorize)
-            out.update({k: ev.client_summary(correct[k], sp.sizes) for k, sp in splits.items()})
-            if cross is not None and len(test.y):
-                out["cross"] = ev.cross_summary(cross, test.sizes)
-                names = self.fd.dataset.group_names
-                if self.cfg.data.partition.get("scheme") in ("natural", "domains") and names \
-                        and len(names) == self.num_clients:
-                    out["cross"]["names"] = list(names)  # one client per group: name the rows by the domain
+        model = None if gp is None else (gp, self.groups[0].global_buffers)
+        if model is not None and ev_cfg.global_test and self.global_test is not None:
+            x, y = self.global_test
+            ok, ls = ev.score_samples(self.groups[0].apply, {**gp, **model[1]}, x, y, self.transform,
+                                      lambda z, logits: self.algo.eval_logits(z, logits, sent))
+            out["global"] = ev.global_metrics(ok, ls, y, self.fd.num_classes)
+        personal = ev_cfg.client_test and self.algo.personalized
+        reply = self.pool.evaluate({
+            "round": t, "payload": sent, "assignment": self._assign(self.everyone), "global": model,
+            "global_clients": model is not None and ev_cfg.client_test, "global_val": model is not None,
+            "personal": personal, "personal_val": personal, "cross": personal and ev_cfg.cross_clients,
+            "report": type(self.algo).client_report is not Algorithm.client_report})
+        for key, split in (("global_clients", "test"), ("global_val", "val"), ("personal", "test"),
+                           ("personal_val", "val")):
+            if key in reply:
+                out[key] = ev.client_summary(reply[key].numpy(), self.split[split].sizes)
+        if "cross" in reply and len(self.split["test"].y):
+            out["cross"] = ev.cross_summary(reply["cross"].numpy(), self.split["test"].sizes)
+            names = self.fd.dataset.group_names
+            if self.cfg.data.partition.get("scheme") in ("natural", "domains") and names \
+                    and len(names) == self.num_clients:
+                out["cross"]["names"] = list(names)  # one client per group: name the rows by the domain
         if self.tasks is not None:
-            out["continual"] = self._continual(round_idx)
-        report = self.algo.report(self.server, self._client_reports())
+            out["continual"] = self._continual(t)
+        report = self.algo.report(self.server, reply["report"]["reports"] if "report" in reply else {})
         if report:
             out["report"] = report
         return out
@@ -559,32 +491,32 @@ class Federation:
         An evaluation makes at most ``eval.continual_sample`` predictions, so its cost stays flat as classes
         accumulate: beyond it each model judges its share of a fixed class-stratified order of the seen samples
         (``evaluate.deal``; recorded as ``sample``). Each class's accuracy over its judged samples then counts by
-        the class's test size, as in the full evaluation, which it equals when every model judges every sample."""
+        the class's test size, as in the full evaluation, which it equals when every model judges every sample.
+        A global model is judged here; personal models by their clients (``ClientRuntime.evaluate``), each on the
+        rows dealt to it."""
         stage = self.stage(t)
         first = self.first_met(stage)
         x, y = self.global_test
         labels, C = self.fd.y_global, self.fd.num_classes
         unseen = torch.as_tensor(first > stage, device=self.device)
-
         sent = self.algo.broadcast(self.server, t)
-
-        def masked(z, logits):
-            return self.algo.eval_logits(z, logits, sent).masked_fill(unseen, float("-inf"))
-
-        groups = self.groups[:1] if self.algo.global_model else self.groups
-        n = 1 if self.algo.global_model else sum(len(g.clients) for g in groups)
+        order = np.concatenate([g.clients for g in self.groups])  # the personal models, (architecture, id) order
+        n = 1 if self.algo.global_model else len(order)
         seen = np.flatnonzero(first[labels] <= stage)
         rows = ev.deal(labels, self._test_ranks, seen, n, self.cfg.eval.continual_sample)
-        hits, lo = [], 0
-        for g in groups:
+        if self.algo.global_model:
+            g = self.groups[0]
             g.module.eval()
-            k = 1 if self.algo.global_model else len(g.clients)
-            params, bufs = self._predictors(g, t, k)
-            mine = torch.as_tensor(rows[lo : lo + k], device=self.device)
-            lo += k
-            hits.append(ev.judged_correct(g.apply, {**params, **bufs}, x, y, mine, self.transform,
-                                          g.trainer.vectorize, masked).cpu().numpy())
-        acc = ev.judged_class_accuracy(rows, np.concatenate(hits), labels, C)
+            params, bufs = self._predictors(g, t, 1)
+            masked = lambda z, logits: self.algo.eval_logits(z, logits, sent).masked_fill(unseen, float("-inf"))
+            hits = ev.judged_correct(g.apply, {**params, **bufs}, x, y, torch.as_tensor(rows, device=self.device),
+                                     self.transform, g.trainer.vectorize, masked).cpu().numpy()
+        else:
+            hits = self.pool.evaluate({
+                "round": t, "payload": sent, "assignment": self._assign(self.everyone),
+                "continual": {"ids": torch.as_tensor(order), "rows": torch.as_tensor(rows),
+                              "unseen": unseen}})["continual"].numpy()
+        acc = ev.judged_class_accuracy(rows, hits, labels, C)
         size = np.bincount(labels, minlength=C) * ~np.isnan(acc)  # classes by their test sizes (judged ones)
         acc = np.nan_to_num(acc)
 
@@ -605,47 +537,32 @@ class Federation:
         return ev.class_ranks(self.fd.y_global, data_spec(self.cfg).seed)
 
     def _predictors(self, g: Group, t: int, n: int | None = None) -> tuple[dict, dict]:
-        """(parameters, buffers) of the model each client of ``g`` predicts with, stacked: the global model
-        (``n`` copies; default one per client), or its personal one."""
-        n = len(g.clients) if n is None else n
-        if self.algo.global_model:
-            gp = self.algo.global_params(self.server)
-            return tmap(lambda v: v.unsqueeze(0).repeat(n, *([1] * v.dim())), gp), g.global_buffers_like(n)
-        return self._personal(g, t), g.buffers
-
-    def _client_reports(self) -> dict:
-        """Every client's ``client_report`` of its state, stacked in client order (none: {})."""
-        if type(self.algo).client_report is Algorithm.client_report:
-            return {}
-        parts = [(g.clients, for_each_client(self.algo.client_report, (0,), g.trainer.vectorize)(g.store))
-                 for g in self.groups]
-        order = torch.as_tensor(np.argsort(np.concatenate([c for c, _ in parts]), kind="stable"), device=self.device)
-        return tmap(lambda *ts: torch.cat(ts).index_select(0, order), *[r for _, r in parts])
+        """(parameters, buffers) of the model each client of ``g`` predicts with (``ClientRuntime.predictors``)."""
+        return self.runtime.predictors(g, t, self.algo.broadcast(self.server, t), self._assign(g.clients),
+                                       self._global_model(), n)
 
     def _personal(self, g: Group, t: int) -> dict:
-        """Every client's personal model in group ``g`` (stacked): fine-tuned from ``local_init`` when the
-        algorithm fine-tunes before evaluation, else ``personal_params`` of its state and the server's."""
-        phases, sent, own = self.algo.finetune(), self.algo.broadcast(self.server, t), self._own(g.clients)[0]
-        if phases is not None:
-            return g.trainer.adapt(self.split["train"], g.clients, sent, own, g.store, g.buffers, program=phases,
-                                   lr=self.cfg.train.optimizer.lr_at(t), seed=self.cfg.seed, round_idx=t)["model"]
-        return for_each_client(lambda s, o: self.algo.personal_params(s, {**sent, "own": o}), (0, 0),
-                               g.trainer.vectorize)(g.store, own)
+        """Every client's personal model in group ``g`` (``ClientRuntime.personal``)."""
+        return self.runtime.personal(g, t, self.algo.broadcast(self.server, t), self._assign(g.clients))
 
     # ---- checkpoints -------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"server": self.server, "stores": [g.store for g in self.groups],
-                "buffers": [(g.buffers, g.global_buffers, g.task_buffers) for g in self.groups],
-                "memory": None if self.exemplars is None else [mem.pack(m) for m in self.exemplars],
-                "plateau": dict(self.plateau)}
+        """The server's state and the clients' (collected from the pool), stacked per architecture in client order."""
+        parts = self.pool.state()
+        stores, buffers, memory = [], [], [None] * self.num_clients
+        for g in self.groups:
+            (mine,) = order_parts([p for part in parts for p in part["groups"] if p["arch"] == g.gid])
+            stores.append(mine["store"])
+            buffers.append((mine["buffers"], g.global_buffers, mine["task_buffers"]))
+        for part in parts:
+            for k, m in zip(np.concatenate([ids_of(p) for p in part["groups"]]), part["memory"] or []):
+                memory[k] = m
+        return {"server": self.server, "stores": stores, "buffers": buffers,
+                "memory": None if self._exemplars is None else memory, "plateau": dict(self.plateau)}
 
     def load_state_dict(self, state: dict) -> None:
-        if self.exemplars is not None and (state.get("memory") is None or len(state["memory"]) != self.num_clients):
+        if self._exemplars is not None and (state.get("memory") is None or len(state["memory"]) != self.num_clients):
             raise ValueError("written without this run's exemplar memory")  # (before anything is replaced)
-        self.server = state["server"]
-        if self.exemplars is not None:
-            self.exemplars = [mem.unpack(m) for m in state["memory"]]
-        self.plateau = dict(state.get("plateau", self.plateau))
         # Checkpoints written before BatchNorm support carry no "buffers"; that is only
         # equivalent when the model has none.
         buffers = state.get("buffers")
@@ -654,8 +571,29 @@ class Federation:
                 raise CorruptDataError("checkpoint has no BatchNorm statistics but the model has buffers; "
                                        "it was written for a different model")
             buffers = [({}, {}, {})] * len(self.groups)
-        for g, s, (b, gb, *tb) in zip(self.groups, state["stores"], buffers, strict=True):
-            if not tb and b:  # written before teachers had statistics of their own
-                raise CorruptDataError("checkpoint has no teacher BatchNorm statistics; it was written by an older "
-                                       "fedmosaic")
-            g.store, g.buffers, g.global_buffers, g.task_buffers = s, b, gb, (tb[0] if tb else {})
+        if len(state["stores"]) != len(self.groups) or len(buffers) != len(self.groups):
+            raise ValueError("written for another number of architectures")
+        if any(not tb and b for b, _, *tb in buffers):  # written before teachers had statistics of their own
+            raise CorruptDataError("checkpoint has no teacher BatchNorm statistics; it was written by an older "
+                                   "fedmosaic")
+        self.server = state["server"]
+        self.plateau = dict(state.get("plateau", self.plateau))
+        for g, (_, gb, *_) in zip(self.groups, buffers, strict=True):
+            g.global_buffers = gb
+        rows = {g.gid: (g.clients, s, b, tb[0] if tb else {})
+                for g, s, (b, _, *tb) in zip(self.groups, state["stores"], buffers, strict=True)}
+        self.pool.load([self._client_part(rt, rows, state.get("memory")) for rt in self.pool.runtimes])
+
+    @staticmethod
+    def _client_part(rt: ClientRuntime, rows: dict, memory: list | None) -> dict:
+        """A runtime's rows of a checkpoint's stacked stores (the same tensors when it hosts every client)."""
+        groups = []
+        for g in rt.groups:
+            full, *trees = rows[g.gid]
+            if not np.array_equal(full, g.clients):
+                at = torch.as_tensor(np.searchsorted(full, g.clients))
+                trees = [take(tr, at) for tr in trees]
+            store, bufs, task = trees
+            groups.append({"arch": g.gid, "ids": torch.as_tensor(g.clients), "store": store, "buffers": bufs,
+                           "task_buffers": task})
+        return {"groups": groups, "memory": None if rt.exemplars is None else [memory[k] for k in rt.clients]}

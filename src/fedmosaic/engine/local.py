@@ -77,6 +77,17 @@ class ClientTensors:
         base = self.available(clients)
         return self.sizes[clients] if base is None else np.array([len(b) for b in base], dtype=np.int64)
 
+    def hosting(self, clients: np.ndarray) -> ClientTensors:
+        """The rows of ``clients`` only (sorted ids), every other client's range left empty: client ids keep their
+        meaning on a runtime that hosts some of the clients."""
+        clients = np.sort(clients)
+        rows = np.concatenate([np.arange(self.ptr[k], self.ptr[k + 1]) for k in clients] or [np.zeros(0, int)])
+        sizes = np.zeros(len(self.ptr) - 1, dtype=np.int64)
+        sizes[clients] = self.sizes[clients]
+        idx = torch.as_tensor(rows, device=self.x.device)
+        return ClientTensors(self.x[idx], self.y[idx], np.concatenate([[0], np.cumsum(sizes)]),
+                             None if self.subset is None else {k: v for k, v in self.subset.items() if k in clients})
+
 
 def cat_trees(trees: list):
     """The trees concatenated along the client axis (one tree: itself, not a copy — of a CNN cohort's uploads

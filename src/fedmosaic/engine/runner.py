@@ -29,7 +29,8 @@ from ..data.federated import FederatedData
 from ..errors import FedMosaicError, RunError
 from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
 from .continual import continual_summary
-from .federation import Federation, NonFiniteLoss
+from .client import NonFiniteLoss
+from .federation import Federation
 
 TIMING_KEYS = ("time_round_s", "time_eval_s")
 KEEP_CHECKPOINTS = 2
