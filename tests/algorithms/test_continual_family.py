@@ -349,8 +349,8 @@ def test_bytes_protofcl_sends_prototypes_not_models():
     fed = Federation(make_cfg(train__clients_per_round=4))
     rec = fed.round(0)
     C, d = fed.fd.num_classes, 16
-    assert rec["bytes_up"] == 4 * 4 * (C * d + C)
-    assert rec["bytes_down"] == 4 * 4 * (C * d + C)
+    assert rec["payload_bytes_up"] == 4 * 4 * (C * d + C)
+    assert rec["payload_bytes_down"] == 4 * 4 * (C * d + C)
 
 
 # ---- configuration ------------------------------------------------------------------------------------------
@@ -421,11 +421,11 @@ def test_fedweit_starts_as_its_base_and_fills_its_knowledge_base_at_each_task_en
     model = sum(v.numel() for v in fed.server["B"].values()) * 4  # bytes of one model
     rec = fed.round(0)
     assert fed.server["kb_has"].tolist() == [0.0] * 5
-    assert rec["bytes_down"] == 4 * (2 * model + 5 * 4)  # B and B_prev, kb_has; the empty knowledge base: nothing
+    assert rec["payload_bytes_down"] == 4 * (2 * model + 5 * 4)  # B and B_prev, kb_has; the empty knowledge base: nothing
     fed.round(1)  # the end of task 0
     assert fed.server["kb_has"].tolist() == [1.0, 0, 0, 0, 0]
     for k, a in g.store["A"].items():  # a new task starts as every task: A = B_0 / 3, a fresh mask
-        torch.testing.assert_close(a, fed.server["B0"][k].expand_as(a) / 3)
+        torch.testing.assert_close(a, fed.algo.setting.init[k].expand_as(a) / 3)
     assert all(float(m.abs().sum()) == 0 for m in leaves(g.store["mask"]))
     # the mask task 0 was learned with is kept for the retroactive penalty (it trained away from 0)
     assert all(float(m[:, 0].abs().sum()) > 0 and float(m[:, 1:].abs().sum()) == 0 for m in leaves(g.store["masks"]))
@@ -434,10 +434,10 @@ def test_fedweit_starts_as_its_base_and_fills_its_knowledge_base_at_each_task_en
     assert g.store["alpha"].tolist() == [[1.0, 0, 0, 0, 0]] * 4
     after = fed._personal(g, 1)
     for k, b in fed.server["B"].items():
-        torch.testing.assert_close(after[k], (b / 2 + fed.server["B0"][k] / 3 + fed.server["kb"][k][0]).expand_as(
+        torch.testing.assert_close(after[k], (b / 2 + fed.algo.setting.init[k] / 3 + fed.server["kb"][k][0]).expand_as(
             after[k]))
     assert all(float(v[0].abs().sum()) > 0 for v in fed.server["kb"].values())  # (the entry is not empty)
-    assert fed.round(2)["bytes_down"] == 4 * (3 * model + 5 * 4)  # one entry more
+    assert fed.round(2)["payload_bytes_down"] == 4 * (3 * model + 5 * 4)  # one entry more
     fed.round(3)  # the end of task 1
     assert fed.server["kb_has"].tolist() == [1.0, 1.0, 0, 0, 0] and (g.store["alpha"][:, 1] == 1).all()
     # the knowledge base has one entry per task, whatever train.rounds says (a resume may amend it)

@@ -190,9 +190,9 @@ def fedweit_params():
 def test_fedweit_defaults_and_initialisation_are_the_authors():
     """config.py: lambda_l1 = 1e-3; nets.py ``create_variable``: A = shared / adaptive_factor (3), each task's mask
     drawn around 0 (sigmoid 1/2)."""
-    algo = FedWeIT(setting=Setting(num_classes=3, n_tasks=3))
-    assert algo.cfg.lam1 == 1e-3
     B = fedweit_params()
+    algo = FedWeIT(setting=Setting(num_classes=3, n_tasks=3, init=B))  # B_0: the run's initial model
+    assert algo.cfg.lam1 == 1e-3
     server = algo.init_server([B])
     st = algo.init_client(B)
     w = algo.compose(B, st["mask"], st["A"], st["alpha"], server["kb"], server["kb_has"])

@@ -116,8 +116,8 @@ def test_the_exchange_carries_every_cohort_clients_logits_and_bytes_count_them(f
     k = int(seen["clients"][0])
     assert sorted(seen["clients"].tolist()) == sorted(set(seen["clients"].tolist()))
     rec_up = 4 * n * N0 * C  # float32 logits up; nothing else is uploaded by AHF
-    assert rec["bytes_up"] == rec_up
-    assert rec["bytes_down"] >= n * (rec_up + 8 * n)  # everybody's logits (and ids) down to every client
+    assert rec["payload_bytes_up"] == rec_up
+    assert rec["payload_bytes_down"] >= n * (rec_up + 8 * n)  # everybody's logits (and ids) down to every client
     fresh = Federation(make_cfg(train__warmup_epochs=0), fd)
     row = int(fresh.row_of[k])
     params = {name: t[row] for name, t in fresh.groups[g.gid].store["model"].items()}
@@ -266,7 +266,7 @@ def test_resnet10_resnet12_mobilenetv2_and_efficientnet_b0_clients_train_and_eva
     assert sorted({g.module.feature_dim for g in fed.groups}) == [40, 64, 160]
     before = [leaves(g.store["model"])[-1].clone() for g in fed.groups]
     rec = fed.round(0)
-    assert rec["bytes_up"] == 4 * 4 * 32 * 10
+    assert rec["payload_bytes_up"] == 4 * 4 * 32 * 10
     for g, b in zip(fed.groups, before):
         assert not torch.equal(leaves(g.store["model"])[-1], b)
     ev = fed.evaluate(0)

@@ -148,9 +148,9 @@ def test_apfl_plateau_refresh_reaches_the_next_round(fd):
     fed = Federation(cfg, fd)
     recs = [fed.round(t) for t in range(4)]
     # round 0: window full, mean > 0: peak; round 1: plateau -> flag; round 2 sends gradients; round 3: peak again
-    assert [r["bytes_up"] for r in recs[:2]] == [recs[0]["bytes_up"]] * 2
+    assert [r["payload_bytes_up"] for r in recs[:2]] == [recs[0]["payload_bytes_up"]] * 2
     model_bytes = sum(t.numel() * t.element_size() for t in leaves(fed.server["model"]))
-    assert recs[2]["bytes_up"] == recs[0]["bytes_up"] + recs[2]["clients"] * model_bytes
+    assert recs[2]["payload_bytes_up"] == recs[0]["payload_bytes_up"] + recs[2]["clients"] * model_bytes
     assert float(fed.server["F"][next(iter(fed.server["F"]))].abs().sum()) > 0
 
 
@@ -520,7 +520,7 @@ def test_fedkd_mentor_has_its_own_architecture_and_evaluates_the_personal_model(
 
 
 def test_fedkd_bytes_up_count_the_kept_svd_components(fd):
-    """bytes_up = the dense tensors (biases) + per client and matrix k (m + n) floats, fewer than the dense update."""
+    """payload_bytes_up = the dense tensors (biases) + per client and matrix k (m + n) floats, fewer than the dense update."""
     fed = Federation(make_cfg(algorithm={"name": "fedkd", "t_start": 0.5, "t_end": 0.5}), fd)
     seen = {}
     aggregate = fed.algo.aggregate
@@ -537,4 +537,4 @@ def test_fedkd_bytes_up_count_the_kept_svd_components(fd):
         ranks = (u.abs().sum(-2) > 0).sum(-1)
         assert int(ranks.min()) >= 1 and int(ranks.max()) < min(u.shape[-2:])  # truncated
         want += int(ranks.sum()) * (u.shape[-2] + up["v"][k].shape[-1]) * 4
-    assert rec["bytes_up"] == want < 4 * len(ranks) * sum(t.numel() for t in fed.server["model"].values())
+    assert rec["payload_bytes_up"] == want < 4 * len(ranks) * sum(t.numel() for t in fed.server["model"].values())

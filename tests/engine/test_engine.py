@@ -178,9 +178,9 @@ def test_bytes_are_measured_from_payloads(fd):
     fed = Federation(make_cfg(), fd)
     rec = fed.round(0)
     n_params = sum(t.numel() for t in leaves(fed.server["model"]))
-    assert rec["bytes_down"] == rec["bytes_up"] == 4 * n_params * rec["clients"]
+    assert rec["payload_bytes_down"] == rec["payload_bytes_up"] == 4 * n_params * rec["clients"]
     proto = Federation(make_cfg(algorithm={"name": "fedproto"}), fd).round(0)
-    assert proto["bytes_up"] == proto["clients"] * 4 * (fd.num_classes * 16 + fd.num_classes)
+    assert proto["payload_bytes_up"] == proto["clients"] * 4 * (fd.num_classes * 16 + fd.num_classes)
 
 
 def test_evaluation_reports_clients_and_classes(fd):

@@ -191,7 +191,7 @@ def test_protofcl_reports_its_terms_and_the_teachers_entropy():
 def test_protofcl_with_local_prototypes_exchanges_nothing_and_predicts_by_its_own_nearest_prototype():
     fed = Federation(continual(algorithm={"name": "protofcl", "prototypes": "local"}))
     rec = fed.round(0)
-    assert rec["bytes_up"] == 0 and rec["bytes_down"] == 0
+    assert rec["payload_bytes_up"] == 0 and rec["payload_bytes_down"] == 0  # only the protocol's bookkeeping travels
     assert float(fed.server["has"].sum()) == 0  # the server library is never filled
     g = fed.groups[0]
     state = tmap(lambda t: t[0], g.store)

@@ -16,7 +16,7 @@ The client uploads the mentee's update Δ = w − w_global with every matrix rep
 singular components whose energy (sum of squared singular values) reaches T, with T = t_start + (r + 1) / R ·
 (t_end − t_start) in round r of R (as the authors' ``run.py``: t_end in the last round). So that this vmaps, the
 factors keep their full shape with the dropped components zeroed; the bytes counted are those of the kept
-components, k (m + n) floats per matrix (``sent_bytes``). The server adds the weighted mean of the reconstructed
+components, k (m + n) floats per matrix (``pack_upload``). The server adds the weighted mean of the reconstructed
 updates to the global mentee. Personal model: the client's mentor (evaluated with its architecture).
 
 Departures from the authors' code: it detaches neither the targets of the two KL terms nor the adaptive weight
@@ -36,7 +36,7 @@ from pydantic import Field, model_validator
 
 from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
 from ..protocol.context import LocalContext, per_sample_task_loss
-from ..protocol.tree import clone, nbytes, weighted_mean
+from ..protocol.tree import clone, weighted_mean
 
 
 class FedKDConfig(AlgoConfig):
@@ -125,11 +125,21 @@ class FedKD(Algorithm):
                  "u": {k: f[0] for k, f in factors.items()}, "v": {k: f[1] for k, f in factors.items()}},
                 {"mentor": params["mentor"]})
 
-    def sent_bytes(self, uploads):
-        u, v = uploads.get("u", {}), uploads.get("v", {})
-        kept = sum(int((u[k].abs().sum(-2) > 0).sum()) * (u[k].shape[-2] + v[k].shape[-1]) * u[k].element_size()
-                   for k in u)  # per client and matrix: its kept components, k (m + n) numbers
-        return nbytes(uploads["dense"]) + kept
+    def pack_upload(self, upload):
+        """The kept components only: per matrix the leading k columns of U·diag(s) and rows of Vᵀ, k (m + n)
+        numbers (the zeroed ones travel as the full width ``r``)."""
+        u, v = upload.get("u", {}), upload.get("v", {})
+        kept = {k: int(((u[k].abs().sum(-2) > 0) | (v[k].abs().sum(-1) > 0)).sum()) for k in u}
+        return {**upload, "u": {k: u[k][..., : kept[k]] for k in u}, "v": {k: v[k][..., : kept[k], :] for k in v},
+                "r": {k: u[k].shape[-1] for k in u}}
+
+    def unpack_upload(self, body):
+        if "u" not in body:
+            return body
+        pad = {k: body["r"][k] - body["u"][k].shape[-1] for k in body["u"]}
+        return {"dense": body["dense"],
+                "u": {k: torch.nn.functional.pad(t, (0, pad[k])) for k, t in body["u"].items()},
+                "v": {k: torch.nn.functional.pad(t, (0, 0, 0, pad[k])) for k, t in body["v"].items()}}
 
     def aggregate(self, server, uploads, weights, round_idx, signals):
         delta = {**uploads["dense"], **{k: uploads["u"][k] @ uploads["v"][k] for k in uploads.get("u", {})}}

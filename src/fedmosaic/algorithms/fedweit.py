@@ -16,8 +16,9 @@ Simplified (docs/design.md): one KB entry per task (the mean of the clients' A's
 payload grows by one model per task rather than by one per client and task); past tasks' own A's are frozen in
 the KB, so their retroactive terms vanish; the anchor B_prev is the server's base, not each client's own; one head
 and per-layer biases decomposed like the weights (no per-task heads: class-incremental testing has no task id);
-a fresh mask starts at a constant (the authors draw it around 0 with std 1/sqrt(units)); dense A and B on the wire
-(bytes count them dense).
+a fresh mask starts at a constant (the authors draw it around 0 with std 1/sqrt(units)); dense A and B on the wire;
+the knowledge base travels without its empty entries, and B_0 never travels (every side knows the run's initial
+model: ``setting.init``).
 """
 
 import torch
@@ -25,7 +26,7 @@ from pydantic import Field
 
 from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
 from ..protocol.context import CE_CLASSES, LocalContext
-from ..protocol.tree import clone, nbytes, tmap, weighted_mean
+from ..protocol.tree import clone, tmap, weighted_mean
 from .apfl_pd import _unit
 
 
@@ -61,11 +62,10 @@ class FedWeIT(Algorithm):
         B = init_params[0]
         dev = next(iter(B.values())).device
         return {"B": B, "B_prev": clone(B), "kb": tmap(lambda v: torch.zeros(self.kb_size, *v.shape, device=dev), B),
-                "kb_has": torch.zeros(self.kb_size, device=dev), "B0": clone(B)}
+                "kb_has": torch.zeros(self.kb_size, device=dev)}
 
     def broadcast(self, server, round_idx):
-        return {"global": server["B"], "B_prev": server["B_prev"], "kb": server["kb"], "kb_has": server["kb_has"],
-                "B0": server["B0"]}
+        return {"global": server["B"], "B_prev": server["B_prev"], "kb": server["kb"], "kb_has": server["kb_has"]}
 
     def aggregate(self, server, uploads, weights, round_idx, signals):
         out = {**server, "B": weighted_mean(uploads["B"], weights)}
@@ -79,11 +79,15 @@ class FedWeIT(Algorithm):
             out["B_prev"] = out["B"]
         return out
 
-    def broadcast_bytes(self, payload):
-        """The knowledge base's empty entries are not sent: the payload grows by one model per task; nor is the
-        initial base B_0, which every client kept from the start."""
-        empty = self.kb_size - int(payload["kb_has"].sum())
-        return nbytes(payload) - empty * nbytes(payload["kb"]) // self.kb_size - nbytes(payload["B0"])
+    def pack_broadcast(self, payload):
+        """The knowledge base's entries fill in order: only the filled ones travel (the payload grows by one model
+        per task)."""
+        filled = int(payload["kb_has"].sum())
+        return {**payload, "kb": tmap(lambda v: v[:filled], payload["kb"])}
+
+    def unpack_broadcast(self, body):
+        return {**body, "kb": tmap(lambda v: torch.cat([v, v.new_zeros(self.kb_size - len(v), *v.shape[1:])]),
+                                   body["kb"])}
 
     def init_client(self, init_params):
         dev = next(iter(init_params.values())).device
@@ -126,7 +130,7 @@ class FedWeIT(Algorithm):
         retroactive penalty; the next task starts as the authors start every task, A = a_init B_0 and a fresh mask;
         the entry just stored from the cohort's A's is mixed in with α = 1, so the model keeps the task it learned."""
         newest = torch.arange(self.kb_size, device=payload["kb_has"].device) == payload["kb_has"].sum() - 1
-        return {**state, "A": tmap(lambda v: self.cfg.a_init * v, payload["B0"]),
+        return {**state, "A": tmap(lambda v: self.cfg.a_init * v, self.setting.init),
                 "mask": tmap(lambda m: torch.full_like(m, self.cfg.mask_init), state["mask"]),
                 "masks": tmap(lambda ms, m: torch.where(newest.view(-1, 1), m, ms), state["masks"], state["mask"]),
                 "alpha": torch.where(newest, 1.0, state["alpha"])}

@@ -119,10 +119,11 @@ class ClientRuntime:
                                         g.buffers, epochs=self.cfg.train.warmup_epochs, lr=lr, seed=self.cfg.seed)
             g.store = for_each_client(self.algo.after_warmup, (0,), False)({**g.store, "model": trained})
 
-    def public_logits(self, payload: dict, assignment: dict) -> dict:
+    def public_logits(self, broadcast: dict, assignment: dict) -> dict:
         """LogitsReply: ``logits`` [n, N0, C] of the assigned clients on the public stream at the parameters they
         start the round from, their ``ids`` and ``arch``, in (architecture, id) order."""
         out, order, arch, x = [], [], [], self.transform(self.public.x)
+        payload = broadcast["payload"]
         for g, members in self.by_group(ids_of(assignment)):
             rows = self._rows(members)
             params = g.trainer.start(payload, self.own(assignment, members), take(g.store, rows))

@@ -29,7 +29,7 @@ from .calendar import TaskCalendar
 from .client import ClientRuntime, ids_of
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
 from .local import ClientTensors, cat_trees
-from .pools import InProcessPool, WirePool, order_parts
+from .pools import InProcessPool, WirePool, order_parts, traffic
 from .preflight import (
     check_evaluation,
     check_memory_total,
@@ -124,7 +124,8 @@ class Federation:
                           cfg.train.optimizer,
                           cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module),
                           {s: {k: v.detach().clone() for k, v in m.named_parameters()} for s, m in self.extra.items()},
-                          cfg.train.rounds, tc.rounds_per_task if tc else 0, tc.n_tasks if tc else 0)
+                          cfg.train.rounds, tc.rounds_per_task if tc else 0, tc.n_tasks if tc else 0,
+                          self.groups[0].init)
         self.algo = algo_cls(algo_cfg, setting)
         if self.algo.pooled:
             self._pool_train_split()
@@ -181,7 +182,7 @@ class Federation:
                 self.batch, self.transform, self.public, dev,
                 None if self.tasks is None else [st if j == k else [] for j, st in enumerate(self.tasks)],
                 None if self.exemplars is None else [{} for _ in range(self.num_clients)], self.global_test))
-        return WirePool(runtimes, dev)
+        return WirePool(runtimes, self.algo, dev)
 
     @property
     def execution(self) -> str:
@@ -351,13 +352,15 @@ class Federation:
         if t == 0 and self.cfg.train.warmup_epochs:
             self.pool.warm_up(lr, self._assign(self.everyone))
         assignment = self._assign(cohort)
-        exchanged, shared = 0, {}
+        public = None
+        shared = {}
         if self.algo.exchanges:  # outputs on the public stream go up first; the server's answer comes down below
-            reply = self.pool.public_logits(self.algo.broadcast(self.server, t), assignment)
+            before = {"payload": self.algo.broadcast(self.server, t), "buffers": {}}
+            reply = self.pool.public_logits(before, assignment)
             shared = self.algo.exchange(self.server, reply["logits"], reply["ids"].to(self.device), t)
-            exchanged = nbytes(reply["logits"])
-        payload = {**self.algo.broadcast(self.server, t), **shared}
-        parts = self.pool.train(header, {"payload": payload, "buffers": self._server_buffers()}, assignment)
+            public = before, reply
+        broadcast = {"payload": {**self.algo.broadcast(self.server, t), **shared}, "buffers": self._server_buffers()}
+        parts = self.pool.train(header, broadcast, assignment)
         cohort = np.concatenate([ids_of(p) for p in parts])
         loss = torch.cat([p["loss"] for p in parts])
         for p in parts:  # a global model's running statistics: averaged like it, by the clients' sample counts
@@ -385,9 +388,7 @@ class Federation:
             **self._terms([p["terms"] for p in parts]),
             "clients": len(cohort),
             "local_steps_max": int(steps.max(initial=0)),
-            "bytes_down": ((self.algo.broadcast_bytes(payload) + self._buffer_bytes()) * len(cohort)
-                           + nbytes({k: v for k, v in assignment.items() if k != "ids"})),
-            "bytes_up": self.algo.sent_bytes(up) + self._buffer_bytes() * len(cohort) + exchanged,
+            **traffic(self.algo, len(cohort), header, broadcast, assignment, parts, public),
         }
 
     @staticmethod
@@ -437,10 +438,6 @@ class Federation:
                                       self.fd.num_classes, self.transform, g.trainer.vectorize)
         in_acc, out_acc = ev.in_out_local(acc, self.label_counts[cohort])
         return {"local_in_acc": in_acc, "local_out_acc": out_acc}
-
-    def _buffer_bytes(self) -> int:
-        """Running statistics travel with a global model."""
-        return nbytes(self.groups[0].global_buffers) if self.algo.global_model else 0
 
     # ---- evaluation --------------------------------------------------------------------------------
     def evaluate(self, round_idx: int = 0) -> dict:

@@ -17,8 +17,51 @@ import numpy as np
 import torch
 
 from ..protocol import codec
-from ..protocol.tree import take, tmap
+from ..protocol.algorithm import Algorithm
+from ..protocol.tree import nbytes, take, tmap
 from .client import ClientRuntime, NonFiniteLoss, ids_of
+
+
+def row(message: dict, i: int) -> dict:
+    """Client ``i``'s row of a stacked message (a stack of one; a part's architecture id, an int, stays as it is)."""
+    return {k: v if isinstance(v, int) else tmap(lambda t: t[i : i + 1], v) for k, v in message.items()}
+
+
+def upload_of(algo, part: dict, i: int) -> dict:
+    """The upload message of client ``i`` of an upload part, as it travels (``Algorithm.pack_upload``)."""
+    one = row(part, i)
+    return {**one, "upload": algo.pack_upload(one["upload"])}
+
+
+def traffic(algo, n: int, header: dict, broadcast: dict, assignment: dict, parts: list[dict],
+            public: tuple[dict, dict] | None = None) -> dict:
+    """A round's bytes per direction, as the wire pool sends them: to each of the ``n`` cohort clients the header,
+    the (packed) broadcast and its assignment, and (``public``: the broadcast before the exchange and the logits
+    reply) the request for its logits on the public stream; from each its upload and its logits. ``bytes_*``: the
+    encoded messages; ``payload_bytes_*``: their tensors, without the protocol's bookkeeping (ids, header, loss,
+    steps, sample counts, terms). Every client's row has the same shapes, so one row is sized and counted n times,
+    except for an algorithm that packs its uploads to each client's own shapes (``Algorithm.pack_upload``)."""
+    bc = {**broadcast, "payload": algo.pack_broadcast(broadcast["payload"])}
+    sent = {k: v for k, v in assignment.items() if k != "ids"}
+    down = n * (codec.size("header", header) + codec.size("broadcast", bc)) + n * codec.size("assignment",
+                                                                                            row(assignment, 0))
+    payload_down = n * nbytes(bc) + nbytes(sent)
+    packs = type(algo).pack_upload is not Algorithm.pack_upload
+    up = payload_up = 0
+    for p in parts:
+        k = len(p["ids"])
+        for i in range(k if packs else 1):
+            msg = upload_of(algo, p, i)
+            up += codec.size("upload", msg) * (1 if packs else k)
+            payload_up += nbytes((msg["upload"], msg["buffers"])) * (1 if packs else k)
+    if public is not None:
+        before, reply = public
+        bc0 = {**before, "payload": algo.pack_broadcast(before["payload"])}
+        down += n * (codec.size("broadcast", bc0) + codec.size("assignment", row(assignment, 0)))
+        payload_down += n * nbytes(bc0) + nbytes(sent)
+        up += n * codec.size("logits", row(reply, 0))
+        payload_up += nbytes(reply["logits"])
+    return {"bytes_down": down, "bytes_up": up, "payload_bytes_down": payload_down, "payload_bytes_up": payload_up}
 
 
 def order_parts(parts: list[dict]) -> list[dict]:
@@ -48,8 +91,8 @@ class InProcessPool:
     def warm_up(self, lr: float, assignment: dict) -> None:
         self.runtime.warm_up(lr, assignment)
 
-    def public_logits(self, payload: dict, assignment: dict) -> dict:
-        return self.runtime.public_logits(payload, assignment)
+    def public_logits(self, broadcast: dict, assignment: dict) -> dict:
+        return self.runtime.public_logits(broadcast, assignment)
 
     def train(self, header: dict, broadcast: dict, assignment: dict) -> list[dict]:
         return self.runtime.train(header, broadcast, assignment)
@@ -69,36 +112,35 @@ class InProcessPool:
 
 class WirePool:
     """Each runtime hosts its own clients; every message to it and every answer from it travels as bytes through
-    the codec (``protocol.codec``), and ``sent``/``received`` count those bytes. The server's broadcast goes to each
-    runtime once; each gets only its own clients' rows of an assignment. The K x K cross matrix needs every
+    the codec (``protocol.codec``). A round's messages are those :func:`traffic` counts — to each client the
+    header, the packed broadcast and its assignment; from each its packed upload (and its logits) — and
+    ``traffic[action]`` adds up the bytes each action sent down and up. The K x K cross matrix needs every
     client's test split in one place: a simulation-only measurement, refused here."""
 
-    def __init__(self, runtimes: list[ClientRuntime], device: torch.device):
-        self.runtimes, self.device = runtimes, device
-        self.sent = self.received = 0
+    def __init__(self, runtimes: list[ClientRuntime], algo, device: torch.device):
+        self.runtimes, self.algo, self.device = runtimes, algo, device
+        self.traffic: dict[str, list[int]] = {}
 
-    def _wire(self, kind: str, body, device: torch.device):
+    def _wire(self, action: str, up: bool, kind: str, body, device: torch.device):
         data = codec.encode(kind, body)
+        self.traffic.setdefault(action, [0, 0])[up] += len(data)
         _, out = codec.decode(data, kind)
-        return data, tmap(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, out)
+        return tmap(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, out)
+
+    def _down(self, action: str, rt: ClientRuntime, **messages) -> list:
+        return [self._wire(action, False, kind, body, rt.device) for kind, body in messages.items()]
 
     def _call(self, rt: ClientRuntime, action: str, *args):
-        data, args = self._wire(action, list(args), rt.device)
-        self.sent += len(data)
+        """An action outside a round's training (warm-up, task end, evaluation, checkpoint): its arguments as one
+        message, its answer as another."""
+        (args,) = self._down(action, rt, request=list(args))
         reply = getattr(rt, action)(*args)
-        if reply is None:
-            return None
-        data, reply = self._wire(f"{action}-reply", reply, self.device)
-        self.received += len(data)
-        return reply
+        return None if reply is None else self._wire(action, True, "reply", reply, self.device)
 
     def _mine(self, rt: ClientRuntime, assignment: dict) -> dict | None:
         """``rt``'s clients' rows of an assignment (None: none of them is in it)."""
-        ids = ids_of(assignment)
-        hosted = np.flatnonzero(np.isin(ids, rt.clients))
-        if not len(hosted):
-            return None
-        return take(assignment, torch.as_tensor(hosted))
+        hosted = np.flatnonzero(np.isin(ids_of(assignment), rt.clients))
+        return take(assignment, torch.as_tensor(hosted)) if len(hosted) else None
 
     def _each(self, assignment: dict):
         for rt in self.runtimes:
@@ -106,28 +148,41 @@ class WirePool:
             if mine is not None:
                 yield rt, mine
 
+    def _pack(self, broadcast: dict) -> dict:
+        return {**broadcast, "payload": self.algo.pack_broadcast(broadcast["payload"])}
+
     def warm_up(self, lr: float, assignment: dict) -> None:
         for rt, mine in self._each(assignment):
             self._call(rt, "warm_up", lr, mine)
 
-    def public_logits(self, payload: dict, assignment: dict) -> dict:
-        replies = [self._call(rt, "public_logits", payload, mine) for rt, mine in self._each(assignment)]
-        parts = order_parts([{"arch": arch, "ids": r["ids"][r["arch"] == arch], "logits": r["logits"][r["arch"] == arch]}
-                             for r in replies for arch in r["arch"].unique().tolist()])
-        return {"ids": torch.cat([p["ids"] for p in parts]), "arch": torch.cat([torch.full_like(p["ids"], p["arch"])
-                                                                               for p in parts]),
+    def public_logits(self, broadcast: dict, assignment: dict) -> dict:
+        packed, rows = self._pack(broadcast), []
+        for rt, mine in self._each(assignment):
+            bc, a = self._down("public_logits", rt, broadcast=packed, assignment=mine)
+            reply = rt.public_logits({**bc, "payload": rt.algo.unpack_broadcast(bc["payload"])}, a)
+            rows += [self._wire("public_logits", True, "logits", row(reply, i), self.device)
+                     for i in range(len(reply["ids"]))]
+        parts = order_parts([{"arch": int(r["arch"]), "ids": r["ids"], "logits": r["logits"]} for r in rows])
+        return {"ids": torch.cat([p["ids"] for p in parts]),
+                "arch": torch.cat([torch.full_like(p["ids"], p["arch"]) for p in parts]),
                 "logits": torch.cat([p["logits"] for p in parts])}
 
     def train(self, header: dict, broadcast: dict, assignment: dict) -> list[dict]:
-        parts, failed = [], []
+        packed, uploads, failed = self._pack(broadcast), [], []
         for rt, mine in self._each(assignment):
+            h, bc, a = self._down("train", rt, header=header, broadcast=packed, assignment=mine)
             try:
-                parts += self._call(rt, "train", header, broadcast, mine)
+                parts = rt.train(h, {**bc, "payload": rt.algo.unpack_broadcast(bc["payload"])}, a)
             except NonFiniteLoss:
                 failed += ids_of(mine).tolist()
+                continue
+            for p in parts:
+                for i in range(len(p["ids"])):
+                    got = self._wire("train", True, "upload", upload_of(rt.algo, p, i), self.device)
+                    uploads.append({**got, "upload": self.algo.unpack_upload(got["upload"])})
         if failed:
             raise NonFiniteLoss(f"round {header['round']}: non-finite loss or update on clients {failed[:10]}")
-        return order_parts(parts)
+        return order_parts(uploads)
 
     def end_task(self, header: dict, payload: dict, assignment: dict, model) -> None:
         for rt, mine in self._each(assignment):

@@ -22,7 +22,7 @@ import torch
 from ..schema import Schema
 from .context import LocalContext, TaskLoss, term_name
 from .program import Phase, Probe, Setting, Signals
-from .tree import nbytes, weighted_mean
+from .tree import weighted_mean
 
 
 class AlgoConfig(Schema):
@@ -87,14 +87,23 @@ class Algorithm:
         ``ctx.forward(slot)`` runs them. FedKD's mentor; none by default."""
         return {}
 
-    def sent_bytes(self, uploads: dict) -> int:
-        """The bytes the cohort's uploads take on the wire (default: every tensor, dense). An algorithm that
-        compresses (FedKD's truncated SVD factors, padded to fixed shapes so they vmap) counts what it would send."""
-        return nbytes(uploads)
+    # ---- on the wire -------------------------------------------------------------------------------
+    def pack_broadcast(self, payload: dict) -> dict:
+        """The broadcast as it travels (default: as it is). An algorithm may leave out what a client rebuilds
+        exactly in :meth:`unpack_broadcast` (FedWeIT: the knowledge base's empty entries)."""
+        return payload
 
-    def broadcast_bytes(self, payload: dict) -> int:
-        """The bytes one client's payload takes on the wire (default: every tensor, dense)."""
-        return nbytes(payload)
+    def unpack_broadcast(self, body: dict) -> dict:
+        return body
+
+    def pack_upload(self, upload: dict) -> dict:
+        """One client's upload (a stack of one) as it travels (default: as it is). An algorithm that compresses
+        may cut what it keeps fixed-shaped for vmap (FedKD: the zeroed SVD components); :meth:`unpack_upload`
+        restores the fixed shapes exactly."""
+        return upload
+
+    def unpack_upload(self, body: dict) -> dict:
+        return body
 
     # ---- server side -------------------------------------------------------------------------------
     def init_server(self, init_params: list[dict]) -> dict:

@@ -135,6 +135,7 @@ class Setting:
     rounds: int = 1  # train.rounds (schedules over the run: FedKD's SVD energy threshold)
     rounds_per_task: int = 0  # data.tasks.rounds_per_task (0: no task stream); FedWeIT's server fills its knowledge base
     n_tasks: int = 0  # data.tasks.n_tasks: the most tasks a client's stream holds (FedWeIT's knowledge-base size)
+    init: dict = field(default_factory=dict)  # the run's initial model (the first architecture's): FedWeIT's B_0
 
 
 @dataclass
