@@ -187,6 +187,10 @@ class EngineConfig(Schema):
                             description="with compile: local steps per compiled call (fewer Python round trips)")
     preload_mb: int = Field(2048, ge=0, le=MAX_COUNT,
                             description="normalise the data once up front if it fits in this many MiB")
+    pool: Literal["local", "wire"] = Field(
+        "local", description="where the clients run: 'local', all in this process's one runtime (the fast, stacked "
+        "path); 'wire', each in a runtime of its own, every message through the codec as bytes (slower; the same "
+        "numbers; proves an algorithm talks only in messages, as a deployment needs)")
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch CPU threads (kept as set). Default: OMP_NUM_THREADS if set, else the "
         "cores this process may use (CPU affinity, cgroup quota), divided by FEDMOSAIC_PARALLEL_RUNS (runs sharing "

@@ -134,17 +134,40 @@ def test_resume_equals_uninterrupted(fd, tmp_path):
     assert full["personal_acc_final"] == cut["personal_acc_final"]
 
 
-def test_resume_from_a_checkpoint_without_buffers(fd, tmp_path):
-    """Checkpoints written before BatchNorm support have no "buffers" entry; a model without buffers resumes."""
+def format1(state: dict, buffers: bool = True) -> dict:
+    """A checkpoint as fedmosaic wrote it before the server/client split (format 1): per architecture group its
+    store and (buffers, server buffers, task buffers); before BatchNorm support (``buffers=False``) none of those."""
+    old = {k: v for k, v in state.items() if k not in ("format", "clients", "server_buffers")}
+    old["stores"] = [c["store"] for c in state["clients"]]
+    if buffers:
+        old["buffers"] = [(c["buffers"], gb, c["task_buffers"])
+                          for c, gb in zip(state["clients"], state["server_buffers"], strict=True)]
+    return old
+
+
+@pytest.mark.parametrize("buffers", [True, False], ids=["format 1", "format 1 before BatchNorm support"])
+def test_resume_from_a_checkpoint_of_an_earlier_format(fd, tmp_path, buffers):
+    """Checkpoints written before the server/client split (and before BatchNorm support: no "buffers" entry; a
+    model without buffers) are converted and resume as if never interrupted."""
     cfg = make_cfg(train__rounds=4)
     run(cfg, tmp_path / "full", progress=False, fd=fd)
     run(cfg, tmp_path / "old", progress=False, fd=fd, stop_after=1)
     ck = sorted((tmp_path / "old" / "checkpoints").glob("*.pt"))[-1]
     state = torch.load(ck, weights_only=True)
-    del state["buffers"]
-    torch.save(state, ck)
+    assert state["format"] == 2 and [c["ids"].tolist() for c in state["clients"]] == [list(range(8))]
+    torch.save(format1(state, buffers), ck)
     run(cfg, tmp_path / "old", progress=False, fd=fd, resume=True)
     assert strip_timing(read_metrics(tmp_path / "old")) == strip_timing(read_metrics(tmp_path / "full"))
+
+
+def test_a_checkpoint_of_an_unknown_format_is_set_aside_not_loaded(fd, tmp_path):
+    cfg = make_cfg(train__rounds=3)
+    run(cfg, tmp_path / "r", progress=False, fd=fd, stop_after=1)
+    ck = sorted((tmp_path / "r" / "checkpoints").glob("*.pt"))[-1]
+    torch.save({**torch.load(ck, weights_only=True), "format": 3}, ck)
+    with pytest.warns(UserWarning, match="checkpoint format 3; this fedmosaic reads formats 1 and 2"):
+        run(cfg, tmp_path / "r", progress=False, fd=fd, resume=True)
+    assert ck.with_suffix(".pt.corrupt").exists() or any((tmp_path / "r" / "checkpoints").glob("*.corrupt"))
 
 
 def test_existing_run_directory_is_not_overwritten(fd, tmp_path):

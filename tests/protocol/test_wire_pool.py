@@ -15,6 +15,8 @@ from fedtest import BLOBS6, PROTOCOL_CASES, assert_trees_close, merged, with_ove
 from fedmosaic.data.federated import build
 from fedmosaic.engine.build import data_spec
 from fedmosaic.engine.federation import Federation
+from fedmosaic.engine.runner import latest_checkpoint, read_metrics, run
+from fedmosaic.errors import ConfigError
 
 IDS = [c[0]["name"] for c in PROTOCOL_CASES]
 
@@ -100,8 +102,24 @@ def test_a_checkpoint_resumes_in_the_other_pool(algo, over):
 
 
 def test_the_wire_pool_refuses_the_cross_matrix_in_one_line():
-    cfg = config({"name": "ditto"}, {"eval": {"cross_clients": True}}, "sequential")
-    fed = Federation(cfg, pool="wire")
-    fed.round(0)
-    with pytest.raises(ValueError, match="cross_clients: the K x K matrix is measured in simulation only"):
-        fed.evaluate(0)
+    cfg = config({"name": "ditto"}, {"eval": {"cross_clients": True}, "engine": {"pool": "wire"}}, "sequential")
+    with pytest.raises(ConfigError, match="cross_clients: the K x K matrix needs every client's test split in one "
+                                          "process; it is measured with engine.pool: local only"):
+        Federation(cfg)
+
+
+@pytest.mark.parametrize("first, then", [("wire", "local"), ("local", "wire")])
+def test_a_run_stopped_in_one_pool_resumes_in_the_other(first, then, tmp_path):
+    """``fedmosaic run --resume --amend --set engine.pool=...``: the checkpoint does not depend on the pool that
+    wrote it."""
+    algo, over = PROTOCOL_CASES[12]  # FedWeIT: a store, exemplar memory and a task end
+    cfg = config(algo, over, "sequential")
+    fd = build(data_spec(cfg))
+    run(cfg, tmp_path / "whole", progress=False, fd=fd)
+    run(with_overrides(merged(cfg.model_dump(mode="json"), {"engine": {"pool": first}})), tmp_path / "cut",
+        progress=False, fd=fd, stop_after=1)
+    assert latest_checkpoint(tmp_path / "cut").name == "round_00001.pt"
+    run(with_overrides(merged(cfg.model_dump(mode="json"), {"engine": {"pool": then}})), tmp_path / "cut",
+        progress=False, fd=fd, resume=True, amend=True)
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time")} for r in rs]  # noqa: E731
+    assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "whole"))

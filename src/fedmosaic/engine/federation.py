@@ -55,10 +55,10 @@ class Federation:
     The clients live in a pool (``pools``): the server sends them messages and reads their answers only."""
 
     def __init__(self, cfg: RunConfig, fd: FederatedData | None = None, threads: int | None = None,
-                 pool: str = "local"):
-        """``threads``: the CPU threads a resumed run started with (``execution.cpu_threads``). ``pool``:
-        ``local``, every client in this process's one runtime; ``wire``, each client in a runtime of its own,
-        every message through the codec (``pools.WirePool``)."""
+                 pool: str | None = None):
+        """``threads``: the CPU threads a resumed run started with (``execution.cpu_threads``). ``pool`` (default
+        ``engine.pool``): ``local``, every client in this process's one runtime; ``wire``, each client in a runtime
+        of its own, every message through the codec (``pools.WirePool``)."""
         self.cfg = cfg
         #: torch's CPU threads for the whole run: never more than the cores free for it (``execution.cpu_threads``)
         self.threads = cpu_threads(cfg.engine.threads, threads)
@@ -155,8 +155,12 @@ class Federation:
             check_slots(self.algo, self.server, one, g.clients[:1])
         self.runtime = ClientRuntime(cfg, self.algo, self.groups, self.split, self.num_clients, C, self.batch,
                                      self.transform, self.public, dev, self.tasks, self._exemplars, self.global_test)
+        pool = cfg.engine.pool if pool is None else pool
         if pool not in ("local", "wire"):
             raise ValueError(f"pool: 'local' or 'wire' (got {pool!r})")
+        if pool == "wire" and cfg.eval.cross_clients:
+            raise ConfigError("eval.cross_clients: the K x K matrix needs every client's test split in one process; "
+                              "it is measured with engine.pool: local only")
         self.pool = InProcessPool(self.runtime) if pool == "local" else self._wire_pool()
 
     def _wire_pool(self) -> WirePool:
@@ -543,25 +547,37 @@ class Federation:
         return self.runtime.personal(g, t, self.algo.broadcast(self.server, t), self._assign(g.clients))
 
     # ---- checkpoints -------------------------------------------------------------------------------
+    #: The checkpoint layout: 2 = the server's part and the clients' parts keyed by client id (format 1, before the
+    #: server/client split: per architecture group its store and a (buffers, server buffers, task buffers) triple).
+    FORMAT = 2
+
     def state_dict(self) -> dict:
-        """The server's state and the clients' (collected from the pool), stacked per architecture in client order."""
+        """A checkpoint: the server's part (its state, BatchNorm statistics and learning-rate plateau) and the
+        clients' (collected from the pool) — per architecture its clients' ``ids`` and their store and buffers
+        stacked in that order, and per client id its exemplar memory. Which pool wrote it, and how it sharded the
+        clients, leaves no trace: any pool resumes it."""
         parts = self.pool.state()
-        stores, buffers, memory = [], [], [None] * self.num_clients
+        clients, memory = [], [None] * self.num_clients
         for g in self.groups:
             (mine,) = order_parts([p for part in parts for p in part["groups"] if p["arch"] == g.gid])
-            stores.append(mine["store"])
-            buffers.append((mine["buffers"], g.global_buffers, mine["task_buffers"]))
+            clients.append(mine)
         for part in parts:
             for k, m in zip(np.concatenate([ids_of(p) for p in part["groups"]]), part["memory"] or []):
                 memory[k] = m
-        return {"server": self.server, "stores": stores, "buffers": buffers,
-                "memory": None if self._exemplars is None else memory, "plateau": dict(self.plateau)}
+        return {"format": self.FORMAT, "server": self.server, "server_buffers": [g.global_buffers for g in self.groups],
+                "plateau": dict(self.plateau), "clients": clients,
+                "memory": None if self._exemplars is None else memory}
 
-    def load_state_dict(self, state: dict) -> None:
-        if self._exemplars is not None and (state.get("memory") is None or len(state["memory"]) != self.num_clients):
-            raise ValueError("written without this run's exemplar memory")  # (before anything is replaced)
-        # Checkpoints written before BatchNorm support carry no "buffers"; that is only
-        # equivalent when the model has none.
+    def upgrade(self, state: dict) -> dict:
+        """A checkpoint in today's layout: format 2 as it is; format 1 (no ``format``: written before the
+        server/client split) converted, its groups' clients being this run's. Anything else: ValueError."""
+        fmt = state.get("format", 1)
+        if fmt == self.FORMAT:
+            return state
+        if fmt != 1 or "stores" not in state:
+            raise ValueError(f"checkpoint format {fmt}; this fedmosaic reads formats 1 and {self.FORMAT}")
+        # Checkpoints written before BatchNorm support carry no "buffers"; that is only equivalent when the model
+        # has none.
         buffers = state.get("buffers")
         if buffers is None:
             if any(g.buffers or g.global_buffers for g in self.groups):
@@ -573,22 +589,36 @@ class Federation:
         if any(not tb and b for b, _, *tb in buffers):  # written before teachers had statistics of their own
             raise CorruptDataError("checkpoint has no teacher BatchNorm statistics; it was written by an older "
                                    "fedmosaic")
+        clients = [{"arch": g.gid, "ids": torch.as_tensor(g.clients), "store": s, "buffers": b,
+                    "task_buffers": tb[0] if tb else {}}
+                   for g, s, (b, _, *tb) in zip(self.groups, state["stores"], buffers, strict=True)]
+        old = {k: v for k, v in state.items() if k not in ("stores", "buffers")}
+        return {**old, "format": self.FORMAT, "server_buffers": [gb for _, gb, *_ in buffers], "clients": clients}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume from a checkpoint of either format, into whichever pool this run has."""
+        state = self.upgrade(state)
+        if self._exemplars is not None and (state.get("memory") is None or len(state["memory"]) != self.num_clients):
+            raise ValueError("written without this run's exemplar memory")  # (before anything is replaced)
+        clients = state["clients"]
+        if len(clients) != len(self.groups) or any(
+                c["arch"] != g.gid or not np.array_equal(ids_of(c), g.clients)
+                for c, g in zip(clients, self.groups, strict=False)):
+            raise ValueError("written for another assignment of clients to architectures")
         self.server = state["server"]
         self.plateau = dict(state.get("plateau", self.plateau))
-        for g, (_, gb, *_) in zip(self.groups, buffers, strict=True):
+        for g, gb in zip(self.groups, state["server_buffers"], strict=True):
             g.global_buffers = gb
-        rows = {g.gid: (g.clients, s, b, tb[0] if tb else {})
-                for g, s, (b, _, *tb) in zip(self.groups, state["stores"], buffers, strict=True)}
-        self.pool.load([self._client_part(rt, rows, state.get("memory")) for rt in self.pool.runtimes])
+        self.pool.load([self._client_part(rt, clients, state.get("memory")) for rt in self.pool.runtimes])
 
-    @staticmethod
-    def _client_part(rt: ClientRuntime, rows: dict, memory: list | None) -> dict:
-        """A runtime's rows of a checkpoint's stacked stores (the same tensors when it hosts every client)."""
+    def _client_part(self, rt: ClientRuntime, clients: list[dict], memory: list | None) -> dict:
+        """A runtime's rows of a checkpoint's client parts (the same tensors when it hosts every client)."""
         groups = []
         for g in rt.groups:
-            full, *trees = rows[g.gid]
-            if not np.array_equal(full, g.clients):
-                at = torch.as_tensor(np.searchsorted(full, g.clients))
+            full = clients[self.group_index[g.gid]]
+            trees = [full[k] for k in ("store", "buffers", "task_buffers")]
+            if not np.array_equal(ids_of(full), g.clients):
+                at = torch.as_tensor(np.searchsorted(ids_of(full), g.clients))
                 trees = [take(tr, at) for tr in trees]
             store, bufs, task = trees
             groups.append({"arch": g.gid, "ids": torch.as_tensor(g.clients), "store": store, "buffers": bufs,

@@ -114,8 +114,8 @@ class WirePool:
     """Each runtime hosts its own clients; every message to it and every answer from it travels as bytes through
     the codec (``protocol.codec``). A round's messages are those :func:`traffic` counts — to each client the
     header, the packed broadcast and its assignment; from each its packed upload (and its logits) — and
-    ``traffic[action]`` adds up the bytes each action sent down and up. The K x K cross matrix needs every
-    client's test split in one place: a simulation-only measurement, refused here."""
+    ``traffic[action]`` adds up the bytes each action sent down and up. (The K x K cross matrix needs every
+    client's test split in one place: a simulation-only measurement, refused before a wire pool is built.)"""
 
     def __init__(self, runtimes: list[ClientRuntime], algo, device: torch.device):
         self.runtimes, self.algo, self.device = runtimes, algo, device
@@ -189,9 +189,6 @@ class WirePool:
             self._call(rt, "end_task", header, payload, mine, model)
 
     def evaluate(self, request: dict) -> dict:
-        if request.get("cross"):
-            raise ValueError("eval.cross_clients: the K x K matrix is measured in simulation only (every client's "
-                             "test split in one process), not over the wire")
         out: dict = {}
         continual = request.get("continual")
         order = None if continual is None else {int(k): i for i, k in enumerate(ids_of(continual))}

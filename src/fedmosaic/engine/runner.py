@@ -204,8 +204,9 @@ def _load_checkpoint(path: Path, fed: Federation) -> int:
         raise ValueError(f"unreadable ({type(e).__name__})") from None
     if not isinstance(state, dict) or state.get("round") != int(path.stem.split("_")[1]):
         raise ValueError("not a checkpoint of this round")
+    state = fed.upgrade(state)  # format 1 (before the server/client split) is converted
     mine = fed.state_dict()
-    if any(list(_layout(state.get(k))) != list(_layout(mine[k])) for k in ("server", "stores")):
+    if any(list(_layout(state.get(k))) != list(_layout(mine[k])) for k in ("server", "clients")):
         raise ValueError("written for a different model or algorithm")
     ours, theirs = _identity(fed), state.get("run", {})
     if not isinstance(theirs, dict):
