@@ -292,20 +292,20 @@ def test_the_learning_rate_falls_on_plateaus_and_starts_again_with_each_task():
         "lr": 0.1, "plateau": {"patience": 0, "factor": 0.5, "min_lr": 0.03, "skip": 0}}))
     scales = []
     for t, loss in enumerate([1.0, 1.0, 0.5, 1.0, 0.9, 0.9]):
-        fed._track_plateau(t, loss)
+        fed.srv._track_plateau(t, loss)
         scales.append(fed.plateau["scale"])
     # round 1 makes no progress: halved; round 2 ends the task: a fresh start; round 4 improves, round 5 does not
     # but ends the task
     assert scales == [1.0, 0.5, 1.0, 1.0, 1.0, 1.0] and fed.plateau["best"] == float("inf")
     fed.plateau = {"scale": 0.5, "best": 1.0, "bad": 0}
     for t in (6, 7):  # no progress: 0.25 is below the floor 0.03 / 0.1 = 0.3
-        fed._track_plateau(t, 1.0)
+        fed.srv._track_plateau(t, 1.0)
         assert fed.plateau["scale"] == pytest.approx(0.3)
     # skip 1: a task's first loss is not compared (not even as the best so far)
     fed = Federation(make_cfg(data__tasks__rounds_per_task=3, train__optimizer={
         "lr": 0.1, "plateau": {"patience": 0, "factor": 0.5, "skip": 1}}))
     for t, loss in enumerate([0.1, 1.0, 1.0]):
-        fed._track_plateau(t, loss)
+        fed.srv._track_plateau(t, loss)
         if t == 1:
             assert fed.plateau == {"scale": 1.0, "best": 1.0, "bad": 0}
     assert fed.plateau["best"] == float("inf")  # (round 2 cut the rate, then the task ended)

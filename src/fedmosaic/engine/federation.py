@@ -1,4 +1,4 @@
-"""A built experiment: data on the device, architecture groups, the algorithm, the client store and the server.
+"""A built experiment: data on the device, architecture groups, the algorithm, the server side and the client pool.
 
 ``Federation.round(t)`` runs one communication round; ``evaluate(t)`` measures it. Rounds, checkpoints and files
 are the runner's business (runner.py).
@@ -12,7 +12,6 @@ from functools import cached_property
 
 import numpy as np
 import torch
-from torch.utils._pytree import tree_structure
 
 from ..config import RunConfig
 from ..data.federated import FederatedData, build
@@ -20,15 +19,15 @@ from ..data.partition.tasks import task_streams
 from ..errors import ConfigError, CorruptDataError
 from ..models import head_keys
 from ..protocol.algorithm import Algorithm, registered
-from ..protocol.program import Setting, Signals
-from ..protocol.tree import leaves, nbytes, take, tmap, weighted_mean
+from ..protocol.program import Setting
+from ..protocol.tree import nbytes, take
 from . import evaluate as ev
 from .augment import black
 from .build import Group, build_extra, build_groups, build_public, client_store, data_spec, make_trainer
 from .calendar import TaskCalendar
 from .client import ClientRuntime, ids_of
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
-from .local import ClientTensors, cat_trees
+from .local import ClientTensors
 from .pools import InProcessPool, WirePool, order_parts, traffic
 from .preflight import (
     check_evaluation,
@@ -39,20 +38,17 @@ from .preflight import (
     memory_bytes,
     resolve_device,
 )
-from .seeding import POOL, TASKS, rng, sample_cohort
+from .seeding import POOL, TASKS, rng
+from .server import ServerRuntime
 from .transforms import make_normalizer
 
 
-def average_buffers(stacked: dict, weights: torch.Tensor) -> dict:
-    """Weighted mean of float buffers (running mean/var); integer counters take the largest value."""
-    return {k: weighted_mean({k: t}, weights)[k] if t.is_floating_point() else t.max(0).values
-            for k, t in stacked.items()}
-
-
 class Federation:
-    """The server side of a run and the simulation around it: the server's state, its BatchNorm buffers and
-    learning-rate schedule, the cohorts, exchange, aggregation and the server's own training, and the evaluation.
-    The clients live in a pool (``pools``): the server sends them messages and reads their answers only."""
+    """A run in one process: it builds the data, the architecture groups and the algorithm, then drives every
+    round as messages between the server side (``server.ServerRuntime``: server state, BatchNorm statistics,
+    schedule, cohorts, exchange, aggregation) and the clients in a pool (``pools``: ``ClientRuntime``\ s), and
+    evaluates. Neither side touches the other's state; this class only carries the messages and keeps the
+    simulation's view (the global test set, the clients' label histograms for in/out-local accuracy)."""
 
     def __init__(self, cfg: RunConfig, fd: FederatedData | None = None, threads: int | None = None,
                  pool: str | None = None):
@@ -111,8 +107,6 @@ class Federation:
             self.fd.num_classes)
         #: per client its exemplar memory (``data.tasks.memory``): class -> offsets into its train rows, best first
         self._exemplars = [{} for _ in range(self.num_clients)] if self.tasks and cfg.exemplar_memory() else None
-        #: ``train.optimizer.plateau``: the learning rate's scale, the best mean loss so far, rounds without progress
-        self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
         pc, tc = cfg.train.optimizer.plateau, cfg.data.tasks
         if pc is not None and tc is not None and tc.rounds_per_task - pc.skip - 1 <= pc.patience:
             warnings.warn(f"train.optimizer.plateau: a task of {tc.rounds_per_task} rounds compares "
@@ -129,7 +123,9 @@ class Federation:
         self.algo = algo_cls(algo_cfg, setting)
         if self.algo.pooled:
             self._pool_train_split()
-        self.server = self.algo.init_server([g.init for g in self.groups])
+        #: the server side of every round (``server.ServerRuntime``)
+        self.srv = ServerRuntime(cfg, self.algo, self.groups, self.num_clients, self.calendar, self.public,
+                                 self.transform, self.batch, dev)
         check_plans(cfg, self.algo, self.server, self.num_clients, self.chunk, self.batch,
                     int(self.split["train"].sizes.max(initial=1)), None if self.public is None else len(self.public.y),
                     self.memory, self.device)
@@ -288,100 +284,60 @@ class Federation:
     def seen_classes(self, stage: int) -> np.ndarray:
         return self.calendar.seen_classes(stage)
 
-    def _track_plateau(self, t: int, loss: float) -> None:
-        """``train.optimizer.plateau``: torch's ReduceLROnPlateau on the cohort's mean loss (relative threshold
-        1e-4) from the ``skip``-th round (of the run, or of each task) on; a new task starts it afresh."""
-        opt = self.cfg.train.optimizer
-        if opt.plateau is None:
-            return
-        p, pc = self.plateau, opt.plateau
-        if (t % self.cfg.data.tasks.rounds_per_task if self.tasks is not None else t) >= pc.skip:
-            if loss < p["best"] * (1 - 1e-4):
-                p["best"], p["bad"] = loss, 0
-            else:
-                p["bad"] += 1
-            if p["bad"] > pc.patience:
-                floor = pc.min_lr / opt.lr_at(t + 1)
-                p["scale"], p["bad"] = min(p["scale"], max(p["scale"] * pc.factor, floor)), 0
-        if self.task_ends(t):
-            self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
+    @property
+    def server(self) -> dict:
+        """The algorithm's server state (``ServerRuntime.state``)."""
+        return self.srv.state
+
+    @server.setter
+    def server(self, state: dict) -> None:
+        self.srv.state = state
+
+    @property
+    def plateau(self) -> dict:
+        return self.srv.plateau
+
+    @plateau.setter
+    def plateau(self, value: dict) -> None:
+        self.srv.plateau = value
 
     def _end_task(self, t: int) -> None:
         """The last round of a task is over: every client updates its memory and state (``ClientRuntime.end_task``)
         from the broadcast after aggregation and the model it predicts with."""
-        self.pool.end_task(self._header(t, 0.0), self.algo.broadcast(self.server, t), self._assign(self.everyone),
-                           self._global_model())
-
-    def _header(self, t: int, lr: float) -> dict:
-        """The round header: the round, its learning rate, and in a task stream its stage and the classes the
-        federation has met by then."""
-        if self.tasks is None:
-            return {"round": t, "lr": lr, "stage": None, "seen": None}
-        stage = self.stage(t)
-        return {"round": t, "lr": lr, "stage": stage, "seen": torch.as_tensor(self.seen_classes(stage))}
+        self.pool.end_task(self.srv.header(t, 0.0), self.algo.broadcast(self.server, t), self._assign(self.everyone),
+                           self.srv.global_model())
 
     def _assign(self, clients: np.ndarray) -> dict:
-        """The assignment of ``clients``: their ids and what the server sends each alone, stacked."""
-        ids = torch.as_tensor(clients, device=self.device)
-        return {"ids": ids, **self.algo.client_payload(self.server, ids)}
+        return self.srv.assign(clients)
 
     @cached_property
     def everyone(self) -> np.ndarray:
         return np.arange(self.num_clients)
 
-    def _global_model(self) -> tuple[dict, dict] | None:
-        """(parameters, BatchNorm buffers) of the global model clients predict with; None: each its own."""
-        if not self.algo.global_model:
-            return None
-        return self.algo.global_params(self.server), self.groups[0].global_buffers
-
-    def _server_buffers(self) -> dict:
-        """The server's BatchNorm statistics per architecture (by its id as a string), for models that have them."""
-        return {str(g.gid): g.global_buffers for g in self.groups if g.global_buffers}
-
     # ---- one round ---------------------------------------------------------------------------------
     def cohort(self, t: int) -> np.ndarray:
-        """The clients of round ``t``: ``clients_per_round`` drawn among those with a task in that round's stage
-        (a client whose task stream has ended drops out), or among all."""
-        live = self.calendar.live(t) if self.calendar is not None else None
-        return sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t, live)
+        return self.srv.cohort(t)
 
     def round(self, t: int) -> dict:
         """Round ``t``: (round 0: every client's warm-up;) the cohort's logits on the public stream go up and the
         server's answer comes down (``Algorithm.exchanges``); the cohort trains (group by group); the server
         aggregates (and trains on the public stream: ``server_program``). Returns the round's metrics."""
-        cohort = self.cohort(t)
-        lr = self.algo.round_lr(self.server, t, self.cfg.train.optimizer.lr_at(t) * self.plateau["scale"])
-        header = self._header(t, lr)
+        srv = self.srv
+        cohort, lr = srv.cohort(t), srv.lr(t)
+        header = srv.header(t, lr)
         if t == 0 and self.cfg.train.warmup_epochs:
-            self.pool.warm_up(lr, self._assign(self.everyone))
-        assignment = self._assign(cohort)
-        public = None
-        shared = {}
+            self.pool.warm_up(lr, srv.assign(self.everyone))
+        assignment = srv.assign(cohort)
+        public, shared = None, {}
         if self.algo.exchanges:  # outputs on the public stream go up first; the server's answer comes down below
-            before = {"payload": self.algo.broadcast(self.server, t), "buffers": {}}
+            before = srv.broadcast(t, buffers=False)
             reply = self.pool.public_logits(before, assignment)
-            shared = self.algo.exchange(self.server, reply["logits"], reply["ids"].to(self.device), t)
-            public = before, reply
-        broadcast = {"payload": {**self.algo.broadcast(self.server, t), **shared}, "buffers": self._server_buffers()}
+            shared, public = srv.exchange(reply, t), (before, reply)
+        broadcast = srv.broadcast(t, shared)
         parts = self.pool.train(header, broadcast, assignment)
-        cohort = np.concatenate([ids_of(p) for p in parts])
-        loss = torch.cat([p["loss"] for p in parts])
-        for p in parts:  # a global model's running statistics: averaged like it, by the clients' sample counts
-            g = self.groups[self.group_index[p["arch"]]]
-            if self.algo.global_model and g.global_buffers:
-                g.global_buffers = average_buffers(p["buffers"], p["n"])
-        up = self._cat_uploads([p["upload"] for p in parts])
-        steps = torch.cat([p["steps"] for p in parts]).numpy()
-        weights = torch.cat([p["n"] for p in parts])
+        cohort, up, loss, steps, weights = srv.collect(parts)
         local = self._local_in_out(cohort, up) if self.cfg.eval.local_models else {}
-        signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
-                          torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
-        self.server = self.algo.aggregate(self.server, up, weights, t, signals)
-        phases = self.algo.server_program(self.server, t)
-        if phases:
-            self._server_train(phases, up, cohort, lr, t)
-        self._track_plateau(t, float(loss.mean()))
+        srv.aggregate(t, lr, cohort, up, loss, steps, weights)
         if self.task_ends(t):
             self._end_task(t)
         return {
@@ -404,32 +360,9 @@ class Federation:
             return {}
         return {"terms": {n: float(torch.cat([g[n] for g in groups if n in g]).mean()) for n in names}}
 
-    def _cat_uploads(self, uploads: list) -> dict:
-        """The architecture groups' uploads as one stack: they must share a layout (logits, prototypes, statistics;
-        the weights of different architectures are never stacked)."""
-        layouts = {(str(tree_structure(u)), tuple((tuple(t.shape[1:]), t.dtype) for t in leaves(u))) for u in uploads}
-        if len(layouts) > 1:
-            raise ConfigError(f"algorithm {self.cfg.algorithm.name!r} uploads differently shaped tensors from the "
-                              "different architectures of model.heterogeneous; it needs one architecture")
-        return cat_trees(uploads)
-
-    def _server_train(self, phases, uploads: dict, cohort: np.ndarray, lr: float, t: int) -> None:
-        """The server's own training after aggregation (``Algorithm.server_program``): ``server["model"]`` trained
-        on the public stream as a cohort of one, against the payload ``exchange`` makes of the uploaded models'
-        logits on the stream."""
-        g = self.groups[0]
-        g.module.train()
-        x = self.transform(self.public.x)
-        logits = g.trainer.outputs(x, uploads["model"], g.global_buffers_like(len(cohort)), self.batch)
-        shared = self.algo.exchange(self.server, logits, torch.as_tensor(cohort, device=self.device), t)
-        one = tmap(lambda v: v.unsqueeze(0), self.server["model"])
-        trained = g.trainer.server_train(one, {**self.algo.broadcast(self.server, t), **shared}, phases,
-                                         g.global_buffers_like(1), lr=lr, seed=self.cfg.seed, round_idx=t)
-        self.server = {**self.server, "model": tmap(lambda v: v[0], trained)}
-
     def _own(self, clients: np.ndarray, t: int | None = None) -> dict:
         """The per-client payload ``clients`` train with in round ``t`` (``ClientRuntime.own``)."""
-        return self.runtime.own(self._assign(clients), clients, None if t is None else self._header(t, 0.0))
+        return self.runtime.own(self._assign(clients), clients, None if t is None else self.srv.header(t, 0.0))
 
     def _local_in_out(self, cohort: np.ndarray, uploads: dict) -> dict:
         """In-local / out-local accuracy of the cohort's freshly trained models (global-model algorithms)."""
@@ -540,7 +473,7 @@ class Federation:
     def _predictors(self, g: Group, t: int, n: int | None = None) -> tuple[dict, dict]:
         """(parameters, buffers) of the model each client of ``g`` predicts with (``ClientRuntime.predictors``)."""
         return self.runtime.predictors(g, t, self.algo.broadcast(self.server, t), self._assign(g.clients),
-                                       self._global_model(), n)
+                                       self.srv.global_model(), n)
 
     def _personal(self, g: Group, t: int) -> dict:
         """Every client's personal model in group ``g`` (``ClientRuntime.personal``)."""

@@ -28,8 +28,8 @@ from ..config import RunConfig, dump, load_config, yaml_scalar
 from ..data.federated import FederatedData
 from ..errors import FedMosaicError, RunError
 from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
-from .continual import continual_summary
 from .client import NonFiniteLoss
+from .continual import continual_summary
 from .federation import Federation
 
 TIMING_KEYS = ("time_round_s", "time_eval_s")

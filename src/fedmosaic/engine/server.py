@@ -1,0 +1,147 @@
+"""The server side of a round: the algorithm's server state, the global model's BatchNorm statistics, the learning
+rate and its plateau schedule, the cohorts, and what the server makes of the clients' answers — the exchange,
+aggregation and its own training on the public stream.
+
+It reads only messages from the clients (uploads, logits) and never their data or store; what it knows of the
+federation is the number of clients, their architectures and the task calendar.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils._pytree import tree_structure
+
+from ..errors import ConfigError
+from ..protocol.algorithm import Algorithm
+from ..protocol.program import Signals
+from ..protocol.tree import leaves, tmap, weighted_mean
+from .build import Group
+from .calendar import TaskCalendar
+from .client import ids_of
+from .local import ClientTensors, cat_trees
+from .seeding import sample_cohort
+
+
+def average_buffers(stacked: dict, weights: torch.Tensor) -> dict:
+    """Weighted mean of float buffers (running mean/var); integer counters take the largest value."""
+    return {k: weighted_mean({k: t}, weights)[k] if t.is_floating_point() else t.max(0).values
+            for k, t in stacked.items()}
+
+
+class ServerRuntime:
+    """``groups``: the run's architectures (their initial parameters, modules and trainers, and the server's copy
+    of their BatchNorm statistics, ``global_buffers``); ``calendar``: the task streams as the server knows them (or
+    None); ``public``/``transform``/``batch``: the public stream the server trains on (``server_program``)."""
+
+    def __init__(self, cfg, algo: Algorithm, groups: list[Group], num_clients: int, calendar: TaskCalendar | None,
+                 public: ClientTensors | None, transform, batch: int, device: torch.device):
+        self.cfg, self.algo, self.groups, self.num_clients = cfg, algo, groups, num_clients
+        self.calendar, self.public, self.transform, self.batch, self.device = calendar, public, transform, batch, device
+        self.group_index = {g.gid: i for i, g in enumerate(groups)}
+        self.state = algo.init_server([g.init for g in groups])
+        #: ``train.optimizer.plateau``: the learning rate's scale, the best mean loss so far, rounds without progress
+        self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
+
+    # ---- what goes down ---------------------------------------------------------------------------
+    def cohort(self, t: int) -> np.ndarray:
+        """The clients of round ``t``: ``clients_per_round`` drawn among those with a task in that round's stage
+        (a client whose task stream has ended drops out), or among all."""
+        live = self.calendar.live(t) if self.calendar is not None else None
+        return sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t, live)
+
+    def lr(self, t: int) -> float:
+        return self.algo.round_lr(self.state, t, self.cfg.train.optimizer.lr_at(t) * self.plateau["scale"])
+
+    def header(self, t: int, lr: float) -> dict:
+        """The round header: the round, its learning rate, and in a task stream its stage and the classes the
+        federation has met by then."""
+        if self.calendar is None:
+            return {"round": t, "lr": lr, "stage": None, "seen": None}
+        stage = self.calendar.stage(t)
+        return {"round": t, "lr": lr, "stage": stage, "seen": torch.as_tensor(self.calendar.seen_classes(stage))}
+
+    def assign(self, clients: np.ndarray) -> dict:
+        """The assignment of ``clients``: their ids and what the server sends each alone, stacked."""
+        ids = torch.as_tensor(clients, device=self.device)
+        return {"ids": ids, **self.algo.client_payload(self.state, ids)}
+
+    def broadcast(self, t: int, shared: dict | None = None, buffers: bool = True) -> dict:
+        """The broadcast of round ``t``: the algorithm's payload (with the exchange's answer ``shared``) and the
+        server's BatchNorm statistics per architecture (by its id as a string), for models that have them."""
+        return {"payload": {**self.algo.broadcast(self.state, t), **(shared or {})},
+                "buffers": {str(g.gid): g.global_buffers for g in self.groups if g.global_buffers} if buffers else {}}
+
+    def global_model(self) -> tuple[dict, dict] | None:
+        """(parameters, BatchNorm buffers) of the global model clients predict with; None: each its own."""
+        if not self.algo.global_model:
+            return None
+        return self.algo.global_params(self.state), self.groups[0].global_buffers
+
+    # ---- what comes up ------------------------------------------------------------------------------
+    def exchange(self, reply: dict, t: int) -> dict:
+        """The server's answer to the cohort's logits on the public stream (``Algorithm.exchange``)."""
+        return self.algo.exchange(self.state, reply["logits"], reply["ids"].to(self.device), t)
+
+    def collect(self, parts: list[dict]) -> tuple:
+        """The uploads of a round, one part per architecture: a global model's BatchNorm statistics averaged by the
+        clients' sample counts; (cohort, uploads stacked, loss, steps, weights) in (architecture, id) order."""
+        for p in parts:
+            g = self.groups[self.group_index[p["arch"]]]
+            if self.algo.global_model and g.global_buffers:
+                g.global_buffers = average_buffers(p["buffers"], p["n"])
+        return (np.concatenate([ids_of(p) for p in parts]), self._cat_uploads([p["upload"] for p in parts]),
+                torch.cat([p["loss"] for p in parts]), torch.cat([p["steps"] for p in parts]).numpy(),
+                torch.cat([p["n"] for p in parts]))
+
+    def _cat_uploads(self, uploads: list) -> dict:
+        """The architecture groups' uploads as one stack: they must share a layout (logits, prototypes, statistics;
+        the weights of different architectures are never stacked)."""
+        layouts = {(str(tree_structure(u)), tuple((tuple(t.shape[1:]), t.dtype) for t in leaves(u))) for u in uploads}
+        if len(layouts) > 1:
+            raise ConfigError(f"algorithm {self.cfg.algorithm.name!r} uploads differently shaped tensors from the "
+                              "different architectures of model.heterogeneous; it needs one architecture")
+        return cat_trees(uploads)
+
+    def aggregate(self, t: int, lr: float, cohort: np.ndarray, up: dict, loss: torch.Tensor, steps: np.ndarray,
+                  weights: torch.Tensor) -> None:
+        """The new server state (``aggregate``), its own training (``server_program``) and the plateau."""
+        signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
+                          torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
+        self.state = self.algo.aggregate(self.state, up, weights, t, signals)
+        phases = self.algo.server_program(self.state, t)
+        if phases:
+            self._train(phases, up, cohort, lr, t)
+        self._track_plateau(t, float(loss.mean()))
+
+    def _train(self, phases, uploads: dict, cohort: np.ndarray, lr: float, t: int) -> None:
+        """The server's own training after aggregation (``Algorithm.server_program``): the global model trained on
+        the public stream as a cohort of one, against the payload ``exchange`` makes of the uploaded models'
+        logits on the stream."""
+        g = self.groups[0]
+        g.module.train()
+        x = self.transform(self.public.x)
+        logits = g.trainer.outputs(x, uploads["model"], g.global_buffers_like(len(cohort)), self.batch)
+        shared = self.algo.exchange(self.state, logits, torch.as_tensor(cohort, device=self.device), t)
+        one = tmap(lambda v: v.unsqueeze(0), self.state["model"])
+        trained = g.trainer.server_train(one, {**self.algo.broadcast(self.state, t), **shared}, phases,
+                                         g.global_buffers_like(1), lr=lr, seed=self.cfg.seed, round_idx=t)
+        self.state = {**self.state, "model": tmap(lambda v: v[0], trained)}
+
+    def _track_plateau(self, t: int, loss: float) -> None:
+        """``train.optimizer.plateau``: torch's ReduceLROnPlateau on the cohort's mean loss (relative threshold
+        1e-4) from the ``skip``-th round (of the run, or of each task) on; a new task starts it afresh."""
+        opt = self.cfg.train.optimizer
+        if opt.plateau is None:
+            return
+        p, pc = self.plateau, opt.plateau
+        if (t % self.calendar.rounds_per_task if self.calendar is not None else t) >= pc.skip:
+            if loss < p["best"] * (1 - 1e-4):
+                p["best"], p["bad"] = loss, 0
+            else:
+                p["bad"] += 1
+            if p["bad"] > pc.patience:
+                floor = pc.min_lr / opt.lr_at(t + 1)
+                p["scale"], p["bad"] = min(p["scale"], max(p["scale"] * pc.factor, floor)), 0
+        if self.calendar is not None and self.calendar.task_ends(t):
+            self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
