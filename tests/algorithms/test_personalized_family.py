@@ -18,7 +18,7 @@ from fedmosaic.algorithms.fedkd import truncated_svd
 from fedmosaic.algorithms.fedpac import collaboration_weights, simplex_projection
 from fedmosaic.algorithms.pfedsrb import soft_threshold
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.local import view_offsets
+from fedmosaic.engine.plans import view_offsets
 from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run
 from fedmosaic.errors import ConfigError
 from fedmosaic.protocol.algorithm import Algorithm
@@ -346,7 +346,7 @@ def test_summary_picks_the_round_by_validation_never_by_test():
 def test_a_client_with_nothing_to_pair_with_trains_without_error(fd):
     """FedMeta on a client whose one sample is all support (no query): its paired batches are empty, so its
     meta-gradient is 0 and its model does not move — in a cohort where no client has query samples."""
-    from fedmosaic.engine.local import ClientTensors
+    from fedmosaic.engine.tensors import ClientTensors
 
     fed = Federation(make_cfg(algorithm={"name": "fedmeta"}), fd)
     g, tr = fed.groups[0], fed.split["train"]

@@ -14,10 +14,11 @@ from ..errors import ConfigError
 from ..models import build_model, parameter_count
 from ..protocol.tree import tmap
 from .execution import Execution
-from .local import ClientTensors, LocalTrainer
+from .local import LocalTrainer
 from .mapping import for_each_client
 from .preflight import check_fits
 from .seeding import INIT, PUBLIC, rng
+from .tensors import ClientTensors
 
 
 class Group:

@@ -22,9 +22,9 @@ from ..protocol.tree import all_finite, put, take, tmap
 from . import evaluate as ev
 from . import memory as mem
 from .build import Group
-from .local import ClientTensors
 from .mapping import for_each_client
 from .seeding import MEMORY, rng
+from .tensors import ClientTensors
 
 
 class NonFiniteLoss(FedMosaicError):

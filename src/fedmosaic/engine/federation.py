@@ -27,7 +27,6 @@ from .build import Group, build_extra, build_groups, build_public, client_store,
 from .calendar import TaskCalendar
 from .client import ClientRuntime, ids_of
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
-from .local import ClientTensors
 from .pools import InProcessPool, WirePool, order_parts, traffic
 from .preflight import (
     check_evaluation,
@@ -40,13 +39,14 @@ from .preflight import (
 )
 from .seeding import POOL, TASKS, rng
 from .server import ServerRuntime
+from .tensors import ClientTensors
 from .transforms import make_normalizer
 
 
 class Federation:
     """A run in one process: it builds the data, the architecture groups and the algorithm, then drives every
     round as messages between the server side (``server.ServerRuntime``: server state, BatchNorm statistics,
-    schedule, cohorts, exchange, aggregation) and the clients in a pool (``pools``: ``ClientRuntime``\ s), and
+    schedule, cohorts, exchange, aggregation) and the clients in a pool (``pools``: client runtimes), and
     evaluates. Neither side touches the other's state; this class only carries the messages and keeps the
     simulation's view (the global test set, the clients' label histograms for in/out-local accuracy)."""
 

@@ -1,8 +1,11 @@
 """Local training of a cohort: every client's steps run in lockstep through one mapped step function.
 
-A round is the algorithm's program (:mod:`.program`): phases, each with its batch plan (built by :meth:`_plan`) and
-run by one step runner (:meth:`_run_phase`), with per-client updates between phases and probes at the received or the
-final parameters.
+A round is the algorithm's program (:mod:`fedmosaic.protocol.program`): phases, each with its batch plan
+(``plans.py``) and run by one step runner (:meth:`LocalTrainer._run_phase`), with per-client updates between phases
+and probes at the received or the final parameters (``probes.py``). The jobs live in their own files: the batch
+plans (``plans.py``), the forward pass and gradient functions (``objective.py``), the looped tail (``looped.py``),
+the probes (``probes.py``); this one schedules the steps (the cohort's round, its phases, the lockstep runner with
+packing and fused blocks).
 
 Ragged cohorts: a client's step count is E * ceil(n_k / B), so one large client sets the number of lockstep steps.
 Clients that have finished are *packed out*: the mapped step only sees the active clients (re-packed whenever the
@@ -19,25 +22,25 @@ vmapped step has a fixed framework overhead worth several plain single-client st
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 import torch
-from torch.func import functional_call, grad
-from torch.nn.utils.stateless import _reparametrize_module
-from torch.utils import _pytree as pytree
 
 from ..errors import ConfigError
 from ..protocol.algorithm import Algorithm
-from ..protocol.context import LocalContext, TaskLoss
-from ..protocol.program import Phase, Probe, Step, View
+from ..protocol.context import TaskLoss
+from ..protocol.program import Phase, Probe, Step
 from ..protocol.tree import leaves, put, take, tmap
 from . import augment, optim
 from .augment import AugmentConfig
+from .looped import LOOP_ALWAYS, LoopedSteps
 from .mapping import for_each_client
-from .seeding import FINETUNE, SERVER, TASK_END, VIEWS, WARMUP, batch_plan, rng
+from .objective import TERMS, Objective, _sub
+from .plans import SHARED, plan_phase
+from .probes import Probes
+from .seeding import FINETUNE, SERVER, TASK_END, WARMUP
+from .tensors import ClientTensors, cat_trees, gather
 
 
 class Trained(NamedTuple):
@@ -50,87 +53,29 @@ class Trained(NamedTuple):
     terms: dict  # per named part of the objective (``LocalContext.term``) its mean over each client's steps, [n]
 
 
-@dataclass
-class ClientTensors:
-    """One split of the federated data on the training device: samples of client k are rows ptr[k]:ptr[k+1].
+class PhaseResult(NamedTuple):
+    """A phase of a cohort's round: the trained trees and states, its batch plan, and per client the sum of its
+    first update's losses, its steps and its accumulated statistics."""
 
-    ``subset`` (client -> offsets inside its rows, sorted): the samples a client may train on this round when not
-    all of them (the current task of a class-incremental stream); a client it does not list has none."""
-
-    x: torch.Tensor
-    y: torch.Tensor
-    ptr: np.ndarray
-    subset: dict | None = None
-
-    @property
-    def sizes(self) -> np.ndarray:
-        return np.diff(self.ptr)
-
-    def available(self, clients: np.ndarray) -> list[np.ndarray] | None:
-        """Per client the offsets of ``subset`` (None: every sample of every client)."""
-        if self.subset is None:
-            return None
-        return [self.subset.get(int(k), np.zeros(0, dtype=np.int64)) for k in clients]
-
-    def counts(self, clients: np.ndarray) -> np.ndarray:
-        """The samples each client may train on."""
-        base = self.available(clients)
-        return self.sizes[clients] if base is None else np.array([len(b) for b in base], dtype=np.int64)
-
-    def hosting(self, clients: np.ndarray) -> ClientTensors:
-        """The rows of ``clients`` only (sorted ids), every other client's range left empty: client ids keep their
-        meaning on a runtime that hosts some of the clients."""
-        clients = np.sort(clients)
-        rows = np.concatenate([np.arange(self.ptr[k], self.ptr[k + 1]) for k in clients] or [np.zeros(0, int)])
-        sizes = np.zeros(len(self.ptr) - 1, dtype=np.int64)
-        sizes[clients] = self.sizes[clients]
-        idx = torch.as_tensor(rows, device=self.x.device)
-        return ClientTensors(self.x[idx], self.y[idx], np.concatenate([[0], np.cumsum(sizes)]),
-                             None if self.subset is None else {k: v for k, v in self.subset.items() if k in clients})
+    params: dict
+    states: dict
+    plan: dict
+    loss: torch.Tensor
+    steps: np.ndarray
+    acc: dict
 
 
-def cat_trees(trees: list):
-    """The trees concatenated along the client axis (one tree: itself, not a copy — of a CNN cohort's uploads
-    that copy costs as much as several training steps' optimiser updates)."""
-    if len(trees) == 1:
-        return trees[0]
-    return tmap(lambda *ts: torch.cat(ts), *trees)
+class Packed(NamedTuple):
+    """The active clients' rows of everything the step runner indexes by client (optimiser state per update)."""
+
+    params: dict
+    opt: list
+    states: dict
+    buffers: dict
+    own: dict
 
 
-def view_offsets(view: View, n: int, seed: int, client: int, round_idx: int) -> np.ndarray:
-    """The offsets (inside the client's train range) of the samples ``view`` selects for ``client``."""
-    if view.part == "all":
-        return np.arange(n)
-    cut = min(n, int(np.ceil(view.frac * n)))
-    if view.part == "sample":
-        return np.sort(rng(seed, VIEWS, 1, round_idx, client).choice(n, size=cut, replace=False))
-    order = rng(seed, VIEWS, 0, client).permutation(n)
-    return np.sort(order[:cut] if view.part == "support" else order[cut:])
-
-
-def _gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """``t[idx]`` for an index tensor of any shape (index_select: a fraction of advanced indexing's overhead)."""
-    return t.index_select(0, idx.reshape(-1)).view(*idx.shape, *t.shape[1:])
-
-
-#: The "client" whose batch order every client follows on the public stream (beyond any real client id).
-SHARED = 2**40
-
-#: Looped clients' batches are gathered this many steps at a time.
-LOOP_BLOCK = 64
-
-#: ``loop_below`` of the sequential path: every step is looped.
-LOOP_ALWAYS = 2**62
-
-#: The key of the objective's named parts (``LocalContext.term``) among a step's accumulated statistics.
-TERMS = "_terms"
-
-
-def _sub(params: dict, slots) -> dict:
-    return params if slots is None else {k: params[k] for k in slots}
-
-
-class LocalTrainer:
+class LocalTrainer(Objective, LoopedSteps, Probes):
     """Runs the local rounds of a cohort for one architecture.
 
     Per step: the per-client gradient function (objective = the algorithm's terms) is mapped over the active
@@ -184,124 +129,6 @@ class LocalTrainer:
 
     def _each(self, fn, dims, fresh=False):
         return for_each_client(fn, dims, self.vectorize, fresh)
-
-    def apply(self, params, x, buffers=None, slot=None):
-        """(features, logits); ``buffers`` (BatchNorm running statistics) are the client's, updated in place.
-        ``slot``: a slot with an architecture of its own (``extra``) runs that module (it has no buffers)."""
-        if slot in self.extra:
-            return functional_call(self.extra[slot], params, (x,), {"with_features": True})
-        if params is self._bound:  # a looped client's parameters, already in the module (:meth:`_bound_to`)
-            return self.module(x, with_features=True)
-        return functional_call(self.module, {**params, **(buffers or {})}, (x,), {"with_features": True},
-                               tie_weights=self._ties)
-
-    def frozen(self, params, x, buffers=None):
-        """(features, logits) of a teacher: no gradient, and with BatchNorm in eval mode on the teacher's own
-        running statistics ``buffers``, which nothing updates (:meth:`LocalContext.teacher`)."""
-        with torch.no_grad():
-            if not self._has_buffers:  # eval and train mode compute the same: no mode switch, nothing to pass
-                return self.apply(params, x)
-            if not buffers:
-                raise ValueError("a teacher of a model with buffers (BatchNorm) needs its running statistics")
-            was = self.module.training
-            self.module.eval()
-            try:
-                return self.apply(params, x, buffers)
-            finally:
-                self.module.train(was)
-
-    # ---- per-client functions -----------------------------------------------------------------------
-    def _ctx(self, params, state, payload, x, y, mask, pair, buffers, full=False) -> LocalContext:
-        return LocalContext(partial(self.apply, buffers=buffers), params, state, payload, x, y, mask, self.task_loss,
-                            pair or None, full, self.frozen)
-
-    def _grad_fn(self, step: Step, objective=None, with_acc: bool = True):
-        """The mapped gradient function of one update (cached): grads of its slots, loss, accumulated stats."""
-        key = (step, objective, with_acc)
-        if key not in self._fns:
-            objective = objective or step.objective or self.algo.loss
-            dims = (0, 0, None, 0, 0, 0, 0, 0, 0)
-            if self.vectorize and not self.compile:  # the objectives mapped forward, one backward for all clients
-                fwd = self._each(partial(self._client_loss, objective=objective, with_acc=with_acc), dims)
-                self._fns[key] = partial(self._stacked_grads, fwd, slots=step.slots)
-            else:  # compiled: torch.func.grad under vmap (what torch.compile traces); looped: plain autograd
-                fn = partial(self._client_grads if self.vectorize else self._client_autograd, objective=objective,
-                             slots=step.slots, with_acc=with_acc)
-                self._fns[key] = self._each(fn, dims)
-        return self._fns[key]
-
-    def _client_loss(self, params, state, shared, own, x, y, mask, pair, buffers, objective, with_acc):
-        """One client's objective and accumulated stats (mapped forward of :meth:`_stacked_grads`)."""
-        ctx = self._ctx(params, state, {**shared, "own": own}, x, y, mask, pair, buffers)
-        loss = objective(ctx)
-        return loss, (self._stats(ctx) if with_acc else {})
-
-    def _stacked_grads(self, fwd, params, state, shared, own, x, y, mask, pair, buffers, slots):
-        """Every client's gradient at once: the objectives mapped forward, then one backward of their sum, whose
-        gradient in each client's rows is that client's own (the clients share no parameter) — the numbers of
-        ``vmap(grad(...))`` without functorch's wrapping at every step (and its one-second import of
-        torch._dynamo on the first call)."""
-        tree, live, _ = self._live(params, slots)
-        with torch.enable_grad():
-            loss, acc = fwd(tree, state, shared, own, x, y, mask, pair, buffers)
-        grads = self._grad_list(loss.sum(), live)
-        return pytree.tree_unflatten(grads, pytree.tree_structure(_sub(params, slots))), loss.detach(), acc
-
-    def _client_grads(self, params, state, shared, own, x, y, mask, pair, buffers, objective, slots, with_acc):
-        payload = {**shared, "own": own}
-        held = {k: tmap(torch.detach, v) for k, v in params.items() if slots is not None and k not in slots}
-
-        def f(p, b):  # buffers are an argument, not captured: torch.func allows in-place updates of inputs only
-            ctx = self._ctx({**held, **p}, state, payload, x, y, mask, pair, b)
-            loss = objective(ctx)
-            return loss, (loss.detach(), self._stats(ctx) if with_acc else {})
-
-        grads, (loss, acc) = grad(f, has_aux=True)(_sub(params, slots), buffers)
-        return grads, loss, acc
-
-    def _client_autograd(self, params, state, shared, own, x, y, mask, pair, buffers, objective, slots, with_acc):
-        """:meth:`_client_grads` of one client with plain autograd (the looped mapped function: probes, and every
-        gradient on the sequential path)."""
-        tree, live, _ = self._live(params, slots)
-        grads, loss, acc = self._autograd(tree, live, state, {**shared, "own": own}, x, y, mask, pair, buffers,
-                                          objective, with_acc)
-        return pytree.tree_unflatten(grads, pytree.tree_structure(_sub(params, slots))), loss, acc
-
-    def _stats(self, ctx: LocalContext) -> dict:
-        """What a step adds up over the round (detached): the algorithm's ``accumulate`` and, under ``TERMS``, the
-        named parts of its objective (``ctx.term``)."""
-        acc = self.algo.accumulate(ctx)
-        if ctx.terms:
-            acc = {**acc, TERMS: ctx.terms}
-        return tmap(torch.detach, acc)
-
-    @staticmethod
-    def _live(params, slots):
-        """(the trainable trees as an objective sees them, the leaves of ``slots`` in it — autograd leaves that
-        share memory with ``params`` —, the leaves of ``slots`` in ``params``) for one client."""
-        flat, spec = pytree.tree_flatten(_sub(params, slots))
-        live = [t.detach().requires_grad_() for t in flat]
-        held = {k: v for k, v in params.items() if slots is not None and k not in slots}
-        return {**held, **pytree.tree_unflatten(live, spec)}, live, flat
-
-    def _autograd(self, tree, live, state, payload, x, y, mask, pair, buffers, objective, with_acc, full=False):
-        """Gradients (a list, zeros for leaves the objective does not touch, as with torch.func), loss and
-        accumulated stats of one client, with plain autograd: the numbers of :meth:`_client_grads` without
-        functorch's wrapping, which costs more than the whole step of a small model. ``full``: no padding in
-        the batch."""
-        with torch.enable_grad():
-            ctx = self._ctx(tree, state, payload, x, y, mask, pair, buffers, full)
-            loss = objective(ctx)
-            acc = self._stats(ctx) if with_acc else {}
-        return self._grad_list(loss, live), loss.detach(), acc
-
-    @staticmethod
-    def _grad_list(loss: torch.Tensor, live: list) -> list:
-        """d loss / d ``live``, with zeros for leaves the loss does not touch (as torch.func gives them)."""
-        grads = torch.autograd.grad(loss, live, allow_unused=True) if loss.requires_grad else [None] * len(live)
-        if any(g is None for g in grads):
-            grads = [torch.zeros_like(p) if g is None else g for p, g in zip(live, grads, strict=True)]
-        return list(grads)
 
     # ---- a cohort's round -----------------------------------------------------------------------------
     def train(self, data: ClientTensors, clients: np.ndarray, payload: dict, states, buffers, *, lr: float,
@@ -455,55 +282,10 @@ class LocalTrainer:
         return Trained(uploads, new_states, mean_loss, step_sum, per_step)
 
     # ---- one phase ---------------------------------------------------------------------------------------
+
     def _plan(self, data, clients, phase: Phase, p: int, seed: int, round_idx: int, keys: tuple) -> dict:
-        """The phase's batches as device tensors, step-major (a step's slice is contiguous: torch.compile guards
-        on strides): ``rows``/``mask`` [S, n, B], augmentation ``draws``, the paired batch's ``rows2``/``mask2``,
-        and per client ``steps`` and ``per_epoch`` (numpy)."""
-        dev, batch = data.x.device, phase.batch or self.batch
-        public = phase.view.part == "public"
-        base = None  # the samples each client may draw from (a subset of its rows: the current task), or all
-        if public:  # one stream for everybody: the same samples in the same order for every client
-            sizes, start = np.full(len(clients), len(data.y)), np.zeros(len(clients), dtype=np.int64)
-        else:
-            base, sizes, start = data.available(clients), data.counts(clients), data.ptr[clients]
-        k = p if phase.key is None else phase.key
-        keys = keys + ((k,) if k else ())  # schedule 0 (the first phase by default) is the single-phase order
-        epochs = phase.epochs or self.epochs
-
-        def rows_of(view, extra, steps, batch=batch):
-            offs = None if view.part in ("all", "public") else [view_offsets(view, int(n), seed, int(k), round_idx)
-                                                                for n, k in zip(sizes, clients, strict=True)]
-            counts = sizes if offs is None else np.array([len(o) for o in offs], dtype=np.int64)
-            who = np.full(len(clients), SHARED) if public else clients
-            pos, valid, st = batch_plan(counts, who, epochs, batch, seed, round_idx, keys + extra, steps)
-            if offs is not None:
-                for i, o in enumerate(offs):
-                    pos[i] = o[pos[i]] if len(o) else 0
-            if base is not None:
-                for i, b in enumerate(base):
-                    pos[i] = b[pos[i]] if len(b) else 0
-            rows = np.where(valid, start[:, None, None] + pos, start[:, None, None]).transpose(1, 0, 2).copy()
-            mask = valid.transpose(1, 0, 2).copy()
-            return (torch.as_tensor(rows, device=dev), torch.as_tensor(mask, dtype=torch.float32, device=dev),
-                    st, -(-counts // batch))
-
-        if phase.pair is not None and phase.pair.part == "next":  # batches of 2B, halved: D and D' never overlap
-            rows, mask, steps, per_epoch = rows_of(phase.view, (), phase.steps, 2 * batch)
-            plan = {"rows": rows[..., :batch].contiguous(), "mask": mask[..., :batch].contiguous(),
-                    "rows2": rows[..., batch:].contiguous(), "mask2": mask[..., batch:].contiguous()}
-        else:
-            rows, mask, steps, per_epoch = rows_of(phase.view, (), phase.steps)
-            plan = {"rows": rows, "mask": mask}
-        plan.update(steps=steps, per_epoch=per_epoch, batch=batch)
-        if phase.pair is not None and phase.pair.part != "next":
-            rows2, mask2, *_ = rows_of(phase.pair, (1,), steps)
-            short = len(rows) - len(rows2)  # clients with nothing to pair with (e.g. no query samples) take none
-            plan["rows2"] = torch.cat([rows2, rows[:short]]) if short else rows2
-            plan["mask2"] = torch.cat([mask2, torch.zeros_like(mask[:short])]) if short else mask2
-        if self.augment is not None and not public:  # (the public stream is not augmented)
-            plan["draws"] = augment.draw(self.augment, clients, steps, batch, data.x.shape[1:], seed, round_idx,
-                                         keys).to(dev)
-        return plan
+        return plan_phase(data, clients, phase, p, seed, round_idx, keys, phase.batch or self.batch,
+                          phase.epochs or self.epochs, self.augment)
 
     def _phase(self, data, clients, params, states, payload, own, buffers, phase, p, lr, seed, round_idx, keys,
                probes=(), stats=None):
@@ -525,7 +307,7 @@ class LocalTrainer:
             steps = self._repeat(data, plan, params, states, payload, own, buffers, phase, lr, loss, acc, last)
         if phase.after is not None:
             params, states = self._hook(phase.after)(params, states, payload, own)
-        return params, states, plan, loss, steps, acc
+        return PhaseResult(params, states, plan, loss, steps, acc)
 
     def _repeat(self, data, plan, params, states, payload, own, buffers, phase: Phase, lr, loss, acc, last):
         """``Phase.until``: the plan's batches run again, lockstep, by the clients not yet done (their rows taken
@@ -580,7 +362,7 @@ class LocalTrainer:
         active = np.arange(n)
         ia, real = torch.as_tensor(active, device=dev), n
         opt = [optim.init_state(self._opt(u), leaves(_sub(params, u.slots))) for u in updates]
-        packed = (params, opt, states, buffers, own)
+        packed = Packed(params, opt, states, buffers, own)
         finish_at = set(steps.tolist())
         S = int(steps.max()) if n else 0
         block0 = fused_until = 0  # steps block0..fused_until-1 run in fused blocks of ``self.fuse``
@@ -588,13 +370,13 @@ class LocalTrainer:
         for s in range(S):
             if s in finish_at or (s == 0 and fast and n & (n - 1)):
                 now = np.flatnonzero(steps > s)
-                if packed[0] is not params:  # write the finished clients' rows back
-                    put((params, buffers), ia, tmap(lambda t: t[:real], (packed[0], packed[3])))
+                if packed.params is not params:  # write the finished clients' rows back
+                    put((params, buffers), ia, tmap(lambda t: t[:real], (packed.params, packed.buffers)))
                 keep = np.searchsorted(active, now)
                 if fast:
                     keep = np.concatenate([keep, np.full((1 << (len(keep) - 1).bit_length()) - len(keep), keep[0])])
                 keep = torch.as_tensor(keep, device=dev)
-                packed = tuple(take(t, keep) for t in packed)
+                packed = Packed(*(take(t, keep) for t in packed))
                 # only the steps still to come: repacking then costs O(what remains), not O(the whole plan)
                 tensors = {k: t[s - s0 :].index_select(1, keep) for k, t in tensors.items()}
                 for k in ("mask", "mask2"):
@@ -636,8 +418,8 @@ class LocalTrainer:
                 if acc_sum is None:
                     acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=dev), acc)
                 tmap(lambda a, b: a.index_add_(0, ia, b[:real]), acc_sum, acc)
-        if packed[0] is not params:
-            put((params, buffers), ia, tmap(lambda t: t[:real], (packed[0], packed[3])))
+        if packed.params is not params:
+            put((params, buffers), ia, tmap(lambda t: t[:real], (packed.params, packed.buffers)))
         return loss_sum, acc_sum if acc_sum is not None else {}
 
     def _opt(self, u: Step) -> optim.OptimizerConfig:
@@ -652,140 +434,20 @@ class LocalTrainer:
             for t in params:
                 t.clamp_(*u.clamp)
 
-    def _loop_rows(self, packed, real, steps, updates, payload) -> list:
-        """For each of the first ``real`` clients of ``packed``: its payload, state and buffers, and per update of
-        ``steps`` the trees its objective sees, their autograd leaves, the leaves to update (views of the stacked
-        parameters: updates land in them) and its optimiser state (views too). Made once per packing."""
-        rows = []
-        for j in range(real):
-            p, o, st, b, own = tmap(lambda t, j=j: t[j], packed)
-            per = [(*self._live(p, u.slots), o[updates.index(u)], u.objective or self.algo.loss) for u in steps]
-            rows.append(({**payload, "own": own}, st, b, per))
-        return rows
-
-    def _loop_rest(self, data, tensors, s, s0, packed, real, left, steps, updates, payload, lr):
-        """Every remaining step (``left[j]`` from step ``s`` on) of the first ``real`` clients of ``packed``,
-        client after client — its parameters stay in cache, its batches are gathered ``LOOP_BLOCK`` steps at a
-        time —, with plain autograd and in-place updates of its rows. Returns per client the sums of the first
-        update's losses and of its accumulated stats over those steps, and that loss at its last step."""
-        losses, accs, lasts = [], [], []
-        for j, row in enumerate(self._loop_rows(packed, real, steps, updates, payload)):
-            with self._bound_to(row[3]):
-                ls, acs = self._loop_client(data, tensors, s, s0, j, int(left[j]), row, steps, lr)
-            losses.append(torch.stack(ls).sum())
-            lasts.append(ls[-1])
-            accs.append(tmap(lambda *ts: torch.stack(ts).sum(0), *acs) if acs[0] else {})
-        return (torch.stack(losses), (tmap(lambda *ts: torch.stack(ts), *accs) if accs[0] else {}),
-                torch.stack(lasts))
-
-    def _loop_client(self, data, tensors, s, s0, j, left, row, steps, lr):
-        """The ``left`` steps from step ``s`` of packed client ``j``: its losses and stats of the first update."""
-        payload, st, b, per = row
-        ls, acs = [], []
-        for lo in range(0, left, LOOP_BLOCK):
-            hi = min(left, lo + LOOP_BLOCK)
-            x, y, m, pair = self._batch(data, tensors, (slice(s - s0 + lo, s - s0 + hi), j))
-            # a batch's real samples come first: a partial batch is cut to them instead of computing padding
-            cut, full = self._cuts(m, x.shape[1])
-            cut2 = self._cuts(pair[2], pair[0].shape[1])[0] if pair else None
-            for k in range(hi - lo):
-                xk, yk, mk = (x[k], y[k], m[k]) if cut[k] is None else (x[k, : cut[k]], y[k, : cut[k]],
-                                                                          m[k, : cut[k]])
-                pk = tuple(t[k] if cut2[k] is None else t[k, : cut2[k]] for t in pair)
-                if self.channels_last:
-                    xk, pk = self._nhwc(xk), tuple(self._nhwc(t) if i == 0 else t for i, t in enumerate(pk))
-                for i, (u, (tree, live, flat, opt, objective)) in enumerate(zip(steps, per, strict=True)):
-                    grads, loss, acc = self._autograd(tree, live, st, payload, xk, yk, mk, pk, b, objective, i == 0,
-                                                      full[k])
-                    self._update(u, flat, grads, opt, lr, s + lo + k)
-                    if i == 0:
-                        ls.append(loss)
-                        acs.append(acc)
-        return ls, acs
-
-    @contextlib.contextmanager
-    def _bound_to(self, per):
-        """While one looped client trains: its ``model`` tree put in the module once, rather than swapped in and
-        out by ``functional_call`` at every step (a sixth of a small model's step). Only for a phase of one update
-        (several updates train different trees) of a model without buffers (they are passed along per call)."""
-        tree = per[0][0].get("model") if len(per) == 1 and not self._has_buffers else None
-        if tree is None:
-            yield
-            return
-        with _reparametrize_module(self.module, tree, tie_weights=self._ties):
-            self._bound = tree
-            try:
-                yield
-            finally:
-                self._bound = None
-
-    @staticmethod
-    def _nhwc(x: torch.Tensor) -> torch.Tensor:
-        return x.contiguous(memory_format=torch.channels_last) if x.dim() == 4 else x
-
-    def _cuts(self, mask: torch.Tensor, batch: int) -> tuple[list, list]:
-        """Per step of ``mask`` [K, B]: the number of real samples when the batch is partial, else None; and
-        whether every sample left after the cut is real. Not with buffers: BatchNorm's batch statistics have always
-        included the padding rows, and keep doing so."""
-        counts = mask.sum(1).to(torch.int64).tolist()
-        if self._has_buffers:
-            return [None] * len(counts), [c == batch for c in counts]
-        return [c if 0 < c < batch else None for c in counts], [c > 0 for c in counts]
 
     def _batch(self, data, plan, at):
         """Inputs, labels and mask of the step(s) ``at`` and the paired batch's (or ()), transformed and
         augmented."""
         r = plan["rows"][at]
-        x = self.transform(_gather(data.x, r))
+        x = self.transform(gather(data.x, r))
         if "draws" in plan:
             x = augment.apply(self.augment, x, plan["draws"][at], self.pad_fill)
         if "rows2" not in plan:
-            return x, _gather(data.y, r), plan["mask"][at], ()
+            return x, gather(data.y, r), plan["mask"][at], ()
         r2 = plan["rows2"][at]
-        return (x, _gather(data.y, r), plan["mask"][at],
-                (self.transform(_gather(data.x, r2)), _gather(data.y, r2), plan["mask2"][at]))
+        return (x, gather(data.y, r), plan["mask"][at],
+                (self.transform(gather(data.x, r2)), gather(data.y, r2), plan["mask2"][at]))
 
-    def _probe(self, data, plan, params, states, payload, own, buffers, probe: Probe):
-        """Per client: the mean squared minibatch gradient (``grad_sq``) or the gradient of the mean loss
-        (``grad``) over its first batches of ``plan``."""
-        if probe.samples is not None:
-            m = -(-probe.samples // plan["batch"])
-            masks = plan["mask"][:m]
-        else:  # one pass: each client's first epoch
-            m = int(plan["per_epoch"].max(initial=0))
-            first = torch.as_tensor(np.arange(m)[:, None] < plan["per_epoch"][None, :], device=data.x.device)
-            masks = plan["mask"][:m] * first[..., None]
-        if probe.kind == "sums":
-            return self._probe_sums(data, plan["rows"][:m], masks, params, states, payload, own, buffers,
-                                    probe.objective or self.algo.accumulate)
-        fn = self._grad_fn(Step(probe.slots), probe.objective or self.algo.post_grad_loss, with_acc=False)
-        total, count = None, torch.zeros(len(plan["steps"]), device=data.x.device)
-        for r, mk in zip(plan["rows"][:m], masks):
-            # on copies of the buffers: these extra forward passes must not move the running statistics
-            grads, _, _ = fn(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
-                             tmap(torch.clone, buffers))
-            w = (mk.sum(1) > 0).to(mk.dtype) if probe.kind == "grad_sq" else mk.sum(1)
-            part = tmap(lambda g: (g * g if probe.kind == "grad_sq" else g) * w.view(-1, *([1] * (g.dim() - 1))),
-                        grads)
-            total = part if total is None else tmap(torch.add, total, part)
-            count += w
-        if total is None:
-            return tmap(torch.zeros_like, _sub(params, probe.slots))
-        return tmap(lambda t: t / count.clamp(min=1).view(-1, *([1] * (t.dim() - 1))), total)
-
-    @torch.no_grad()
-    def _probe_sums(self, data, rows, masks, params, states, payload, own, buffers, fn):
-        """Per client: the sums of ``fn(ctx)`` (a dict of per-batch sums) over the batches ``rows`` (masked)."""
-        mapped = self._each(partial(self._client_sums, fn=fn), (0, 0, None, 0, 0, 0, 0, 0, 0))
-        total = None
-        for r, mk in zip(rows, masks):
-            part = mapped(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
-                          tmap(torch.clone, buffers))  # (copies: these passes must not move running statistics)
-            total = part if total is None else tmap(torch.add, total, part)
-        return total
-
-    def _client_sums(self, params, state, shared, own, x, y, mask, pair, buffers, fn):
-        return tmap(torch.detach, fn(self._ctx(params, state, {**shared, "own": own}, x, y, mask, pair, buffers)))
 
     def _k_steps(self, params, opt_state, state, payload, own, xs, ys, ms, buffers, lr, step):
         """``len(xs)`` consecutive steps of the packed clients (compiled as one graph; updates in place)."""

@@ -19,8 +19,8 @@ from ..protocol.tree import leaves, tmap, weighted_mean
 from .build import Group
 from .calendar import TaskCalendar
 from .client import ids_of
-from .local import ClientTensors, cat_trees
 from .seeding import sample_cohort
+from .tensors import ClientTensors, cat_trees
 
 
 def average_buffers(stacked: dict, weights: torch.Tensor) -> dict:

@@ -1,0 +1,60 @@
+"""Probes: passes over a client's batches at the received or the final parameters that compute without training —
+the mean squared minibatch gradient (FedCurv's Fisher), the gradient of the mean loss (APFL-PD's importance) or
+sums of a function of the batch (FedPAC's and ProtoFCL's per-class feature sums)."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+
+from ..protocol.program import Probe, Step
+from ..protocol.tree import tmap
+from .objective import _sub
+
+
+class Probes:
+    """The probes of :class:`~.local.LocalTrainer` (a part of it)."""
+
+    def _probe(self, data, plan, params, states, payload, own, buffers, probe: Probe):
+        """Per client: the mean squared minibatch gradient (``grad_sq``) or the gradient of the mean loss
+        (``grad``) over its first batches of ``plan``."""
+        if probe.samples is not None:
+            m = -(-probe.samples // plan["batch"])
+            masks = plan["mask"][:m]
+        else:  # one pass: each client's first epoch
+            m = int(plan["per_epoch"].max(initial=0))
+            first = torch.as_tensor(np.arange(m)[:, None] < plan["per_epoch"][None, :], device=data.x.device)
+            masks = plan["mask"][:m] * first[..., None]
+        if probe.kind == "sums":
+            return self._probe_sums(data, plan["rows"][:m], masks, params, states, payload, own, buffers,
+                                    probe.objective or self.algo.accumulate)
+        fn = self._grad_fn(Step(probe.slots), probe.objective or self.algo.post_grad_loss, with_acc=False)
+        total, count = None, torch.zeros(len(plan["steps"]), device=data.x.device)
+        for r, mk in zip(plan["rows"][:m], masks):
+            # on copies of the buffers: these extra forward passes must not move the running statistics
+            grads, _, _ = fn(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
+                             tmap(torch.clone, buffers))
+            w = (mk.sum(1) > 0).to(mk.dtype) if probe.kind == "grad_sq" else mk.sum(1)
+            part = tmap(lambda g: (g * g if probe.kind == "grad_sq" else g) * w.view(-1, *([1] * (g.dim() - 1))),
+                        grads)
+            total = part if total is None else tmap(torch.add, total, part)
+            count += w
+        if total is None:
+            return tmap(torch.zeros_like, _sub(params, probe.slots))
+        return tmap(lambda t: t / count.clamp(min=1).view(-1, *([1] * (t.dim() - 1))), total)
+
+    @torch.no_grad()
+    def _probe_sums(self, data, rows, masks, params, states, payload, own, buffers, fn):
+        """Per client: the sums of ``fn(ctx)`` (a dict of per-batch sums) over the batches ``rows`` (masked)."""
+        mapped = self._each(partial(self._client_sums, fn=fn), (0, 0, None, 0, 0, 0, 0, 0, 0))
+        total = None
+        for r, mk in zip(rows, masks):
+            part = mapped(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
+                          tmap(torch.clone, buffers))  # (copies: these passes must not move running statistics)
+            total = part if total is None else tmap(torch.add, total, part)
+        return total
+
+    def _client_sums(self, params, state, shared, own, x, y, mask, pair, buffers, fn):
+        return tmap(torch.detach, fn(self._ctx(params, state, {**shared, "own": own}, x, y, mask, pair, buffers)))
