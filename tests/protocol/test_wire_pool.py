@@ -6,6 +6,7 @@ the looped path there)."""
 from __future__ import annotations
 
 import io
+import json
 import math
 
 import pytest
@@ -26,11 +27,12 @@ def config(algo: dict, over: dict, backend: str):
     return with_overrides(raw)
 
 
-def records(fed: Federation, rounds) -> list[dict]:
-    """Per round its record and evaluation; over the wire, also that the round's bytes are those that travelled."""
+def records(fed: Federation, rounds, one_per_client: bool = True) -> list[dict]:
+    """Per round its record and evaluation; over the wire with one runtime per client (each client its own device,
+    as the record counts them), also that the round's bytes are those that travelled."""
     out = []
     for t in rounds:
-        before = wired(fed)
+        before = wired(fed) if one_per_client else None
         rec = fed.round(t)
         if before is not None:
             after = wired(fed)
@@ -101,6 +103,29 @@ def test_a_checkpoint_resumes_in_the_other_pool(algo, over):
         close({k: v for k, v in whole[2].items() if not k.startswith("time")}, records(after, [2])[0], 0.0)
 
 
+def test_runtimes_hosting_shards_of_clients_answer_as_one_runtime_hosting_all():
+    """Client ids keep their meaning on a runtime that hosts some clients (its data splits keep every client's
+    range, empty for the others): shards {0, 1, 2} and {3, 4, 5} of a two-architecture run (clients alternate
+    between the architectures) give the numbers of the in-process pool."""
+    algo, over = PROTOCOL_CASES[8]  # AHF: two architectures, a warm-up, an exchange
+    cfg = config(algo, over, "sequential")
+    fd = build(data_spec(cfg))
+    local, sharded = Federation(cfg, fd), Federation(cfg, fd)
+    sharded.pool = sharded._wire_pool([[2, 0, 1], [3, 5, 4]])
+    assert [sorted(rt.clients.tolist()) for rt in sharded.pool.runtimes] == [[0, 1, 2], [3, 4, 5]]
+    assert all(len(rt.groups) == 2 for rt in sharded.pool.runtimes)  # each shard holds both architectures
+    close([{k: v for k, v in r.items() if not k.startswith("time")} for r in records(local, range(3))],
+          records(sharded, range(3), one_per_client=False), 0.0)
+    assert_trees_close(local.state_dict(), sharded.state_dict(), exact=True)
+
+
+def test_each_metric_says_where_it_is_computed():
+    weit, glfc = (config(*PROTOCOL_CASES[i], "sequential") for i in (12, 13))
+    assert Federation(weit).metric_sides()["continual"] == "simulation"  # personal models on the global test set
+    assert Federation(glfc).metric_sides()["continual"] == "server"  # the global model, on the server
+    assert Federation(weit).metric_sides()["cross"] == "simulation"
+
+
 def test_the_wire_pool_refuses_the_cross_matrix_in_one_line():
     cfg = config({"name": "ditto"}, {"eval": {"cross_clients": True}, "engine": {"pool": "wire"}}, "sequential")
     with pytest.raises(ConfigError, match="cross_clients: the K x K matrix needs every client's test split in one "
@@ -123,3 +148,5 @@ def test_a_run_stopped_in_one_pool_resumes_in_the_other(first, then, tmp_path):
         progress=False, fd=fd, resume=True, amend=True)
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith("time")} for r in rs]  # noqa: E731
     assert strip(read_metrics(tmp_path / "cut")) == strip(read_metrics(tmp_path / "whole"))
+    meta = json.loads((tmp_path / "cut" / "meta.json").read_text())
+    assert meta["metric_sides"]["continual"] == "simulation" and meta["metric_sides"]["global"] == "server"

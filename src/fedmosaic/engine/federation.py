@@ -159,19 +159,21 @@ class Federation:
                               "it is measured with engine.pool: local only")
         self.pool = InProcessPool(self.runtime) if pool == "local" else self._wire_pool()
 
-    def _wire_pool(self) -> WirePool:
-        """One runtime per client, each built as a device would build it: its own modules (from the run's seeds),
-        its own store and trainer (run as this process's architecture groups are), and its own rows of the data."""
+    def _wire_pool(self, shards: list | None = None) -> WirePool:
+        """One runtime per client (or per shard of client ids), each built as a device would build it: its own
+        modules (from the run's seeds), its own store and trainer (run as this process's architecture groups are),
+        and its own rows of the data."""
         cfg, shape, C, dev = self.cfg, self.fd.dataset.input_shape, self.fd.num_classes, self.device
         runtimes = []
-        for k in range(self.num_clients):
-            ids, algo = np.array([k]), type(self.algo)(self.algo.cfg, self.algo.setting)
+        for shard in shards if shards is not None else [[k] for k in range(self.num_clients)]:
+            ids, algo = np.sort(np.asarray(shard, dtype=np.int64)), type(self.algo)(self.algo.cfg, self.algo.setting)
             fresh = build_groups(cfg, shape, C, self.num_clients, self.memory, dev)
             groups = []
             for g, full in zip(fresh, self.groups, strict=True):
-                if k not in full.clients:
+                mine = np.intersect1d(full.clients, ids)
+                if not len(mine):
                     continue
-                mine = Group(g.gid, g.module, ids)
+                mine = Group(g.gid, g.module, mine)
                 mine.store = client_store(cfg, algo, mine, algo.init_client(mine.init), shape, C, dev)
                 mine.execution = full.execution
                 mine.trainer = make_trainer(cfg, algo, g.module, full.execution, self.transform, self.pad_fill,
@@ -180,9 +182,22 @@ class Federation:
             runtimes.append(ClientRuntime(
                 cfg, algo, groups, {s: sp.hosting(ids) for s, sp in self.split.items()}, self.num_clients, C,
                 self.batch, self.transform, self.public, dev,
-                None if self.tasks is None else [st if j == k else [] for j, st in enumerate(self.tasks)],
+                None if self.tasks is None else [st if j in ids else [] for j, st in enumerate(self.tasks)],
                 None if self.exemplars is None else [{} for _ in range(self.num_clients)], self.global_test))
         return WirePool(runtimes, self.algo, dev)
+
+    def metric_sides(self) -> dict:
+        """Where each metric of this run's evaluation is computed (kept in ``meta.json``): ``server`` — the global
+        model on the global test set, and its continual accuracy; ``client`` — each client on its own splits, and
+        its report; ``simulation`` — what needs data no deployment has in one place: the K x K cross matrix (every
+        client's test split), the uploaded models' in/out-local accuracy (the clients' label histograms), personal
+        models' continual accuracy (the global test set on every client)."""
+        sides = {"global": "server", "global_clients": "client", "global_val": "client", "personal": "client",
+                 "personal_val": "client", "report": "client", "cross": "simulation", "local_in_acc": "simulation",
+                 "local_out_acc": "simulation"}
+        if self.tasks is not None:
+            sides["continual"] = "server" if self.algo.global_model else "simulation"
+        return sides
 
     @property
     def execution(self) -> str:

@@ -350,6 +350,7 @@ def _meta(cfg: RunConfig, fed: Federation) -> dict:
         "num_clients": fed.num_clients,
         "device": str(fed.device),
         "execution": _executions(fed),
+        "metric_sides": fed.metric_sides(),  # where each metric is computed: server, client or simulation only
         "plugins": plugins.used_by(cfg),  # the modules that registered this run's dataset or models
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
     }
