@@ -244,11 +244,14 @@ def e2e_once(rounds: int, name: str, sets: list[str], env: dict | None = None) -
 def time_end_to_end(rounds: int, variants: list[tuple], repeat: int = 1) -> dict:
     """Wall-clock seconds of the whole run, each in a fresh process: the plain loop and each variant (the default
     first), ``repeat`` times in alternation (plain, variants, plain, variants, ...) so that the machine's drifts
-    hit all alike; each entry keeps every wall time and their median, and the speed-up is of the medians."""
+    hit all alike, the variants' order rotated at each repeat (the run right after the plain loop's is measurably
+    slower on this VM: each variant takes each place alike); each entry keeps every wall time and their median,
+    and the speed-up is of the medians."""
     res = {"rounds": rounds, "repeat": repeat}
     build(data_spec(e2e_config(rounds)))  # the partition cache all read (made once, outside the timings)
-    for _ in range(repeat):
-        for name, sets, *env in [("plain", []), *variants]:
+    for i in range(repeat):
+        turn = variants[i % len(variants):] + variants[: i % len(variants)] if variants else []
+        for name, sets, *env in [("plain", []), *turn]:
             r = e2e_once(rounds, name, sets, *env)
             entry = res.setdefault(name, {**r, "walls_s": []})
             entry["walls_s"].append(r["wall_s"])

@@ -229,8 +229,8 @@ class ClientRuntime:
                                g.trainer.vectorize)(g.store, own)
 
     def evaluate(self, request: dict) -> dict:
-        """EvalReply to an EvalRequest: per client of the federation (zeros for clients not hosted) the correct
-        predictions of the global model (``request["global"]``: params and buffers) on its test and validation
+        """EvalReply to an EvalRequest: per client of the federation (zeros for clients not hosted) its test and
+        validation ``sizes``, the correct predictions of the global model (``request["global"]``: params and buffers) on its test and validation
         splits, of its personal model on them (``personal``), the K x K cross matrix rows it hosts (``cross``),
         the hits of its personal model on the global test rows dealt to it (``continual``: ``rows`` per hosted
         client in (architecture, id) order, ``unseen`` classes masked), and ``report``: its clients' reports."""
@@ -240,6 +240,8 @@ class ClientRuntime:
         for g in self.groups:
             g.module.eval()  # BatchNorm: use the running statistics, do not update them
         test, val = self.split["test"], self.split["val"]
+        # per client its split sizes (zeros for the clients hosted elsewhere: replies add up)
+        out["sizes"] = {"test": torch.as_tensor(test.sizes), "val": torch.as_tensor(val.sizes)}
         if request.get("global") is not None:
             params, bufs = request["global"]
             gp, g0 = {**params, **bufs}, self.groups[0]

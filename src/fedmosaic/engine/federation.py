@@ -417,9 +417,9 @@ class Federation:
         for key, split in (("global_clients", "test"), ("global_val", "val"), ("personal", "test"),
                            ("personal_val", "val")):
             if key in reply:
-                out[key] = ev.client_summary(reply[key].numpy(), self.split[split].sizes)
-        if "cross" in reply and len(self.split["test"].y):
-            out["cross"] = ev.cross_summary(reply["cross"].numpy(), self.split["test"].sizes)
+                out[key] = ev.client_summary(reply[key].numpy(), reply["sizes"][split].numpy())
+        if "cross" in reply and int(reply["sizes"]["test"].sum()):
+            out["cross"] = ev.cross_summary(reply["cross"].numpy(), reply["sizes"]["test"].numpy())
             names = self.fd.dataset.group_names
             if self.cfg.data.partition.get("scheme") in ("natural", "domains") and names \
                     and len(names) == self.num_clients:

@@ -206,7 +206,7 @@ class WirePool:
                 elif k == "report":
                     out.setdefault(k, []).append(v)
                 else:
-                    out[k] = out[k] + v if k in out else v
+                    out[k] = tmap(torch.add, out[k], v) if k in out else v
         if hits:
             out["continual"] = torch.cat(hits)[torch.as_tensor(np.argsort(np.concatenate(at), kind="stable"))]
         if "report" in out:
