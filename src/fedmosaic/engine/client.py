@@ -41,16 +41,14 @@ class ClientRuntime:
     hosted clients' rows); ``split``: train/val/test of the hosted clients (global ids); ``tasks``: per client of
     the federation its task stream (empty for clients not hosted), or None; ``exemplars``: likewise its exemplar
     memory, or None; ``global_test``: the dataset's test split, for the evaluations only a simulation makes
-    (continual accuracy of personal models); ``cross``: the K x K matrix may be measured (every client's test
-    split is here)."""
+    (continual accuracy of personal models)."""
 
     def __init__(self, cfg, algo: Algorithm, groups: list[Group], split: dict, num_clients: int, num_classes: int,
-                 batch: int, transform, public, device, tasks=None, exemplars=None, global_test=None,
-                 cross: bool = False):
+                 batch: int, transform, public, device, tasks=None, exemplars=None, global_test=None):
         self.cfg, self.algo, self.groups, self.split = cfg, algo, groups, split
         self.num_clients, self.num_classes, self.batch = num_clients, num_classes, batch
         self.transform, self.public, self.device = transform, public, device
-        self.tasks, self.exemplars, self.global_test, self.cross = tasks, exemplars, global_test, cross
+        self.tasks, self.exemplars, self.global_test = tasks, exemplars, global_test
         self.group_of = np.full(num_clients, -1, dtype=np.int64)
         self.row_of = np.zeros(num_clients, dtype=np.int64)
         for g in groups:

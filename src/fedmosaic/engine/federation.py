@@ -284,7 +284,8 @@ class Federation:
 
     @property
     def exemplars(self) -> list | None:
-        """Per client its exemplar memory (the in-process runtime's), or None."""
+        """Per client its exemplar memory (the in-process runtime's: with ``engine.pool: wire`` each client's is in
+        its own runtime), or None."""
         return self._exemplars if not hasattr(self, "runtime") else self.runtime.exemplars
 
     def stage(self, t: int) -> int:
