@@ -1,8 +1,9 @@
 """Client pools: where the server's messages go and where the clients' answers come from.
 
 A pool offers the client actions of a round — ``warm_up``, ``public_logits``, ``train``, ``end_task``,
-``evaluate`` — over the clients it hosts, and the clients' part of a checkpoint. The server side
-(``federation.Federation``) drives every round through one, and never touches a client's data or store itself.
+``evaluate`` — over the clients it hosts, and the clients' part of a checkpoint. The driver
+(``federation.Federation``) hands it the server runtime's messages (``server.ServerRuntime``) and the server its
+answers; neither side touches the other's state.
 
 :class:`InProcessPool` hosts every client in one :class:`~.client.ClientRuntime` and hands the messages over as
 they are: the stacked, vmapped, chunked fast path of the simulator. :class:`WirePool` hosts each client (or each
