@@ -44,7 +44,7 @@ from pydantic import Field
 from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
 from ..protocol.context import LocalContext, TaskLoss
 from ..protocol.program import Phase, Probe, Step
-from ..protocol.tree import tmap, weighted_mean
+from ..protocol.tree import repeat, tmap, weighted_mean
 from .terms import PrototypeMSE, class_sums
 
 BOTH = ("body", "head")
@@ -113,7 +113,7 @@ class FedPAC(Algorithm):
         C, d = self.num_classes, self.feature_dim
         dev = next(iter(model.values())).device
         return {"model": model, "protos": torch.zeros(C, d, device=dev), "has": torch.zeros(C, device=dev),
-                "heads": tmap(lambda t: t.unsqueeze(0).repeat(self.num_clients, *([1] * t.dim())), head)}
+                "heads": repeat(head, self.num_clients)}
 
     def broadcast(self, server, round_idx):
         return {"global": server["model"], "protos": server["protos"], "has": server["has"]}

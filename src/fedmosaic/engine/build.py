@@ -12,7 +12,7 @@ from ..data.federated import PartitionSpec
 from ..data.public import public_images
 from ..errors import ConfigError
 from ..models import build_model, parameter_count
-from ..protocol.tree import tmap
+from ..protocol.tree import repeat, tmap
 from .execution import Execution
 from .local import LocalTrainer
 from .mapping import for_each_client
@@ -33,7 +33,7 @@ class Group:
         self.gid, self.module, self.clients = gid, module, clients
         self.init = {k: v.detach().clone() for k, v in module.named_parameters()}
         self.global_buffers = {k: v.detach().clone() for k, v in module.named_buffers()}
-        self.buffers = tmap(lambda t: t.unsqueeze(0).repeat(len(clients), *([1] * t.dim())), self.global_buffers)
+        self.buffers = repeat(self.global_buffers, len(clients))
         self.task_buffers = tmap(torch.clone, self.buffers)
         self.trainer: LocalTrainer | None = None
         self.execution: Execution | None = None
@@ -41,7 +41,7 @@ class Group:
 
     def global_buffers_like(self, n: int) -> dict:
         """The server's buffers repeated for ``n`` clients."""
-        return tmap(lambda t: t.unsqueeze(0).repeat(n, *([1] * t.dim())), self.global_buffers)
+        return repeat(self.global_buffers, n)
 
     def apply(self, params, x, slot=None):
         """(features, logits) of the group's model (or of ``slot``'s own architecture) with ``params``."""
@@ -104,7 +104,7 @@ def client_store(cfg: RunConfig, algo, g: Group, one: dict, shape: tuple, C: int
     m = cfg.model
     if m.init == "own" or (m.init == "auto" and m.heterogeneous is not None):
         return for_each_client(algo.init_client, (0,), False)(client_inits(cfg, g, shape, C, dev))
-    return tmap(lambda t, n=len(g.clients): t.unsqueeze(0).repeat(n, *([1] * t.dim())), one)
+    return repeat(one, len(g.clients))
 
 
 def make_trainer(cfg: RunConfig, algo, module: torch.nn.Module, ex: Execution, transform, pad_fill, batch: int,

@@ -18,7 +18,7 @@ import torch
 
 from ..errors import FedMosaicError
 from ..protocol.algorithm import Algorithm
-from ..protocol.tree import all_finite, put, take, tmap
+from ..protocol.tree import all_finite, put, repeat, take, tmap
 from . import evaluate as ev
 from . import memory as mem
 from .build import Group
@@ -34,6 +34,24 @@ class NonFiniteLoss(FedMosaicError):
 def ids_of(message: dict) -> np.ndarray:
     """The client ids a message is about (``ids``: an int64 tensor), as an array."""
     return message["ids"].cpu().numpy()
+
+
+def order_parts(parts: list[dict]) -> list[dict]:
+    """Stacked parts of several runtimes' answers (each with client ``ids``, and an architecture ``arch`` if it
+    has one) as one part per architecture, rows in (architecture, client id) order — the order a single runtime
+    hosting them all answers in."""
+    out = []
+    for arch in sorted({p.get("arch") for p in parts}, key=lambda a: -1 if a is None else a):
+        mine = [p for p in parts if p.get("arch") == arch]
+        if len(mine) == 1 and bool((mine[0]["ids"][1:] > mine[0]["ids"][:-1]).all()):
+            out.append(mine[0])  # one part, in order already: itself, not a copy
+            continue
+        ids = torch.cat([p["ids"] for p in mine])
+        order = torch.argsort(ids, stable=True)
+        merged = {k: tmap(lambda *ts, order=order: torch.cat(ts)[order.to(ts[0].device)], *[p[k] for p in mine])
+                  for k in mine[0] if k != "arch"}
+        out.append(merged if arch is None else {"arch": arch, **merged})
+    return out
 
 
 class ClientRuntime:
@@ -145,8 +163,7 @@ class ClientRuntime:
             rows = self._rows(members)
             # global-model algorithms start the cohort from the server's running statistics
             server_bufs = broadcast["buffers"].get(str(g.gid), {})
-            bufs = (tmap(lambda v, n=len(members): v.unsqueeze(0).repeat(n, *([1] * v.dim())), server_bufs)
-                    if self.algo.global_model else take(g.buffers, rows))
+            bufs = repeat(server_bufs, len(members)) if self.algo.global_model else take(g.buffers, rows)
             own, pay = self.own(assignment, members, header), payload
             if server_bufs:  # the running statistics of the teachers a client may distil from (frozen copies)
                 pay = {**payload, "global_buffers": server_bufs}
@@ -213,7 +230,7 @@ class ClientRuntime:
         n = len(g.clients) if n is None else n
         if model is not None:
             params, bufs = model
-            return tuple(tmap(lambda v: v.unsqueeze(0).repeat(n, *([1] * v.dim())), tree) for tree in (params, bufs))
+            return repeat(params, n), repeat(bufs, n)
         return self.personal(g, t, payload, assignment), g.buffers
 
     def personal(self, g: Group, t: int, payload: dict, assignment: dict) -> dict:
@@ -228,8 +245,8 @@ class ClientRuntime:
 
     def evaluate(self, request: dict) -> dict:
         """EvalReply to an EvalRequest: per client of the federation (zeros for clients not hosted) its test and
-        validation ``sizes``, the correct predictions of the global model (``request["global"]``: params and buffers) on its test and validation
-        splits, of its personal model on them (``personal``), the K x K cross matrix rows it hosts (``cross``),
+        validation ``sizes``, the correct predictions of the global model (``request["global"]``: params and
+        buffers) on its test and validation splits, of its personal model on them (``personal``), the K x K cross matrix rows it hosts (``cross``),
         the hits of its personal model on the global test rows dealt to it (``continual``: ``rows`` per hosted
         client in (architecture, id) order, ``unseen`` classes masked), and ``report``: its clients' reports."""
         t, payload, assignment = request["round"], request["payload"], request["assignment"]
@@ -268,9 +285,11 @@ class ClientRuntime:
             out["cross"] = torch.as_tensor(cross)
         if request.get("continual") is not None:
             out["continual"] = torch.as_tensor(self._continual_hits(t, payload, assignment, request["continual"]))
-        if request.get("report") and self.groups:
-            out["report"] = {"ids": torch.as_tensor(self.clients), "reports": tmap(lambda *ts: torch.cat(ts), *[
-                for_each_client(self.algo.client_report, (0,), g.trainer.vectorize)(g.store) for g in self.groups])}
+        if request.get("report") and self.groups:  # in client order (the groups answer in architecture order)
+            (out["report"],) = order_parts([
+                {"ids": torch.as_tensor(g.clients),
+                 "reports": for_each_client(self.algo.client_report, (0,), g.trainer.vectorize)(g.store)}
+                for g in self.groups])
         return out
 
     def _continual_hits(self, t: int, payload: dict, assignment: dict, request: dict) -> np.ndarray:

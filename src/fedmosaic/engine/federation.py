@@ -25,9 +25,9 @@ from . import evaluate as ev
 from .augment import black
 from .build import Group, build_extra, build_groups, build_public, client_store, data_spec, make_trainer
 from .calendar import TaskCalendar
-from .client import ClientRuntime, ids_of
+from .client import ClientRuntime, ids_of, order_parts
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
-from .pools import InProcessPool, WirePool, order_parts, traffic
+from .pools import InProcessPool, WirePool, traffic
 from .preflight import (
     check_evaluation,
     check_memory_total,
@@ -105,8 +105,8 @@ class Federation:
         self.calendar = None if self.tasks is None else TaskCalendar(
             [[(task, classes) for task, classes, _ in st] for st in self.tasks], cfg.data.tasks.rounds_per_task,
             self.fd.num_classes)
-        #: per client its exemplar memory (``data.tasks.memory``): class -> offsets into its train rows, best first
-        self._exemplars = [{} for _ in range(self.num_clients)] if self.tasks and cfg.exemplar_memory() else None
+        # per client its exemplar memory (``data.tasks.memory``): class -> offsets into its train rows, best first
+        exemplars = [{} for _ in range(self.num_clients)] if self.tasks and cfg.exemplar_memory() else None
         pc, tc = cfg.train.optimizer.plateau, cfg.data.tasks
         if pc is not None and tc is not None and tc.rounds_per_task - pc.skip - 1 <= pc.patience:
             warnings.warn(f"train.optimizer.plateau: a task of {tc.rounds_per_task} rounds compares "
@@ -129,13 +129,12 @@ class Federation:
         check_plans(cfg, self.algo, self.server, self.num_clients, self.chunk, self.batch,
                     int(self.split["train"].sizes.max(initial=1)), None if self.public is None else len(self.public.y),
                     self.memory, self.device)
-        self.group_index = {g.gid: i for i, g in enumerate(self.groups)}
-        self.group_of = np.zeros(self.num_clients, dtype=np.int64)
-        self.row_of = np.zeros(self.num_clients, dtype=np.int64)
-        for g in self.groups:
-            self.group_of[g.clients] = g.gid
-            self.row_of[g.clients] = np.arange(len(g.clients))
         shape, C = self.fd.dataset.input_shape, self.fd.num_classes
+        #: every client, hosted in this process (its groups' stores and trainers are set up below)
+        self.runtime = ClientRuntime(cfg, self.algo, self.groups, self.split, self.num_clients, C, self.batch,
+                                     self.transform, self.public, dev, self.tasks, exemplars, self.global_test)
+        #: per client its architecture and its row in that group's store
+        self.group_of, self.row_of = self.runtime.group_of, self.runtime.row_of
         for g in self.groups:
             one = self.algo.init_client(g.init)
             check_training_memory(g.module, g.init, len(g.clients), nbytes(one), self.chunk, self.memory, dev)
@@ -149,8 +148,6 @@ class Federation:
             g.trainer = make_trainer(cfg, self.algo, g.module, ex, self.transform, self.pad_fill, self.batch,
                                      self.extra, self.public)
             check_slots(self.algo, self.server, one, g.clients[:1])
-        self.runtime = ClientRuntime(cfg, self.algo, self.groups, self.split, self.num_clients, C, self.batch,
-                                     self.transform, self.public, dev, self.tasks, self._exemplars, self.global_test)
         pool = cfg.engine.pool if pool is None else pool
         if pool not in ("local", "wire"):
             raise ValueError(f"pool: 'local' or 'wire' (got {pool!r})")
@@ -286,7 +283,7 @@ class Federation:
     def exemplars(self) -> list | None:
         """Per client its exemplar memory (the in-process runtime's: with ``engine.pool: wire`` each client's is in
         its own runtime), or None."""
-        return self._exemplars if not hasattr(self, "runtime") else self.runtime.exemplars
+        return self.runtime.exemplars
 
     def stage(self, t: int) -> int:
         return self.calendar.stage(t)
@@ -515,7 +512,7 @@ class Federation:
                 memory[k] = m
         return {"format": self.FORMAT, "server": self.server, "server_buffers": [g.global_buffers for g in self.groups],
                 "plateau": dict(self.plateau), "clients": clients,
-                "memory": None if self._exemplars is None else memory}
+                "memory": None if self.exemplars is None else memory}
 
     def upgrade(self, state: dict) -> dict:
         """A checkpoint in today's layout: format 2 as it is; format 1 (no ``format``: written before the
@@ -547,7 +544,7 @@ class Federation:
     def load_state_dict(self, state: dict) -> None:
         """Resume from a checkpoint of either format, into whichever pool this run has."""
         state = self.upgrade(state)
-        if self._exemplars is not None and (state.get("memory") is None or len(state["memory"]) != self.num_clients):
+        if self.exemplars is not None and (state.get("memory") is None or len(state["memory"]) != self.num_clients):
             raise ValueError("written without this run's exemplar memory")  # (before anything is replaced)
         clients = state["clients"]
         if len(clients) != len(self.groups) or any(
@@ -564,7 +561,7 @@ class Federation:
         """A runtime's rows of a checkpoint's client parts (the same tensors when it hosts every client)."""
         groups = []
         for g in rt.groups:
-            full = clients[self.group_index[g.gid]]
+            full = clients[self.srv.group_index[g.gid]]
             trees = [full[k] for k in ("store", "buffers", "task_buffers")]
             if not np.array_equal(ids_of(full), g.clients):
                 at = torch.as_tensor(np.searchsorted(ids_of(full), g.clients))

@@ -20,7 +20,7 @@ import torch
 from ..protocol import codec
 from ..protocol.algorithm import Algorithm
 from ..protocol.tree import nbytes, take, tmap
-from .client import ClientRuntime, NonFiniteLoss, ids_of
+from .client import ClientRuntime, NonFiniteLoss, ids_of, order_parts
 
 
 def row(message: dict, i: int) -> dict:
@@ -44,8 +44,8 @@ def traffic(algo, n: int, header: dict, broadcast: dict, assignment: dict, parts
     except for an algorithm that packs its uploads to each client's own shapes (``Algorithm.pack_upload``)."""
     bc = {**broadcast, "payload": algo.pack_broadcast(broadcast["payload"])}
     sent = {k: v for k, v in assignment.items() if k != "ids"}
-    down = n * (codec.size("header", header) + codec.size("broadcast", bc)) + n * codec.size("assignment",
-                                                                                            row(assignment, 0))
+    assigned = codec.size("assignment", row(assignment, 0))  # every client's row has the same shapes
+    down = n * (codec.size("header", header) + codec.size("broadcast", bc) + assigned)
     payload_down = n * nbytes(bc) + nbytes(sent)
     packs = type(algo).pack_upload is not Algorithm.pack_upload
     up = payload_up = 0
@@ -58,28 +58,11 @@ def traffic(algo, n: int, header: dict, broadcast: dict, assignment: dict, parts
     if public is not None:
         before, reply = public
         bc0 = {**before, "payload": algo.pack_broadcast(before["payload"])}
-        down += n * (codec.size("broadcast", bc0) + codec.size("assignment", row(assignment, 0)))
+        down += n * (codec.size("broadcast", bc0) + assigned)
         payload_down += n * nbytes(bc0) + nbytes(sent)
         up += n * codec.size("logits", row(reply, 0))
         payload_up += nbytes(reply["logits"])
     return {"bytes_down": down, "bytes_up": up, "payload_bytes_down": payload_down, "payload_bytes_up": payload_up}
-
-
-def order_parts(parts: list[dict]) -> list[dict]:
-    """Upload parts of several runtimes as one part per architecture, in (architecture, client id) order — the
-    order a single runtime hosting them all answers in."""
-    out = []
-    for arch in sorted({p["arch"] for p in parts}):
-        mine = [p for p in parts if p["arch"] == arch]
-        if len(mine) == 1 and bool((mine[0]["ids"][1:] > mine[0]["ids"][:-1]).all()):
-            out.append(mine[0])  # one part, in order already: itself, not a copy
-            continue
-        ids = torch.cat([p["ids"] for p in mine])
-        order = torch.argsort(ids, stable=True)
-        merged = {k: tmap(lambda *ts: torch.cat(ts)[order.to(ts[0].device)], *[p[k] for p in mine])
-                  for k in mine[0] if k != "arch"}
-        out.append({"arch": arch, **merged})
-    return out
 
 
 class InProcessPool:
@@ -211,11 +194,7 @@ class WirePool:
         if hits:
             out["continual"] = torch.cat(hits)[torch.as_tensor(np.argsort(np.concatenate(at), kind="stable"))]
         if "report" in out:
-            reports = out["report"]
-            ids = torch.cat([r["ids"] for r in reports])
-            order_ = torch.argsort(ids, stable=True)
-            out["report"] = {"ids": ids[order_], "reports": tmap(lambda *ts: torch.cat(ts)[order_],
-                                                                 *[r["reports"] for r in reports])}
+            (out["report"],) = order_parts(out["report"])
         return out
 
     def state(self) -> list[dict]:

@@ -26,6 +26,11 @@ def stack(trees: list):
     return tmap(lambda *ts: torch.stack(ts), *trees)
 
 
+def repeat(tree, n: int):
+    """Every leaf repeated ``n`` times along a new leading (client) axis, each copy its own memory."""
+    return tmap(lambda t: t.unsqueeze(0).repeat(n, *([1] * t.dim())), tree)
+
+
 def take(tree, idx: torch.Tensor):
     """Rows ``idx`` of every leaf (a copy)."""
     return tmap(lambda t: t.index_select(0, idx), tree)
