@@ -225,6 +225,22 @@ class EngineConfig(Schema):
         return v
 
 
+class DeployConfig(Schema):
+    """How a deployed run (``fedmosaic deploy``: a Flower SuperLink and one SuperNode per client) treats its nodes;
+    a simulation ignores it."""
+
+    min_clients: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="a round goes on with the clients that answered when at least this many "
+        "did (the others are recorded in the round's metrics), else the run stops and can be resumed; default: "
+        "every client asked")
+    round_timeout_s: float = Field(300.0, gt=0, le=86_400,
+                                   description="how long the server waits for the answers to one request")
+    connect_timeout_s: float = Field(300.0, gt=0, le=86_400,
+                                     description="how long the server waits for every client's node to connect")
+    max_reply_mb: float = Field(512.0, gt=0, le=1 << 20,
+                                description="a reply larger than this is rejected unread (a hostile or broken node)")
+
+
 class EvalConfig(Schema):
     every: int = Field(1, ge=1, le=MAX_COUNT, description="evaluate every N rounds (and always after the last)")
     global_test: bool = True
@@ -254,6 +270,7 @@ class RunConfig(Schema):
     train: TrainConfig = Field(default_factory=TrainConfig)
     engine: EngineConfig = Field(default_factory=EngineConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
+    deploy: DeployConfig = Field(default_factory=DeployConfig)
     checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT)
     compare: list[AlgorithmConfig] | None = Field(
         None, min_length=1,

@@ -89,6 +89,19 @@ def _interrupted(e: KeyboardInterrupt, what: str) -> Stopped:
     return Stopped(f"interrupted by {sig.name}; {what}", 128 + sig)
 
 
+def _deploy(args) -> None:
+    from ..config import load_config
+    from ..deploy.common import flower
+    from ..deploy.prepare import prepare
+    from ..paths import data_dirs
+
+    flower()  # before anything is written: one line if the extra is missing
+    cfg = load_config(_config_path(args.config), args.set)
+    data = os.pathsep.join(str(Path(d).absolute()) for d in data_dirs())
+    print(prepare(cfg, Path(args.out), host=args.host, port=args.port, node_port=args.node_port, data_dir=data),
+          end="")
+
+
 def _run(args) -> None:
     from ..config import advise, load_config
     from ..engine.runner import new_run_dir, not_a_run
@@ -321,6 +334,18 @@ def build_parser() -> argparse.ArgumentParser:
         q.set_defaults(fn=_run)
     c.add_argument("--algorithms", nargs="+", required=True, metavar="NAME[:K=V,...]",
                    help="e.g. fedavg fedprox:mu=0.1 fedntd:beta=1,tau=1")
+
+    dp = sub.add_parser("deploy", help="prepare a Flower deployment of a config: the app, TLS certificates, node "
+                        "keys and the commands for a SuperLink and one SuperNode per client")
+    dp.add_argument("config", help="YAML file or preset name")
+    dp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.rounds=5")
+    dp.add_argument("--out", required=True, help="a new directory for the deployment (must not exist yet)")
+    dp.add_argument("--host", default="127.0.0.1", help="the SuperLink's address as nodes reach it (default "
+                    "127.0.0.1; a machine's address or DNS name for real devices)")
+    dp.add_argument("--port", type=_at_least(1), default=9093, help="the SuperLink's port (default 9093)")
+    dp.add_argument("--node-port", type=_at_least(1), default=9094,
+                    help="first SuperNode's local port; node K uses this + K (default 9094)")
+    dp.set_defaults(fn=_deploy)
 
     rp = sub.add_parser("report", help="table (and learning curves) of existing run directories, finished or not")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")

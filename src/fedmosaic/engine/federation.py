@@ -51,10 +51,12 @@ class Federation:
     simulation's view (the global test set, the clients' label histograms for in/out-local accuracy)."""
 
     def __init__(self, cfg: RunConfig, fd: FederatedData | None = None, threads: int | None = None,
-                 pool: str | None = None):
+                 pool=None):
         """``threads``: the CPU threads a resumed run started with (``execution.cpu_threads``). ``pool`` (default
         ``engine.pool``): ``local``, every client in this process's one runtime; ``wire``, each client in a runtime
-        of its own, every message through the codec (``pools.WirePool``)."""
+        of its own, every message through the codec (``pools.WirePool``); or a function of this federation that
+        makes the pool (a deployment's: ``deploy.server.FlowerPool``, whose clients keep their state on their
+        nodes: ``pool.remote``)."""
         self.cfg = cfg
         #: torch's CPU threads for the whole run: never more than the cores free for it (``execution.cpu_threads``)
         self.threads = cpu_threads(cfg.engine.threads, threads)
@@ -149,39 +151,42 @@ class Federation:
                                      self.extra, self.public)
             check_slots(self.algo, self.server, one, g.clients[:1])
         pool = cfg.engine.pool if pool is None else pool
-        if pool not in ("local", "wire"):
+        if pool not in ("local", "wire") and not callable(pool):
             raise ValueError(f"pool: 'local' or 'wire' (got {pool!r})")
-        if pool == "wire" and cfg.eval.cross_clients:
+        if pool != "local" and cfg.eval.cross_clients:
             raise ConfigError("eval.cross_clients: the K x K matrix needs every client's test split in one process; "
                               "it is measured with engine.pool: local only")
-        self.pool = InProcessPool(self.runtime) if pool == "local" else self._wire_pool()
+        self.pool = (InProcessPool(self.runtime) if pool == "local" else self._wire_pool() if pool == "wire"
+                     else pool(self))
 
     def _wire_pool(self, shards: list | None = None) -> WirePool:
-        """One runtime per client (or per shard of client ids), each built as a device would build it: its own
-        modules (from the run's seeds), its own store and trainer (run as this process's architecture groups are),
-        and its own rows of the data."""
+        """One runtime per client (or per shard of client ids): :meth:`client_runtime`."""
+        shards = shards if shards is not None else [[k] for k in range(self.num_clients)]
+        return WirePool([self.client_runtime(shard) for shard in shards], self.algo, self.device)
+
+    def client_runtime(self, shard) -> ClientRuntime:
+        """A runtime of the clients ``shard``, built as a device would build it: its own modules (from the run's
+        seeds), its own store and trainer (run as this process's architecture groups are), and its own rows of the
+        data — what a wire pool's runtime, or a deployed node, hosts."""
         cfg, shape, C, dev = self.cfg, self.fd.dataset.input_shape, self.fd.num_classes, self.device
-        runtimes = []
-        for shard in shards if shards is not None else [[k] for k in range(self.num_clients)]:
-            ids, algo = np.sort(np.asarray(shard, dtype=np.int64)), type(self.algo)(self.algo.cfg, self.algo.setting)
-            fresh = build_groups(cfg, shape, C, self.num_clients, self.memory, dev)
-            groups = []
-            for g, full in zip(fresh, self.groups, strict=True):
-                mine = np.intersect1d(full.clients, ids)
-                if not len(mine):
-                    continue
-                mine = Group(g.gid, g.module, mine)
-                mine.store = client_store(cfg, algo, mine, algo.init_client(mine.init), shape, C, dev)
-                mine.execution = full.execution
-                mine.trainer = make_trainer(cfg, algo, g.module, full.execution, self.transform, self.pad_fill,
-                                            self.batch, self.extra, self.public)
-                groups.append(mine)
-            runtimes.append(ClientRuntime(
-                cfg, algo, groups, {s: sp.hosting(ids) for s, sp in self.split.items()}, self.num_clients, C,
-                self.batch, self.transform, self.public, dev,
-                None if self.tasks is None else [st if j in ids else [] for j, st in enumerate(self.tasks)],
-                None if self.exemplars is None else [{} for _ in range(self.num_clients)], self.global_test))
-        return WirePool(runtimes, self.algo, dev)
+        ids, algo = np.sort(np.asarray(shard, dtype=np.int64)), type(self.algo)(self.algo.cfg, self.algo.setting)
+        fresh = build_groups(cfg, shape, C, self.num_clients, self.memory, dev)
+        groups = []
+        for g, full in zip(fresh, self.groups, strict=True):
+            mine = np.intersect1d(full.clients, ids)
+            if not len(mine):
+                continue
+            mine = Group(g.gid, g.module, mine)
+            mine.store = client_store(cfg, algo, mine, algo.init_client(mine.init), shape, C, dev)
+            mine.execution = full.execution
+            mine.trainer = make_trainer(cfg, algo, g.module, full.execution, self.transform, self.pad_fill,
+                                        self.batch, self.extra, self.public)
+            groups.append(mine)
+        return ClientRuntime(
+            cfg, algo, groups, {s: sp.hosting(ids) for s, sp in self.split.items()}, self.num_clients, C,
+            self.batch, self.transform, self.public, dev,
+            None if self.tasks is None else [st if j in ids else [] for j, st in enumerate(self.tasks)],
+            None if self.exemplars is None else [{} for _ in range(self.num_clients)], self.global_test)
 
     def metric_sides(self) -> dict:
         """Where each metric of this run's evaluation is computed (kept in ``meta.json``): ``server`` — the global
@@ -344,7 +349,7 @@ class Federation:
         public, shared = None, {}
         if self.algo.exchanges:  # outputs on the public stream go up first; the server's answer comes down below
             before = srv.broadcast(t, buffers=False)
-            reply = self.pool.public_logits(before, assignment)
+            reply = self.pool.public_logits(before, assignment, t)
             shared, public = srv.exchange(reply, t), (before, reply)
         broadcast = srv.broadcast(t, shared)
         parts = self.pool.train(header, broadcast, assignment)
@@ -362,6 +367,7 @@ class Federation:
             "clients": len(cohort),
             "local_steps_max": int(steps.max(initial=0)),
             **traffic(self.algo, len(cohort), header, broadcast, assignment, parts, public),
+            **self.pool.notes(),
         }
 
     @staticmethod
@@ -427,6 +433,9 @@ class Federation:
         report = self.algo.report(self.server, reply["report"]["reports"] if "report" in reply else {})
         if report:
             out["report"] = report
+        notes = self.pool.notes()  # a deployment: who answered the evaluation
+        if notes:
+            out["deploy_eval"] = notes["deploy"]
         return out
 
     def _continual(self, t: int) -> dict:
@@ -502,6 +511,10 @@ class Federation:
         clients' (collected from the pool) — per architecture its clients' ``ids`` and their store and buffers
         stacked in that order, and per client id its exemplar memory. Which pool wrote it, and how it sharded the
         clients, leaves no trace: any pool resumes it."""
+        if getattr(self.pool, "remote", False):  # the clients' state stays on their nodes: the pool's record of it
+            return {"format": self.FORMAT, "server": self.server,
+                    "server_buffers": [g.global_buffers for g in self.groups], "plateau": dict(self.plateau),
+                    "clients": self.pool.state(), "memory": None}
         parts = self.pool.state()
         clients, memory = [], [None] * self.num_clients
         for g in self.groups:
@@ -544,6 +557,12 @@ class Federation:
     def load_state_dict(self, state: dict) -> None:
         """Resume from a checkpoint of either format, into whichever pool this run has."""
         state = self.upgrade(state)
+        if getattr(self.pool, "remote", False):
+            self.pool.load(state["clients"])
+            self.server, self.plateau = state["server"], dict(state.get("plateau", self.plateau))
+            for g, gb in zip(self.groups, state["server_buffers"], strict=True):
+                g.global_buffers = gb
+            return
         if self.exemplars is not None and (state.get("memory") is None or len(state["memory"]) != self.num_clients):
             raise ValueError("written without this run's exemplar memory")  # (before anything is replaced)
         clients = state["clients"]

@@ -65,6 +65,50 @@ def traffic(algo, n: int, header: dict, broadcast: dict, assignment: dict, parts
     return {"bytes_down": down, "bytes_up": up, "payload_bytes_down": payload_down, "payload_bytes_up": payload_up}
 
 
+def merge_logits(rows: list[dict]) -> dict:
+    """One LogitsReply from the replies of several clients (or runtimes), in (architecture, client id) order."""
+    parts = order_parts([{"arch": int(r["arch"]), "ids": r["ids"], "logits": r["logits"]} for r in rows])
+    return {"ids": torch.cat([p["ids"] for p in parts]),
+            "arch": torch.cat([torch.full_like(p["ids"], p["arch"]) for p in parts]),
+            "logits": torch.cat([p["logits"] for p in parts])}
+
+
+def sub_request(request: dict, assignment: dict, clients: np.ndarray) -> dict:
+    """The EvalRequest for a runtime hosting ``clients`` (in its (architecture, id) order): their rows of the
+    assignment, and of the continual request (whose rows follow the request's order of client ``ids``)."""
+    sub = {**request, "assignment": assignment}
+    continual = request.get("continual")
+    if continual is not None:
+        order = {int(k): i for i, k in enumerate(ids_of(continual))}
+        pos = torch.as_tensor([order[int(k)] for k in clients], dtype=torch.int64)
+        sub["continual"] = {**continual, "ids": continual["ids"][pos], "rows": continual["rows"][pos]}
+    return sub
+
+
+def merge_evaluations(request: dict, replies: list[tuple[dict, dict]]) -> dict:
+    """One EvalReply to ``request`` from (reply, the sub-request it answers) of several runtimes: per-client counts
+    added up (each runtime has zeros for the clients it does not host), continual hits back in the request's order
+    of clients, the reports in client order."""
+    out: dict = {}
+    hits, at = [], []
+    order = {} if request.get("continual") is None else {
+        int(k): i for i, k in enumerate(ids_of(request["continual"]))}
+    for reply, sub in replies:
+        for k, v in reply.items():
+            if k == "continual":
+                hits.append(v)
+                at.append([order[int(c)] for c in ids_of(sub["continual"])])
+            elif k == "report":
+                out.setdefault(k, []).append(v)
+            else:
+                out[k] = tmap(torch.add, out[k], v) if k in out else v
+    if hits:
+        out["continual"] = torch.cat(hits)[torch.as_tensor(np.argsort(np.concatenate(at), kind="stable"))]
+    if "report" in out:
+        (out["report"],) = order_parts(out["report"])
+    return out
+
+
 class InProcessPool:
     """Every client in one runtime: the messages go in and out as they are — no copies, no codec."""
 
@@ -72,10 +116,18 @@ class InProcessPool:
         self.runtime = runtime
         self.runtimes = [runtime]
 
+    def notes(self) -> dict:
+        """What a round's record says of the pool itself (a deployment: who answered): nothing here."""
+        return {}
+
+    def meta(self) -> dict:
+        """What ``meta.json`` records of the pool (a deployment's driver and nodes): nothing here."""
+        return {}
+
     def warm_up(self, lr: float, assignment: dict) -> None:
         self.runtime.warm_up(lr, assignment)
 
-    def public_logits(self, broadcast: dict, assignment: dict) -> dict:
+    def public_logits(self, broadcast: dict, assignment: dict, round_idx: int) -> dict:
         return self.runtime.public_logits(broadcast, assignment)
 
     def train(self, header: dict, broadcast: dict, assignment: dict) -> list[dict]:
@@ -104,6 +156,8 @@ class WirePool:
     def __init__(self, runtimes: list[ClientRuntime], algo, device: torch.device):
         self.runtimes, self.algo, self.device = runtimes, algo, device
         self.traffic: dict[str, list[int]] = {}
+
+    notes, meta = InProcessPool.notes, InProcessPool.meta
 
     def _wire(self, action: str, up: bool, kind: str, body, device: torch.device):
         data = codec.encode(kind, body)
@@ -139,17 +193,14 @@ class WirePool:
         for rt, mine in self._each(assignment):
             self._call(rt, "warm_up", lr, mine)
 
-    def public_logits(self, broadcast: dict, assignment: dict) -> dict:
+    def public_logits(self, broadcast: dict, assignment: dict, round_idx: int) -> dict:
         packed, rows = self._pack(broadcast), []
         for rt, mine in self._each(assignment):
             bc, a = self._down("public_logits", rt, broadcast=packed, assignment=mine)
             reply = rt.public_logits({**bc, "payload": rt.algo.unpack_broadcast(bc["payload"])}, a)
             rows += [self._wire("public_logits", True, "logits", row(reply, i), self.device)
                      for i in range(len(reply["ids"]))]
-        parts = order_parts([{"arch": int(r["arch"]), "ids": r["ids"], "logits": r["logits"]} for r in rows])
-        return {"ids": torch.cat([p["ids"] for p in parts]),
-                "arch": torch.cat([torch.full_like(p["ids"], p["arch"]) for p in parts]),
-                "logits": torch.cat([p["logits"] for p in parts])}
+        return merge_logits(rows)
 
     def train(self, header: dict, broadcast: dict, assignment: dict) -> list[dict]:
         packed, uploads, failed = self._pack(broadcast), [], []
@@ -173,29 +224,8 @@ class WirePool:
             self._call(rt, "end_task", header, payload, mine, model)
 
     def evaluate(self, request: dict) -> dict:
-        out: dict = {}
-        continual = request.get("continual")
-        order = None if continual is None else {int(k): i for i, k in enumerate(ids_of(continual))}
-        hits, at = [], []
-        for rt, mine in self._each(request["assignment"]):
-            sub = {**request, "assignment": mine}
-            if continual is not None:
-                pos = np.array([order[int(k)] for k in rt.clients])
-                sub["continual"] = {**continual, "ids": continual["ids"][pos], "rows": continual["rows"][pos]}
-                at.append(pos)
-            reply = self._call(rt, "evaluate", sub)
-            for k, v in reply.items():
-                if k == "continual":
-                    hits.append(v)
-                elif k == "report":
-                    out.setdefault(k, []).append(v)
-                else:
-                    out[k] = tmap(torch.add, out[k], v) if k in out else v
-        if hits:
-            out["continual"] = torch.cat(hits)[torch.as_tensor(np.argsort(np.concatenate(at), kind="stable"))]
-        if "report" in out:
-            (out["report"],) = order_parts(out["report"])
-        return out
+        asked = [(sub_request(request, mine, rt.clients), rt) for rt, mine in self._each(request["assignment"])]
+        return merge_evaluations(request, [(self._call(rt, "evaluate", sub), sub) for sub, rt in asked])
 
     def state(self) -> list[dict]:
         return [self._call(rt, "state") for rt in self.runtimes]

@@ -28,6 +28,7 @@ from ..config import RunConfig, dump, load_config, yaml_scalar
 from ..data.federated import FederatedData
 from ..errors import FedMosaicError, RunError
 from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
+from ..protocol.tree import layout
 from .client import NonFiniteLoss
 from .continual import continual_summary
 from .federation import Federation
@@ -36,7 +37,7 @@ TIMING_KEYS = ("time_round_s", "time_eval_s")
 KEEP_CHECKPOINTS = 2
 #: What ``--amend`` may change when resuming: settings that shape the rounds still to come, not the ones done.
 AMENDABLE = ("train.rounds", "train.optimizer.lr", "train.optimizer.lr_decay", "eval", "checkpoint_every", "engine",
-             "seeds")
+             "seeds", "deploy")
 
 
 def new_run_dir(root: str | Path, name: str) -> Path:
@@ -182,20 +183,6 @@ def _well_formed(rec, before: list[dict]) -> bool:
             and ("continual" not in rec or _continual(rec["continual"], before)))
 
 
-def _layout(tree, at: str = ""):
-    """(path, shape, dtype) of every tensor of a nested state: two states with the same layout are interchangeable."""
-    if isinstance(tree, torch.Tensor):
-        yield at, tuple(tree.shape), tree.dtype
-    elif isinstance(tree, dict):
-        for k in sorted(tree, key=str):
-            yield from _layout(tree[k], f"{at}/{k}")
-    elif isinstance(tree, (list, tuple)):
-        for i, v in enumerate(tree):
-            yield from _layout(v, f"{at}/{i}")
-    else:
-        yield at, type(tree).__name__, None
-
-
 def _load_checkpoint(path: Path, fed: Federation) -> int:
     """Load ``path`` into ``fed``; the round it ends. Raises ValueError for anything unusable."""
     try:
@@ -206,7 +193,7 @@ def _load_checkpoint(path: Path, fed: Federation) -> int:
         raise ValueError("not a checkpoint of this round")
     state = fed.upgrade(state)  # format 1 (before the server/client split) is converted
     mine = fed.state_dict()
-    if any(list(_layout(state.get(k))) != list(_layout(mine[k])) for k in ("server", "clients")):
+    if any(list(layout(state.get(k))) != list(layout(mine[k])) for k in ("server", "clients")):
         raise ValueError("written for a different model or algorithm")
     ours, theirs = _identity(fed), state.get("run", {})
     if not isinstance(theirs, dict):
@@ -353,16 +340,18 @@ def _meta(cfg: RunConfig, fed: Federation) -> dict:
         "metric_sides": fed.metric_sides(),  # where each metric is computed: server, client or simulation only
         "plugins": plugins.used_by(cfg),  # the modules that registered this run's dataset or models
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **fed.pool.meta(),  # a deployment: its driver, the run's node token, which node hosts which client
     }
 
 
 def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = False, progress: bool = True,
-        stop_after: int | None = None, fd: FederatedData | None = None) -> dict:
+        stop_after: int | None = None, fd: FederatedData | None = None, pool=None) -> dict:
     """Run (or resume) ``cfg`` in directory ``out``. ``stop_after``: stop once that round is done (as if killed).
 
     With ``resume`` and ``amend``, ``cfg`` may differ from the saved config in the fields of ``AMENDABLE`` (a smaller
     learning rate after a divergence, more rounds); the change applies from the resumed round on and is recorded
-    in ``meta.json`` under ``amendments``.
+    in ``meta.json`` under ``amendments``. ``pool``: where the clients run (``Federation``'s argument; default
+    ``engine.pool``).
     """
     out = Path(out)
     check_out(out, resume)
@@ -376,7 +365,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
     if cfg.eval.tensorboard:
         tensorboard_writer()
     # before creating anything: a config or data error leaves no empty run directory
-    fed = Federation(cfg, fd, _started_threads(out) if resume else None)
+    fed = Federation(cfg, fd, _started_threads(out) if resume else None, pool)
     print(f"fedmosaic: execution: {fed.execution}", flush=True)  # stdout: stderr is for warnings and errors
     created, claimed = not out.exists(), False
     try:

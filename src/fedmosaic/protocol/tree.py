@@ -63,3 +63,18 @@ def _finite(t: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(t)
     return bool(lo > -torch.inf) and bool(hi < torch.inf)
+
+
+def layout(tree, at: str = ""):
+    """(path, shape, dtype) of every tensor of a nested state (and the type of every other leaf): two states with the
+    same layout are interchangeable."""
+    if isinstance(tree, torch.Tensor):
+        yield at, tuple(tree.shape), tree.dtype
+    elif isinstance(tree, dict):
+        for k in sorted(tree, key=str):
+            yield from layout(tree[k], f"{at}/{k}")
+    elif isinstance(tree, (list, tuple)):
+        for i, v in enumerate(tree):
+            yield from layout(v, f"{at}/{i}")
+    else:
+        yield at, type(tree).__name__, None

@@ -1,0 +1,389 @@
+"""The ServerApp: the run's server runtime and round loop (``engine.runner``), its clients on Flower SuperNodes.
+
+:class:`FlowerPool` is a client pool (``engine.pools``) whose clients are nodes: each action goes to the clients
+it concerns as one message per client, and their answers come back through the SuperLink. First contact
+(``hello``) maps every client id to the node that hosts it and refuses a node whose data differ from the partition
+the server computed. Every reply passes the same checks before any of it is used — the right client and round,
+a size below ``deploy.max_reply_mb``, a well-formed message, the layout (keys, shapes, dtypes) the server's own
+runtime of that architecture produces for the same request, finite numbers, counts within the client's split —
+and a reply that fails one is logged and left out, like a node that did not answer in time. A round goes on with
+the clients that answered when at least ``deploy.min_clients`` did (``deploy`` in the round's metrics says who),
+else the run stops in one line that says how to resume it.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..engine.client import ids_of, order_parts
+from ..engine.pools import merge_evaluations, merge_logits, row, sub_request, upload_of
+from ..errors import CorruptDataError, FedMosaicError, RunError
+from ..protocol import codec
+from ..protocol.tree import all_finite, layout
+from .common import FRESH, MESSAGE_TYPES, RECORD, check_deployable, flower, public_hash, rows_hash
+
+#: how often the server looks for replies
+POLL_S = 0.2
+
+
+class Rejected(Exception):
+    """A reply that is not used (the reason, one line)."""
+
+
+class FlowerPool:
+    """The clients of ``fed`` (a ``Federation``), one per Flower node. ``token``: the run's name on the nodes (their
+    state files); ``resume``: the command that resumes this run, for the error that stops it."""
+
+    remote = True  # the clients' state stays on their nodes: a checkpoint keeps only each one's stamp
+
+    def __init__(self, grid, fed, token: str, resume: str):
+        flower()
+        check_deployable(fed.cfg, type(fed.algo))
+        self.grid, self.fed, self.algo, self.device = grid, fed, fed.algo, fed.device
+        self.opts, self.token, self.resume = fed.cfg.deploy, token, resume
+        self.num_clients = fed.num_clients
+        #: per client the stamp of the state its node holds for it: the round of the last state-changing message
+        #: the server accepted (-1: warmed up; FRESH: none yet)
+        self.stamps = np.full(self.num_clients, FRESH, dtype=np.int64)
+        self._notes: dict = {}
+        self._probes: dict = {}  # architecture -> a runtime of one of its clients: the reference for replies
+        self._layouts: dict = {}
+        self.node_of = self._hello()
+
+    # ---- first contact ------------------------------------------------------------------------------
+    def _hello(self) -> dict[int, int]:
+        """Wait for a node per client, ask each which client it hosts and check its data against the partition."""
+        K, wait = self.num_clients, self.opts.connect_timeout_s
+        deadline = time.monotonic() + wait
+        while len(nodes := sorted(self.grid.get_node_ids())) < K:
+            if time.monotonic() > deadline:
+                raise FedMosaicError(f"only {len(nodes)} of the {K} clients' SuperNodes connected within {wait:g} s "
+                                     "(deploy.connect_timeout_s): start one per client, each with --node-config "
+                                     "'partition-id=K'")
+            time.sleep(0.5)
+        replies = self._send("hello", 0, {n: None for n in nodes}, by_node=True)
+        node_of: dict[int, int] = {}
+        sizes = self.fed.split["train"].sizes
+        for nid in nodes:
+            r = replies.get(nid)
+            if r is None:
+                raise FedMosaicError(f"node {nid} did not answer the first contact within "
+                                     f"{self.opts.round_timeout_s:g} s (deploy.round_timeout_s)")
+            rec = self._record(r)
+            if "error" in rec:
+                raise FedMosaicError(f"node {nid} refused the first contact: {rec['error']}")
+            k = rec.get("client")
+            if not isinstance(k, int) or not 0 <= k < K:
+                raise FedMosaicError(f"node {nid} claims client {k!r}; the partition has clients 0-{K - 1}")
+            if k in node_of:
+                raise FedMosaicError(f"nodes {node_of[k]} and {nid} both claim client {k} (partition-id): give "
+                                     "each node its own")
+            ours = rows_hash(self.fed, k)
+            if rec.get("rows") != ours or rec.get("train") != int(sizes[k]):
+                raise FedMosaicError(
+                    f"node {nid} (client {k}) holds another partition: its rows hash {str(rec.get('rows'))[:12]} and "
+                    f"{rec.get('train')} train samples, the server's {ours[:12]} and {int(sizes[k])} (the same config, "
+                    "data and seed on both sides give the same partition: check the node's data-dir)")
+            if rec.get("public") != public_hash(self.fed):
+                raise FedMosaicError(f"node {nid} (client {k}) has another public stream than the server (data.public:"
+                                     " the same dataset, or noise from the same seed, on every node)")
+            if rec.get("arch") != int(self.fed.group_of[k]):
+                raise FedMosaicError(f"node {nid} (client {k}) builds architecture {rec.get('arch')}, the server "
+                                     f"{int(self.fed.group_of[k])}: another config on that node?")
+            node_of[k] = nid
+        return node_of
+
+    # ---- messages -----------------------------------------------------------------------------------
+    def _send(self, action: str, t: int, bodies: dict, by_node: bool = False) -> dict:
+        """One message per client (``by_node``: per node id) with its body; the replies that came back in time,
+        by client (node). Waits at most ``deploy.round_timeout_s``."""
+        from flwr.app import ConfigRecord, Message, RecordDict
+
+        msgs = []
+        for key, body in bodies.items():
+            rec = ConfigRecord({"action": action, "token": self.token, "round": int(t),
+                                "stamp": FRESH if by_node else int(self.stamps[key]),
+                                "body": codec.encode(action, body)})
+            msgs.append(Message(content=RecordDict({RECORD: rec}), dst_node_id=key if by_node else self.node_of[key],
+                                message_type=MESSAGE_TYPES[action], group_id=str(t),
+                                ttl=self.opts.round_timeout_s + 30))
+        client_of = {n: k for k, n in getattr(self, "node_of", {}).items()}
+        out = {}
+        for r in self._exchange(msgs):
+            src = r.metadata.src_node_id
+            key = src if by_node else client_of.get(src)
+            if key in bodies and key not in out:
+                out[key] = r
+        return out
+
+    def _exchange(self, msgs: list) -> list:
+        """Push ``msgs`` and pull their replies until all are in or ``deploy.round_timeout_s`` has passed. (Flower's
+        ``Grid.send_and_receive`` does the same but looks for replies every 3 s; a round has up to four exchanges.)"""
+        waiting = set(self.grid.push_messages(msgs))
+        deadline, replies = time.monotonic() + self.opts.round_timeout_s, []
+        while waiting:
+            got = list(self.grid.pull_messages(waiting))
+            replies += got
+            waiting -= {r.metadata.reply_to_message_id for r in got}
+            if not waiting or time.monotonic() > deadline:
+                break
+            time.sleep(POLL_S)
+        return replies
+
+    @staticmethod
+    def _record(reply) -> dict:
+        if reply.has_error():
+            raise Rejected(f"Flower error {reply.error.code}: {reply.error.reason}")
+        try:
+            return dict(reply.content[RECORD])
+        except (KeyError, TypeError, ValueError):
+            raise Rejected(f"no {RECORD!r} record in the reply") from None
+
+    def _ask(self, action: str, t: int, bodies: dict[int, dict], reference, check=None) -> dict[int, object]:
+        """Send each client its body; the replies that pass every check (:meth:`_accept`, then ``check(client,
+        body)``), by client. Fewer than ``deploy.min_clients`` of them (default: every client asked) stops the run."""
+        replies = self._send(action, t, bodies)
+        got, rejected = {}, {}
+        for k, r in replies.items():
+            try:
+                got[k] = self._accept(action, t, k, r, reference)
+                if check is not None:
+                    check(k, got[k])
+            except Exception as e:
+                got.pop(k, None)
+                if not isinstance(e, Rejected):
+                    e = Rejected(f"unreadable ({type(e).__name__}: {e})")
+                rejected[k] = str(e)
+                warnings.warn(f"round {t}: {action} reply of client {k} (node {self.node_of[k]}) rejected: {e}",
+                              stacklevel=2)
+        missing = sorted(set(bodies) - set(replies))
+        note: dict = {"asked": len(bodies), "answered": len(got)}
+        if missing:
+            note["missing"] = missing
+        if rejected:
+            note["rejected"] = {str(k): why for k, why in sorted(rejected.items())}
+        self._notes[action] = note
+        need = min(self.opts.min_clients or len(bodies), len(bodies))
+        if len(got) < need:
+            why = "; ".join([*(f"client {k}: {w}" for k, w in sorted(rejected.items())),
+                             *([f"no reply from {missing} within {self.opts.round_timeout_s:g} s"] if missing else [])])
+            raise RunError(f"round {t}: {len(got)} of {len(bodies)} clients answered '{action}', fewer than "
+                           f"deploy.min_clients = {need} ({why}); resume: {self.resume}")
+        return got
+
+    def _accept(self, action: str, t: int, k: int, reply, reference) -> object:
+        """The body of client ``k``'s reply, if it passes every check; else :class:`Rejected`."""
+        rec = self._record(reply)
+        if "error" in rec:
+            raise Rejected(f"the node failed: {rec['error']}")
+        if rec.get("client") != k or rec.get("round") != t:
+            raise Rejected(f"it answers for client {rec.get('client')!r}, round {rec.get('round')!r}")
+        data = rec.get("body")
+        if not isinstance(data, bytes):
+            raise Rejected("it has no message body")
+        if len(data) > self.opts.max_reply_mb * 2**20:
+            raise Rejected(f"{len(data) / 2**20:.1f} MiB, more than deploy.max_reply_mb = {self.opts.max_reply_mb:g}")
+        try:
+            _, body = codec.decode(data, action)
+        except CorruptDataError as e:
+            raise Rejected(str(e)) from None
+        want = reference(k)
+        if want is None:
+            if body is not None:
+                raise Rejected("an acknowledgement with a body")
+            return None
+        if not isinstance(body, dict) or list(layout(_no_terms(body))) != list(layout(_no_terms(want))):
+            raise Rejected("its keys, shapes or dtypes are not those this request gets from a client of its "
+                           "architecture")
+        if not all_finite(body):
+            raise Rejected("NaN or infinite values")
+        body = _to(body, self.device)
+        if "ids" in body and not bool((body["ids"] == k).all()):
+            raise Rejected(f"it reports client ids {body['ids'].tolist()}")
+        if "arch" in body and not bool((torch.as_tensor(body["arch"]) == int(self.fed.group_of[k])).all()):
+            raise Rejected(f"it reports architecture {body['arch']}")
+        return body
+
+    # ---- references: what a client of each architecture answers ------------------------------------------
+    def _probe(self, k: int):
+        """A runtime on the server of one client of ``k``'s architecture (its first), and that client's id."""
+        arch = int(self.fed.group_of[k])
+        if arch not in self._probes:
+            first = int(np.flatnonzero(self.fed.group_of == arch)[0])
+            self._probes[arch] = (self.fed.client_runtime([first]), first)
+        return self._probes[arch]
+
+    def _reference(self, key, k: int, make):
+        """The reply a client of ``k``'s architecture gives (``make(runtime, its client)``), computed once per
+        ``key`` and architecture on a server-side runtime: what every reply's layout is checked against."""
+        arch = int(self.fed.group_of[k])
+        if (key, arch) not in self._layouts:
+            rt, first = self._probe(k)
+            self._layouts[key, arch] = make(rt, first)
+        return self._layouts[key, arch]
+
+    def _pack(self, broadcast: dict) -> dict:
+        return {**broadcast, "payload": self.algo.pack_broadcast(broadcast["payload"])}
+
+    def _own(self, first: int) -> dict:
+        return self.fed.srv.assign(np.array([first]))
+
+    # ---- the actions --------------------------------------------------------------------------------
+    def warm_up(self, lr: float, assignment: dict) -> None:
+        bodies = {int(k): {"lr": lr, "assignment": row(assignment, i)} for i, k in enumerate(ids_of(assignment))}
+        for k in self._ask("warm_up", 0, bodies, lambda k: None):
+            self.stamps[k] = -1
+
+    def public_logits(self, broadcast: dict, assignment: dict, round_idx: int) -> dict:
+        packed = self._pack(broadcast)
+        bodies = {int(k): {"broadcast": packed, "assignment": row(assignment, i)}
+                  for i, k in enumerate(ids_of(assignment))}
+
+        def make(rt, first):
+            return row(rt.public_logits(broadcast, self._own(first)), 0)
+
+        got = self._ask("logits", round_idx, bodies, lambda k: self._reference("logits", k, make))
+        return merge_logits([got[k] for k in sorted(got)])
+
+    def train(self, header: dict, broadcast: dict, assignment: dict) -> list[dict]:
+        t, packed = header["round"], self._pack(broadcast)
+        bodies = {int(k): {"header": header, "broadcast": packed, "assignment": row(assignment, i)}
+                  for i, k in enumerate(ids_of(assignment))}
+
+        def make(rt, first):
+            (part,) = rt.train(header, broadcast, self._own(first))
+            return self._unpacked(upload_of(rt.algo, part, 0))
+
+        sizes = self.fed.split["train"].sizes
+
+        def check(k, body):
+            if not 0 <= float(body["n"].sum()) <= sizes[k] or bool((body["steps"] < 0).any()):
+                raise Rejected("its sample count or steps are out of range")
+
+        got = self._ask("train", t, bodies, lambda k: self._reference(("train", header["stage"]), k, make), check)
+        for k in got:
+            self.stamps[k] = t
+        return order_parts([self._unpacked(got[k]) for k in sorted(got)])
+
+    def _unpacked(self, msg: dict) -> dict:
+        return {**msg, "upload": self.algo.unpack_upload(msg["upload"])}
+
+    def end_task(self, header: dict, payload: dict, assignment: dict, model) -> None:
+        bodies = {int(k): {"header": header, "payload": payload, "assignment": row(assignment, i), "model": model}
+                  for i, k in enumerate(ids_of(assignment))}
+        for k in self._ask("end_task", header["round"], bodies, lambda k: None):
+            self.stamps[k] = header["round"]
+
+    def evaluate(self, request: dict) -> dict:
+        t, assignment = request["round"], request["assignment"]
+        ids = ids_of(assignment)
+        subs = {int(k): sub_request(request, row(assignment, i), np.array([k])) for i, k in enumerate(ids)}
+
+        made: dict = {}  # per architecture, this request's reference reply
+
+        def reference(k):
+            rt, first = self._probe(k)
+            if first not in made:
+                made[first] = rt.evaluate(sub_request(request, self._own(first), np.array([first])))
+            return made[first]
+
+        got = self._ask("evaluate", t, subs, reference, self._check_counts)
+        if request.get("continual") is not None and len(got) < len(subs):
+            raise RunError(f"round {t}: the continual accuracy of personal models needs every client's answer; "
+                           f"{len(subs) - len(got)} missing; resume: {self.resume}")
+        return merge_evaluations(request, [(got[k], subs[k]) for k in sorted(got)])
+
+    def _check_counts(self, k: int, body: dict) -> None:
+        """An evaluation reply counts only its own client's samples, at most its split's size: a node cannot
+        inflate the metrics."""
+        own = np.arange(self.num_clients) == k
+        for split in ("test", "val"):
+            if not np.array_equal(body["sizes"][split].cpu().numpy(), np.where(own, self.fed.split[split].sizes, 0)):
+                raise Rejected(f"it reports other {split} split sizes than the client's partition has")
+        for key, split in (("global_clients", "test"), ("global_val", "val"), ("personal", "test"),
+                           ("personal_val", "val")):
+            if key in body:
+                c = body[key].cpu().numpy()
+                if (c < 0).any() or (c > np.where(own, self.fed.split[split].sizes, 0)).any():
+                    raise Rejected(f"it reports impossible counts for {key}")
+        if "continual" in body and not bool(((body["continual"] == 0) | (body["continual"] == 1)).all()):
+            raise Rejected("its continual hits are not 0 or 1")
+
+    # ---- checkpoints and records --------------------------------------------------------------------
+    def state(self) -> dict:
+        """The clients' part of a checkpoint: each one's stamp (its state stays on its node)."""
+        return {"stamps": torch.as_tensor(self.stamps)}
+
+    def load(self, state: dict) -> None:
+        stamps = state["stamps"].cpu().numpy()
+        if stamps.shape != (self.num_clients,):
+            raise ValueError("written for another number of clients")
+        self.stamps = stamps.astype(np.int64)
+
+    def notes(self) -> dict:
+        """``deploy``: per action of the round (or evaluation) the clients asked and answered, and who did not
+        answer in time (``missing``) or whose reply was rejected, and why."""
+        notes, self._notes = self._notes, {}
+        return {"deploy": notes} if notes else {}
+
+    def meta(self) -> dict:
+        return {"driver": "flower", "token": self.token,
+                "nodes": {str(k): int(n) for k, n in sorted(self.node_of.items())}}
+
+
+def _no_terms(body: dict) -> dict:
+    """A reply without the names of its objective's terms (which may change with the round's program)."""
+    return {k: v for k, v in body.items() if k != "terms"} if isinstance(body, dict) else body
+
+
+def _to(tree, device):
+    from ..protocol.tree import tmap
+
+    return tmap(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, tree)
+
+
+def server_app(config_path: str | Path):
+    """The ServerApp of a deployment whose config is ``config_path`` (the app's ``run.yaml``). Run config keys:
+    ``run-dir`` (where the run directory is, or goes), ``resume``, ``data-dir`` (the server's data search path),
+    ``resume-command`` (said by the error that stops a run)."""
+    fl = flower()
+    app = fl.serverapp.ServerApp()
+
+    @app.main()
+    def main(grid, context) -> None:
+        from .. import plugins
+        from ..config import load_config
+        from ..engine.runner import run
+        from ..paths import set_data_dirs
+
+        rc = context.run_config
+        if rc.get("data-dir"):
+            set_data_dirs(str(rc["data-dir"]))
+        plugins.load()  # datasets and models of $FEDMOSAIC_PLUGINS and installed entry points
+        cfg = load_config(Path(config_path))
+        out, resume = Path(str(rc["run-dir"])), bool(rc.get("resume", False))
+        token = _token(out) if resume else secrets.token_hex(12)
+        hint = str(rc.get("resume-command") or "flwr run APP SUPERLINK --run-config 'resume=true'")
+        summary = run(cfg, out, resume=resume, progress=False,
+                      pool=lambda fed: FlowerPool(grid, fed, token, hint))
+        print(json.dumps({"run_dir": str(out), "summary": summary}), flush=True)
+
+    return app
+
+
+def _token(out: Path) -> str:
+    """The node token of the run in ``out`` (its ``meta.json``): a resumed run finds its clients' state under it."""
+    try:
+        token = json.loads((out / "meta.json").read_text())["token"]
+    except (OSError, ValueError, KeyError, TypeError):
+        raise FedMosaicError(f"resume: {out} is not a deployed run (no node token in its meta.json)") from None
+    if not isinstance(token, str) or not token.isalnum():
+        raise FedMosaicError(f"resume: {out}/meta.json has a damaged node token")
+    return token

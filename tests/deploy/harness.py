@@ -1,0 +1,150 @@
+"""A real Flower federation on loopback for the tests: a SuperLink with TLS and node authentication, SuperNodes
+with registered keys, ``flwr run`` and the run's status. Every process runs in its own session and is stopped by
+its process group when the federation closes, also when a test fails."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import time
+import urllib.request
+from pathlib import Path
+
+BIN = Path(os.environ.get("VIRTUAL_ENV", "")) / "bin" if os.environ.get("VIRTUAL_ENV") else None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def exe(name: str) -> str:
+    import shutil
+    import sys
+
+    here = Path(sys.executable).parent / name
+    return str(here) if here.exists() else (shutil.which(name) or name)
+
+
+class LocalFederation:
+    """A SuperLink on 127.0.0.1 with the PKI in ``pki`` (``deploy.prepare.make_pki``), its flwr CLI home in
+    ``home``; logs in ``logs``."""
+
+    def __init__(self, root: Path, pki: Path, data_dir: str):
+        self.root, self.pki, self.data_dir = Path(root), Path(pki), data_dir
+        self.port = free_port()
+        self.home = self.root / "flwr"
+        self.home.mkdir(parents=True, exist_ok=True)
+        (self.home / "config.toml").write_text(
+            f'[superlink]\ndefault = "fedmosaic"\n\n[superlink.fedmosaic]\naddress = "127.0.0.1:{self.port}"\n'
+            f'root-certificates = "{self.pki / "ca.crt"}"\n')
+        self.env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
+                    "FLWR_HOME": str(self.home), "FEDMOSAIC_DATA": data_dir, "OMP_NUM_THREADS": "1",
+                    "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}  # fewer idle seconds per message
+        self.procs: dict[str, subprocess.Popen] = {}
+        (self.root / "logs").mkdir(exist_ok=True)
+
+    def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
+        log = open(self.root / "logs" / f"{name}.log", "ab")
+        p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+                             cwd=self.root)
+        log.close()
+        self.procs[name] = p
+        return p
+
+    def log(self, name: str) -> str:
+        return (self.root / "logs" / f"{name}.log").read_text(errors="replace")
+
+    def start_link(self, timeout: float = 60) -> None:
+        p = self.pki
+        self._start("superlink", [exe("flower-superlink"), "--ssl-ca-certfile", str(p / "ca.crt"),
+                                  "--ssl-certfile", str(p / "server.pem"), "--ssl-keyfile", str(p / "server.key"),
+                                  "--enable-supernode-auth", "--disable-runtime-dependency-installation",
+                                  "--host", "127.0.0.1", "--port", str(self.port)])
+        ctx = ssl.create_default_context(cafile=str(p / "ca.crt"))
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"https://127.0.0.1:{self.port}/health", context=ctx, timeout=2):
+                    return
+            except OSError:
+                if self.procs["superlink"].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the SuperLink did not come up:\n" + self.log("superlink")[-3000:]) from None
+                time.sleep(0.3)
+
+    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([exe("flwr"), *args], env=self.env, capture_output=True, text=True, timeout=timeout,
+                              cwd=self.root)
+
+    def register(self, pub: Path) -> int:
+        r = self.flwr("supernode", "register", str(pub), "fedmosaic", "--format", "json")
+        out = json.loads(r.stdout)
+        if not out.get("success"):
+            raise RuntimeError(f"register {pub}: {r.stdout} {r.stderr}")
+        return int(out["node-id"])
+
+    def start_node(self, name: str, key: Path, node_config: str, extra: list[str] = ()) -> subprocess.Popen:
+        return self._start(name, [exe("flower-supernode"), "--superlink", f"127.0.0.1:{self.port}",
+                                  "--root-certificates", str(self.pki / "ca.crt"),
+                                  "--auth-supernode-private-key", str(key), "--port", str(free_port()),
+                                  "--node-config", node_config, *extra])
+
+    def wait_online(self, n: int, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = self.flwr("supernode", "list", "fedmosaic", "--format", "json")
+            with contextlib.suppress(ValueError):
+                nodes = json.loads(r.stdout).get("nodes", [])
+                if sum(str(x.get("status", "")).startswith("online") for x in nodes) >= n:
+                    return
+            time.sleep(1)
+        raise RuntimeError(f"fewer than {n} SuperNodes online: {r.stdout}")
+
+    def submit(self, app: Path, run_config: str | None = None) -> int:
+        args = ["run", str(app), "fedmosaic", "--format", "json"]
+        if run_config:
+            args += ["--run-config", run_config]
+        r = self.flwr(*args)
+        try:
+            return int(json.loads(r.stdout)["run-id"])
+        except (ValueError, KeyError):
+            raise RuntimeError(f"flwr run failed: {r.stdout} {r.stderr}") from None
+
+    def status(self, run_id: int) -> dict:
+        r = self.flwr("ls", "fedmosaic", "--run-id", str(run_id), "--format", "json")
+        return json.loads(r.stdout)["runs"][0]
+
+    def wait(self, run_id: int, timeout: float = 300) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            st = self.status(run_id)
+            if str(st.get("status", "")).startswith("finished"):
+                return st
+            time.sleep(1)
+        raise TimeoutError(f"run {run_id} did not finish within {timeout} s: {st}")
+
+    def logs_of(self, run_id: int) -> str:
+        return self.flwr("log", str(run_id), "fedmosaic", "--show").stdout
+
+    def stop(self, name: str | None = None) -> None:
+        for key in [name] if name else list(self.procs):
+            p = self.procs.pop(key, None)
+            if p is None:
+                continue
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGTERM)
+            try:
+                p.wait(10)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+            # the SuperExec a SuperNode or SuperLink spawned is in the same session: stop what is left of it
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)

@@ -1,0 +1,202 @@
+"""The deployment's server pool and node handler, wired through an in-process grid (``loopgrid``): the same numbers
+as the simulator, every hostile reply rejected with the effect of no reply, first contact refusing what does not
+belong, resume from the nodes' state files. (test_flower.py runs the same against a real SuperLink.)"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("flwr")
+
+import cases
+from cases import same_metrics
+from hostile import POISONS, poison_train
+from loopgrid import LoopGrid
+
+from fedmosaic.config import dump
+from fedmosaic.deploy.common import check_deployable
+from fedmosaic.deploy.server import FlowerPool
+from fedmosaic.engine.runner import read_metrics, run
+from fedmosaic.errors import ConfigError, FedMosaicError, RunError
+from fedmosaic.protocol.algorithm import registered
+
+
+def config(family: str = "fedavg", **over):
+    """``cases.config``, waiting a moment for a reply (the loop grid answers at once or never)."""
+    return cases.config(family, **{**over, "deploy": {"round_timeout_s": 0.3, **over.get("deploy", {})}})
+
+
+def sub(path, name):
+    (path / name).mkdir()
+    return path / name
+
+
+def deployed(cfg, tmp_path, name="dep", grid=None, **kw):
+    """Run ``cfg`` through a loop grid (or ``grid``) with its nodes' files in ``tmp_path``; (its metrics, the
+    grid)."""
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    grid = grid or LoopGrid(tmp_path / "run.yaml", cfg.data.clients, tmp_path / "nodes", **kw)
+    run(cfg, tmp_path / name, progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "RESUME"))
+    return read_metrics(tmp_path / name), grid
+
+
+def simulated(cfg, tmp_path, name="sim"):
+    run(cfg, tmp_path / name, progress=False)
+    return read_metrics(tmp_path / name)
+
+
+@pytest.mark.parametrize("family", ["fedavg", "ditto", "ahf", "protofcl"])
+def test_deployed_pool_equals_the_simulator(family, tmp_path):
+    cfg = config(family)
+    got, grid = deployed(cfg, tmp_path)
+    assert same_metrics(got, simulated(cfg, tmp_path), tol=0) == []
+    assert all(r["deploy"]["train"] == {"asked": 3, "answered": 3} for r in got)
+    assert grid.sent, "nothing went through the grid"
+
+
+@pytest.mark.parametrize("poison", sorted(POISONS))
+def test_a_poisoned_reply_is_rejected_and_counts_as_no_reply(poison, tmp_path):
+    """Client 2 poisons its round-0 upload: the round goes on with the others (min_clients 2), the reason is in
+    the metrics, and every number equals the run where client 2 sent nothing in round 0."""
+    cfg = config("fedavg", deploy={"min_clients": 2, "max_reply_mb": 1})
+    with pytest.warns(UserWarning, match="reply of client 2 .* rejected"):
+        got, _ = deployed(cfg, sub(tmp_path, "bad"), "bad", tamper=poison_train(poison, 2, {0}))
+    silent, _ = deployed(cfg, sub(tmp_path, "silent"), "silent",
+                         tamper=lambda k, a, rec: None if (k, a, rec.get("round")) == (2, "train", 0) else rec)
+    assert list(got[0]["deploy"]["train"]["rejected"]) == ["2"]
+    assert got[0]["deploy"]["train"]["answered"] == 2 and got[0]["clients"] == 2
+    assert same_metrics(got, silent, tol=0) == []
+    assert got[1]["deploy"]["train"] == {"asked": 3, "answered": 3}  # trusted again in round 1, from its old state
+
+
+def test_a_rejected_reply_says_why(tmp_path):
+    cfg = config("fedavg", deploy={"min_clients": 1, "max_reply_mb": 1}, train={"rounds": 1})
+    why = {}
+    for name in ("nan", "shape", "oversized", "garbage", "wrong_round"):
+        with pytest.warns(UserWarning):
+            got, _ = deployed(cfg, sub(tmp_path, name), "r",
+                              tamper=poison_train(name, 1))
+        why[name] = got[0]["deploy"]["train"]["rejected"]["1"]
+    assert "NaN" in why["nan"] and "shapes" in why["shape"] and "MiB" in why["oversized"]
+    assert "malformed message" in why["garbage"]
+    assert "round" in why["wrong_round"]
+    assert all("\n" not in w for w in why.values())
+
+
+def test_an_evaluation_that_counts_more_than_its_client_has_is_rejected(tmp_path):
+    from hostile import _body
+
+    cfg = config("ditto", deploy={"min_clients": 2}, train={"rounds": 1})
+
+    def inflate(k, action, rec):
+        if (k, action) == (1, "evaluate") and "body" in rec:
+            return _body(rec, action, lambda b: {**b, "personal": b["personal"] * 3 + 1})
+        return rec
+
+    with pytest.warns(UserWarning, match="evaluate reply of client 1 .* rejected"):
+        got, _ = deployed(cfg, sub(tmp_path, "bad"), "bad", tamper=inflate)
+    silent, _ = deployed(cfg, sub(tmp_path, "silent"), "silent",
+                         tamper=lambda k, a, rec: None if (k, a) == (1, "evaluate") else rec)
+    assert "impossible counts for personal" in got[0]["deploy_eval"]["evaluate"]["rejected"]["1"]
+    assert got[0]["personal"]["clients"] == 2
+    assert same_metrics(got, silent, tol=0) == []
+
+
+def test_too_few_answers_stop_the_run_in_one_line_with_a_resume_command(tmp_path):
+    cfg = config("fedavg")  # min_clients: every client asked
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    grid = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes",
+                    tamper=lambda k, a, rec: None if (k, a, rec.get("round")) == (0, "train", 1) else rec)
+    with pytest.raises(RunError) as e:
+        run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "RESUME-IT"))
+    msg = str(e.value)
+    assert "\n" not in msg and "round 1: 2 of 3 clients answered 'train'" in msg and "no reply from [0]" in msg
+    assert msg.endswith("resume: RESUME-IT")
+    assert len(read_metrics(tmp_path / "dep")) == 1  # round 0 is kept
+
+
+def test_a_stopped_deployment_resumes_on_restarted_nodes_with_the_uninterrupted_numbers(tmp_path):
+    """Round 1 fails (a node does not answer); the nodes restart (Context.state lost: their state files remain);
+    the run resumes from its checkpoint and ends with the metrics of a run that never stopped."""
+    cfg = config("ditto", train={"rounds": 3})
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    flaky = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes",
+                     tamper=lambda k, a, rec: None if (k, a, rec.get("round")) == (2, "train", 1) else rec)
+    with pytest.raises(RunError):
+        run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(flaky, fed, "t0k3n", "R"))
+    fresh = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes")  # new Context.state, same node files
+    run(cfg, tmp_path / "dep", resume=True, progress=False, pool=lambda fed: FlowerPool(fresh, fed, "t0k3n", "R"))
+    assert same_metrics(read_metrics(tmp_path / "dep"), simulated(cfg, tmp_path), tol=0) == []
+
+
+def test_a_node_without_the_state_it_is_asked_for_answers_an_error(tmp_path):
+    cfg = config("ditto")
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    grid = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes")
+    deployed(cfg, tmp_path, grid=grid)
+    for f in (tmp_path / "nodes" / "t0k3n" / "client-1").glob("*.fmsg"):
+        f.unlink()
+    grid.nodes[1001].state = type(grid.nodes[1001].state)()  # the node restarted too: nothing left
+    with pytest.raises(RunError, match="client 1: the node failed: ValueError: no state of stamp 1 on this node"), \
+            pytest.warns(UserWarning, match="train reply of client 1 .* rejected"):
+        run(cfg.model_copy(update={"train": cfg.train.model_copy(update={"rounds": 3})}), tmp_path / "dep",
+            resume=True, amend=True, progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "R"))
+
+
+@pytest.mark.parametrize("claim, match", [
+    ({1: {"partition-id": 0}}, "nodes 1000 and 1001 both claim client 0"),
+    ({2: {"partition-id": 7}}, "node 1002 refused the first contact: .*partition-id 7: the config's partition has 3"),
+])
+def test_first_contact_refuses_nodes_that_do_not_belong(claim, match, tmp_path):
+    cfg = config("fedavg")
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    grid = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes", node_config=claim)
+    with pytest.raises(FedMosaicError, match=match):
+        run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "R"))
+    assert not (tmp_path / "dep").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("family, field, match", [
+    ("fedavg", "rows", "node 1001 .client 1. holds another partition"),
+    ("fedavg", "train", "node 1001 .client 1. holds another partition"),
+    ("ahf", "public", "node 1001 .client 1. has another public stream"),
+    ("ahf", "arch", "node 1001 .client 1. builds architecture 7"),
+])
+def test_first_contact_refuses_a_node_with_other_data(family, field, match, tmp_path):
+    cfg = config(family)
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+
+    def other(k, action, rec):
+        return {**rec, field: 7 if field in ("train", "arch") else "0" * 64} if (k, action) == (1, "hello") else rec
+
+    grid = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes", tamper=other)
+    with pytest.raises(FedMosaicError, match=match):
+        run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "R"))
+
+
+def test_missing_nodes_are_waited_for_then_refused(tmp_path):
+    cfg = config("fedavg", deploy={"connect_timeout_s": 0.5})
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    grid = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes")
+    grid.down.add(1002)
+    with pytest.raises(FedMosaicError, match="only 2 of the 3 clients' SuperNodes connected within 0.5 s"):
+        run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "R"))
+
+
+@pytest.mark.parametrize("over, match", [
+    ({"algorithm": {"name": "central"}}, "pooled data"),
+    ({"algorithm": {"name": "ditto"}, "eval": {"cross_clients": True}}, "eval.cross_clients"),
+    ({"eval": {"local_models": True}}, "eval.local_models"),
+    ({"engine": {"compile": True}}, "engine.compile"),
+    ({"engine": {"pool": "wire"}}, "engine.pool"),
+])
+def test_what_only_a_simulation_can_run_is_refused_in_one_line(over, match):
+    from cases import DIGITS3
+    from fedtest import merged
+
+    from fedmosaic.config import validate
+
+    cfg = validate(merged(DIGITS3, over))
+    with pytest.raises(ConfigError, match=match) as e:
+        check_deployable(cfg, registered()[cfg.algorithm.name])
+    assert "\n" not in str(e.value)
