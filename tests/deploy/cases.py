@@ -3,7 +3,7 @@ algorithm per family with the settings it needs."""
 
 from __future__ import annotations
 
-from fedtest import merged
+from fedtest import PROTOCOL_CASES, merged
 
 from fedmosaic.config import validate
 
@@ -33,9 +33,16 @@ FAMILIES = {
 }
 
 
+#: the protocol's test set (``fedtest.PROTOCOL_CASES``: one algorithm per family and engine mechanism) over 3 clients
+PROTOCOL = {algo["name"]: merged(merged(over, {"algorithm": algo}), {"data": {"clients": 3},
+                                                                       "train": {"clients_per_round": 3}})
+            for algo, over in PROTOCOL_CASES}
+
+
 def config(family: str = "fedavg", **over):
-    """The validated config of ``family`` with nested overrides (``{"train": {"rounds": 3}}`` style)."""
-    raw = merged(DIGITS3, FAMILIES[family])
+    """The validated config of ``family`` (or of an algorithm of ``PROTOCOL``) with nested overrides
+    (``{"train": {"rounds": 3}}`` style)."""
+    raw = merged(DIGITS3, FAMILIES.get(family) or PROTOCOL[family])
     for key, value in over.items():
         raw = merged(raw, {key: value})
     return validate(raw)

@@ -45,7 +45,8 @@ def simulated(cfg, tmp_path, name="sim"):
     return read_metrics(tmp_path / name)
 
 
-@pytest.mark.parametrize("family", ["fedavg", "ditto", "ahf", "protofcl"])
+@pytest.mark.parametrize("family", ["fedavg", "ditto", "ahf", "protofcl", *(
+    pytest.param(a, marks=pytest.mark.slow) for a in cases.PROTOCOL if a not in ("fedavg", "ditto", "ahf", "protofcl"))])
 def test_deployed_pool_equals_the_simulator(family, tmp_path):
     cfg = config(family)
     got, grid = deployed(cfg, tmp_path)

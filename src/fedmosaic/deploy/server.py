@@ -194,6 +194,8 @@ class FlowerPool:
             _, body = codec.decode(data, action)
         except CorruptDataError as e:
             raise Rejected(str(e)) from None
+        if action == "train":  # an upload as it travels (Algorithm.pack_upload) -> its fixed shapes
+            body = self._unpacked(body)
         want = reference(k)
         if want is None:
             if body is not None:
@@ -270,7 +272,7 @@ class FlowerPool:
         got = self._ask("train", t, bodies, lambda k: self._reference(("train", header["stage"]), k, make), check)
         for k in got:
             self.stamps[k] = t
-        return order_parts([self._unpacked(got[k]) for k in sorted(got)])
+        return order_parts([got[k] for k in sorted(got)])
 
     def _unpacked(self, msg: dict) -> dict:
         return {**msg, "upload": self.algo.unpack_upload(msg["upload"])}
