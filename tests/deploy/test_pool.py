@@ -130,6 +130,15 @@ def test_a_stopped_deployment_resumes_on_restarted_nodes_with_the_uninterrupted_
     assert same_metrics(read_metrics(tmp_path / "dep"), simulated(cfg, tmp_path), tol=0) == []
 
 
+def test_the_simulator_refuses_to_resume_a_deployed_run_and_leaves_its_checkpoints(tmp_path):
+    cfg = config("fedavg")
+    deployed(cfg, tmp_path)
+    before = sorted(p.name for p in (tmp_path / "dep" / "checkpoints").iterdir())
+    with pytest.raises(FedMosaicError, match="is a deployed run .* resume it with its deployment's `flwr run"):
+        run(cfg, tmp_path / "dep", resume=True, progress=False)
+    assert sorted(p.name for p in (tmp_path / "dep" / "checkpoints").iterdir()) == before
+
+
 def test_a_node_without_the_state_it_is_asked_for_answers_an_error(tmp_path):
     cfg = config("ditto")
     (tmp_path / "run.yaml").write_text(dump(cfg))

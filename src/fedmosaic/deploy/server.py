@@ -26,7 +26,7 @@ from ..engine.client import ids_of, order_parts
 from ..engine.pools import merge_evaluations, merge_logits, row, sub_request, upload_of
 from ..errors import CorruptDataError, FedMosaicError, RunError
 from ..protocol import codec
-from ..protocol.tree import all_finite, layout
+from ..protocol.tree import all_finite, layout, tmap
 from .common import FRESH, MESSAGE_TYPES, RECORD, check_deployable, flower, public_hash, rows_hash
 
 #: how often the server looks for replies
@@ -76,7 +76,10 @@ class FlowerPool:
             if r is None:
                 raise FedMosaicError(f"node {nid} did not answer the first contact within "
                                      f"{self.opts.round_timeout_s:g} s (deploy.round_timeout_s)")
-            rec = self._record(r)
+            try:
+                rec = self._record(r)
+            except Rejected as e:
+                raise FedMosaicError(f"node {nid} answered the first contact with no usable reply: {e}") from None
             if "error" in rec:
                 raise FedMosaicError(f"node {nid} refused the first contact: {rec['error']}")
             k = rec.get("client")
@@ -272,6 +275,7 @@ class FlowerPool:
         got = self._ask("train", t, bodies, lambda k: self._reference(("train", header["stage"]), k, make), check)
         for k in got:
             self.stamps[k] = t
+        print(f"fedmosaic: round {t}: {len(got)} of {len(bodies)} clients trained", flush=True)  # the run's log
         return order_parts([got[k] for k in sorted(got)])
 
     def _unpacked(self, msg: dict) -> dict:
@@ -346,8 +350,6 @@ def _no_terms(body: dict) -> dict:
 
 
 def _to(tree, device):
-    from ..protocol.tree import tmap
-
     return tmap(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, tree)
 
 

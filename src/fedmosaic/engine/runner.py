@@ -368,6 +368,9 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
     fed = Federation(cfg, fd, _started_threads(out) if resume else None, pool)
     print(f"fedmosaic: execution: {fed.execution}", flush=True)  # stdout: stderr is for warnings and errors
     created, claimed = not out.exists(), False
+    if resume and _deployed(out) and not getattr(fed.pool, "remote", False):  # its clients' state is on its nodes
+        raise FedMosaicError(f"--resume: {out} is a deployed run (its clients' state is on their Flower nodes): "
+                             "resume it with its deployment's `flwr run ... --run-config 'resume=true'`")
     try:
         out.mkdir(parents=True, exist_ok=True)
         if resume:
@@ -445,6 +448,14 @@ def claim(path: Path, text: str) -> None:
         atomic_write(path, text.encode(), exclusive=True)
     except FileExistsError:
         raise FedMosaicError(f"{path.parent} was taken by another run meanwhile; choose another --out") from None
+
+
+def _deployed(out: Path) -> bool:
+    """The run in ``out`` was deployed (``meta.json`` names a driver: its clients' state lives on their nodes)."""
+    try:
+        return bool(json.loads((out / "meta.json").read_text()).get("driver"))
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _started_threads(out: Path) -> int | None:
