@@ -15,7 +15,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-BIN = Path(os.environ.get("VIRTUAL_ENV", "")) / "bin" if os.environ.get("VIRTUAL_ENV") else None
 
 
 def free_port() -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -31,10 +32,10 @@ HERE = Path(__file__).resolve().parent
 
 def start(root: Path, clients: int = 3, data: dict | None = None) -> LocalFederation:
     """A SuperLink and ``clients`` registered SuperNodes (``data[k]``: node k's data-dir), all online."""
-    import os
+    from conftest import DATA_PATH
 
     make_pki(root / "pki", ["127.0.0.1"], clients)
-    fed = LocalFederation(root, root / "pki", os.environ["FEDMOSAIC_DATA"])
+    fed = LocalFederation(root, root / "pki", os.environ.get("FEDMOSAIC_TEST_DATA", DATA_PATH))
     try:
         fed.start_link()
         for k in range(clients):
@@ -177,10 +178,10 @@ def test_a_supernode_killed_mid_run(tmp_path):
     file is all it has) and the resumed run ends with the numbers of an uninterrupted one."""
     fed = start(tmp_path / "fed")
     try:
-        cfg = config("ditto", eval={"every": 2}, deploy={"round_timeout_s": 15, "min_clients": 2})
+        cfg = config("ditto", eval={"every": 2}, deploy={"round_timeout_s": 20, "min_clients": 2})
         app = deploy(cfg, tmp_path / "a")
         rid = fed.submit(app)
-        kill_after_round_0(fed, tmp_path / "a" / "run")
+        kill_after_round_0(fed, rid, tmp_path / "a" / "run")
         st = fed.wait(rid, 400)
         assert st["status"] == "finished:completed", st["status-details"]
         got = read_metrics(tmp_path / "a" / "run")
@@ -190,10 +191,10 @@ def test_a_supernode_killed_mid_run(tmp_path):
 
         start_node(fed, 2)
         fed.wait_online(3)
-        cfg = config("ditto", eval={"every": 2}, deploy={"round_timeout_s": 15})
+        cfg = config("ditto", eval={"every": 2}, deploy={"round_timeout_s": 20})
         app = deploy(cfg, tmp_path / "b")
         rid = fed.submit(app)
-        kill_after_round_0(fed, tmp_path / "b" / "run")
+        kill_after_round_0(fed, rid, tmp_path / "b" / "run")
         st = fed.wait(rid, 400)
         assert st["status"] == "finished:failed"
         why = st["status-details"]
@@ -207,9 +208,13 @@ def test_a_supernode_killed_mid_run(tmp_path):
     assert same_metrics(read_metrics(tmp_path / "b" / "run"), read_metrics(tmp_path / "sim")) == []
 
 
-def kill_after_round_0(fed: LocalFederation, run_dir: Path, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
+def kill_after_round_0(fed: LocalFederation, run_id: int, run_dir: Path, timeout: float = 300) -> None:
+    deadline, polls = time.monotonic() + timeout, 0
     while not (run_dir / "metrics.jsonl").is_file() or not read_metrics(run_dir):
         assert time.monotonic() < deadline, "round 0 did not finish"
+        polls += 1
+        if polls % 25 == 0:  # a run that ended before its first round: say why
+            st = fed.status(run_id)
+            assert not st["status"].startswith("finished"), f"{st['status-details']}\n{fed.logs_of(run_id)[-3000:]}"
         time.sleep(0.2)
     fed.stop("node2")

@@ -68,14 +68,15 @@ class FlowerPool:
                                      "(deploy.connect_timeout_s): start one per client, each with --node-config "
                                      "'partition-id=K'")
             time.sleep(0.5)
-        replies = self._send("hello", 0, {n: None for n in nodes}, by_node=True)
+        # a node's first message of a run also installs the app there: wait as long as for the nodes to connect
+        replies = self._send("hello", 0, {n: None for n in nodes}, by_node=True, timeout=wait)
         node_of: dict[int, int] = {}
         sizes = self.fed.split["train"].sizes
         for nid in nodes:
             r = replies.get(nid)
             if r is None:
-                raise FedMosaicError(f"node {nid} did not answer the first contact within "
-                                     f"{self.opts.round_timeout_s:g} s (deploy.round_timeout_s)")
+                raise FedMosaicError(f"node {nid} did not answer the first contact within {wait:g} s "
+                                     "(deploy.connect_timeout_s)")
             try:
                 rec = self._record(r)
             except Rejected as e:
@@ -104,9 +105,10 @@ class FlowerPool:
         return node_of
 
     # ---- messages -----------------------------------------------------------------------------------
-    def _send(self, action: str, t: int, bodies: dict, by_node: bool = False) -> dict:
+    def _send(self, action: str, t: int, bodies: dict, by_node: bool = False, timeout: float | None = None) -> dict:
         """One message per client (``by_node``: per node id) with its body; the replies that came back in time,
-        by client (node). Waits at most ``deploy.round_timeout_s``."""
+        by client (node). Waits at most ``timeout`` (default ``deploy.round_timeout_s``) seconds."""
+        timeout = self.opts.round_timeout_s if timeout is None else timeout
         from flwr.app import ConfigRecord, Message, RecordDict
 
         msgs = []
@@ -115,22 +117,21 @@ class FlowerPool:
                                 "stamp": FRESH if by_node else int(self.stamps[key]),
                                 "body": codec.encode(action, body)})
             msgs.append(Message(content=RecordDict({RECORD: rec}), dst_node_id=key if by_node else self.node_of[key],
-                                message_type=MESSAGE_TYPES[action], group_id=str(t),
-                                ttl=self.opts.round_timeout_s + 30))
+                                message_type=MESSAGE_TYPES[action], group_id=str(t), ttl=timeout + 30))
         client_of = {n: k for k, n in getattr(self, "node_of", {}).items()}
         out = {}
-        for r in self._exchange(msgs):
+        for r in self._exchange(msgs, timeout):
             src = r.metadata.src_node_id
             key = src if by_node else client_of.get(src)
             if key in bodies and key not in out:
                 out[key] = r
         return out
 
-    def _exchange(self, msgs: list) -> list:
-        """Push ``msgs`` and pull their replies until all are in or ``deploy.round_timeout_s`` has passed. (Flower's
+    def _exchange(self, msgs: list, timeout: float) -> list:
+        """Push ``msgs`` and pull their replies until all are in or ``timeout`` seconds have passed. (Flower's
         ``Grid.send_and_receive`` does the same but looks for replies every 3 s; a round has up to four exchanges.)"""
         waiting = set(self.grid.push_messages(msgs))
-        deadline, replies = time.monotonic() + self.opts.round_timeout_s, []
+        deadline, replies = time.monotonic() + timeout, []
         while waiting:
             got = list(self.grid.pull_messages(waiting))
             replies += got
