@@ -106,16 +106,15 @@ def answer(config_path: Path, rec, context) -> dict:
         from .. import __version__
 
         return {"client": client, "round": t, "rows": rows_hash(fed, client), "public": public_hash(fed),
-                "partition": fed.fd.hash,
-                "train": int(fed.split["train"].sizes[client]), "arch": int(fed.group_of[client]),
-                "fedmosaic": __version__}
+                "partition": fed.fd.hash, "train": int(fed.split["train"].sizes[client]),
+                "arch": int(fed.group_of[client]), "fedmosaic": __version__}
     rt = fed.client_runtime([client])
     store = NodeStore(Path(context.node_config.get("state-dir") or "~/.fedmosaic/nodes"), rec["token"], client,
                       context)
-    stamp = int(rec["stamp"])
     def here(tree):
         return tmap(lambda v: v.to(rt.device) if hasattr(v, "to") else v, tree)
 
+    stamp = int(rec["stamp"])
     if stamp != FRESH:
         rt.load(here(store.read(stamp)))
     _, body = codec.decode(rec["body"], action)
