@@ -7,14 +7,15 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
-
 
 
 def free_port() -> int:
@@ -24,9 +25,7 @@ def free_port() -> int:
 
 
 def exe(name: str) -> str:
-    import shutil
-    import sys
-
+    """A Flower command of this Python's environment (where pip put it), else from PATH."""
     here = Path(sys.executable).parent / name
     return str(here) if here.exists() else (shutil.which(name) or name)
 
