@@ -55,6 +55,14 @@ def test_deployed_pool_equals_the_simulator(family, tmp_path):
     assert grid.sent, "nothing went through the grid"
 
 
+@pytest.mark.parametrize("family", ["fedavg", "ditto"])
+def test_deployed_pool_equals_the_simulator_on_the_vectorized_backend(family, tmp_path):
+    """Each node vmaps over its one client, the simulator over the cohort: the same numbers up to float rounding."""
+    cfg = config(family, engine={"backend": "vectorized"})
+    got, _ = deployed(cfg, tmp_path)
+    assert same_metrics(got, simulated(cfg, tmp_path), tol=1e-6) == []
+
+
 @pytest.mark.parametrize("poison", sorted(POISONS))
 def test_a_poisoned_reply_is_rejected_and_counts_as_no_reply(poison, tmp_path):
     """Client 2 poisons its round-0 upload: the round goes on with the others (min_clients 2), the reason is in
