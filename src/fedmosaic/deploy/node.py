@@ -98,7 +98,7 @@ def _node(config_path: Path, context):
 def answer(config_path: Path, rec, context) -> dict:
     """The reply record to one message ``rec`` (``common.RECORD``)."""
     from ..engine.pools import row, upload_of
-    from ..protocol.tree import tmap
+    from ..protocol.tree import to
 
     action, t = rec["action"], int(rec["round"])
     client, fed = _node(config_path, context)
@@ -111,14 +111,11 @@ def answer(config_path: Path, rec, context) -> dict:
     rt = fed.client_runtime([client])
     store = NodeStore(Path(context.node_config.get("state-dir") or "~/.fedmosaic/nodes"), rec["token"], client,
                       context)
-    def here(tree):
-        return tmap(lambda v: v.to(rt.device) if hasattr(v, "to") else v, tree)
-
     stamp = int(rec["stamp"])
     if stamp != FRESH:
-        rt.load(here(store.read(stamp)))
+        rt.load(to(store.read(stamp), rt.device))
     _, body = codec.decode(rec["body"], action)
-    body = here(body)
+    body = to(body, rt.device)
     reply, new_stamp = None, None
     if action == "warm_up":
         rt.warm_up(body["lr"], body["assignment"])

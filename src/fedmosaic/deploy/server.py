@@ -26,7 +26,7 @@ from ..engine.client import ids_of, order_parts
 from ..engine.pools import merge_evaluations, merge_logits, row, sub_request, upload_of
 from ..errors import CorruptDataError, FedMosaicError, RunError
 from ..protocol import codec
-from ..protocol.tree import all_finite, layout, tmap
+from ..protocol.tree import all_finite, layout, to
 from .common import FRESH, MESSAGE_TYPES, RECORD, check_deployable, flower, public_hash, rows_hash
 
 #: how often the server looks for replies
@@ -210,7 +210,7 @@ class FlowerPool:
                            "architecture")
         if not all_finite(body):
             raise Rejected("NaN or infinite values")
-        body = _to(body, self.device)
+        body = to(body, self.device)
         if "ids" in body and not bool((body["ids"] == k).all()):
             raise Rejected(f"it reports client ids {body['ids'].tolist()}")
         if "arch" in body and not bool((torch.as_tensor(body["arch"]) == int(self.fed.group_of[k])).all()):
@@ -348,10 +348,6 @@ class FlowerPool:
 def _no_terms(body: dict) -> dict:
     """A reply without the names of its objective's terms (which may change with the round's program)."""
     return {k: v for k, v in body.items() if k != "terms"} if isinstance(body, dict) else body
-
-
-def _to(tree, device):
-    return tmap(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, tree)
 
 
 def server_app(config_path: str | Path):

@@ -19,7 +19,7 @@ import torch
 
 from ..protocol import codec
 from ..protocol.algorithm import Algorithm
-from ..protocol.tree import nbytes, take, tmap
+from ..protocol.tree import nbytes, take, tmap, to
 from .client import ClientRuntime, NonFiniteLoss, ids_of, order_parts
 
 
@@ -163,7 +163,7 @@ class WirePool:
         data = codec.encode(kind, body)
         self.traffic.setdefault(action, [0, 0])[up] += len(data)
         _, out = codec.decode(data, kind)
-        return tmap(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, out)
+        return to(out, device)
 
     def _down(self, action: str, rt: ClientRuntime, **messages) -> list:
         return [self._wire(action, False, kind, body, rt.device) for kind, body in messages.items()]

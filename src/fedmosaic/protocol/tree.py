@@ -18,6 +18,11 @@ def leaves(tree) -> list[torch.Tensor]:
     return [x for x in pytree.tree_leaves(tree) if isinstance(x, torch.Tensor)]
 
 
+def to(tree, device):
+    """``tree`` with its tensors on ``device`` (other leaves as they are)."""
+    return tmap(lambda v: v.to(device) if isinstance(v, torch.Tensor) else v, tree)
+
+
 def clone(tree):
     return tmap(lambda t: t.clone(), tree)
 
