@@ -49,3 +49,9 @@ def environment_error(exc: BaseException) -> str | None:
         return ("out of memory; lower train.batch_size, engine.chunk_size (clients trained at once) or the model "
                 "size, or use engine.backend: sequential")
     return None
+
+
+def one_line(text, limit: int = 1000) -> str:
+    """``text`` as one line (whitespace runs folded into one space), cut to ``limit`` characters with "..."."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."

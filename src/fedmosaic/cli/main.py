@@ -19,7 +19,7 @@ import warnings
 from pathlib import Path
 
 from .. import __version__
-from ..errors import FedMosaicError, RunError, Stopped, environment_error
+from ..errors import FedMosaicError, RunError, Stopped, environment_error, one_line
 
 MAX_MESSAGE = 1000
 
@@ -401,8 +401,7 @@ def _load_plugins(args) -> None:
 
 
 def _one_line(text: str) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
+    return one_line(text, MAX_MESSAGE)
 
 
 def _show_warning(message, category, filename, lineno, file=None, line=None):

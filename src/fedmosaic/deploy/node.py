@@ -18,16 +18,12 @@ import hashlib
 import os
 from pathlib import Path
 
+from ..errors import one_line
 from ..protocol import codec
 from .common import FRESH, MESSAGE_TYPES, RECORD, flower, public_hash, rows_hash
 
 #: stamps kept per client on a node: the server may resume from a checkpoint a few rounds old
 KEEP_STAMPS = 64
-
-
-def _one_line(text: str, limit: int = 2000) -> str:
-    text = " ".join(str(text).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class NodeStore:
@@ -152,7 +148,7 @@ def client_app(config_path: str | Path):
         try:
             reply = answer(Path(config_path), msg.content[RECORD], context)
         except Exception as e:
-            reply = {"error": _one_line(f"{type(e).__name__}: {e}")}
+            reply = {"error": one_line(f"{type(e).__name__}: {e}", 2000)}
         return Message(content=RecordDict({RECORD: ConfigRecord(reply)}), reply_to=msg)
 
     for mtype in MESSAGE_TYPES.values():
