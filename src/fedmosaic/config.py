@@ -173,6 +173,26 @@ class TrainConfig(Schema):
                                "model on its private data for this many epochs (model-heterogeneous FL)")
 
 
+class RayConfig(Schema):
+    """Where ``engine.pool: ray`` runs its clients: ``actors`` Ray actors, each hosting a contiguous shard of the
+    client ids (their data rows, states and exemplar memory) and training them as this process would."""
+
+    address: str | None = Field(
+        None, description="the Ray cluster: 'host:port' of its head (started with `ray start --head`), 'auto' (the "
+        "one started on this machine), or none: a Ray runtime of this process's own, on this machine")
+    actors: int = Field(2, ge=1, le=4096, description="the actors the clients are sharded over")
+    cpus_per_actor: float = Field(1.0, gt=0, le=1024, description="CPUs Ray reserves per actor; its torch threads: "
+                                  "this rounded up (engine.threads overrides)")
+    gpus_per_actor: float = Field(0.0, ge=0, le=64, description="GPUs Ray reserves per actor (its clients then train "
+                                  "on its GPU; engine.device: auto)")
+    object_store_mb: int = Field(512, ge=80, le=MAX_COUNT, description="the object store of a Ray runtime this "
+                                 "process starts itself (address: none)")
+    restarts: int = Field(3, ge=0, le=1000, description="how often a run that lost an actor (its process killed, "
+                          "its node gone) replays from its last checkpoint on new actors before it stops")
+    start_timeout_s: float = Field(120.0, gt=0, le=86_400, description="how long the actors may take to be placed "
+                                   "and start before the run stops in one line (too few CPUs, GPUs or memory)")
+
+
 class EngineConfig(Schema):
     backend: Literal["auto", "vectorized", "sequential"] = Field(
         "auto", description="'auto' chooses per model, device and run length (printed at run start, kept in "
@@ -187,10 +207,16 @@ class EngineConfig(Schema):
                             description="with compile: local steps per compiled call (fewer Python round trips)")
     preload_mb: int = Field(2048, ge=0, le=MAX_COUNT,
                             description="normalise the data once up front if it fits in this many MiB")
-    pool: Literal["local", "wire"] = Field(
+    pool: Literal["local", "wire", "ray"] = Field(
         "local", description="where the clients run: 'local', all in this process's one runtime (the fast, stacked "
         "path); 'wire', each in a runtime of its own, every message through the codec as bytes (slower; the same "
-        "numbers; proves an algorithm talks only in messages, as a deployment needs)")
+        "numbers; proves an algorithm talks only in messages, as a deployment needs); 'ray', shards of clients on "
+        "Ray actors (engine.ray; pip install 'fedmosaic[ray]'), each holding only its clients' data and state")
+    ray: RayConfig = Field(default_factory=lambda: RayConfig(), description="the actors of engine.pool: ray")
+    memory_mb: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="the memory one process of the run may use, in MiB (what it is refused "
+        "up front beyond); default: the device's (a GPU's, else the machine's or its cgroup's limit). With "
+        "engine.pool: ray each actor holds its own shard's client states within it (and reserves it from Ray)")
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch CPU threads (kept as set). Default: OMP_NUM_THREADS if set, else the "
         "cores this process may use (CPU affinity, cgroup quota), divided by FEDMOSAIC_PARALLEL_RUNS (runs sharing "

@@ -55,3 +55,8 @@ def one_line(text, limit: int = 1000) -> str:
     """``text`` as one line (whitespace runs folded into one space), cut to ``limit`` characters with "..."."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+class ClientsLost(FedMosaicError):
+    """A pool lost some of its clients' state with the process that held it (a Ray actor killed, its node gone):
+    the run replays from its last checkpoint (``engine.ray.restarts`` times at most)."""

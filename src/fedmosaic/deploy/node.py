@@ -84,7 +84,7 @@ def _node(config_path: Path, context):
         set_data_dirs(str(nc["data-dir"]))
     plugins.load()  # the node's own datasets and models: $FEDMOSAIC_PLUGINS, installed entry points
     cfg = load_config(config_path)
-    fed = Federation(cfg, pool="local")
+    fed = Federation(cfg, pool="none")  # builds no client state: the node's one client's below
     if client >= fed.num_clients:
         raise ValueError(f"partition-id {client}: the config's partition has {fed.num_clients} clients (0-"
                          f"{fed.num_clients - 1})")

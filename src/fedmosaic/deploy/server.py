@@ -340,6 +340,9 @@ class FlowerPool:
         notes, self._notes = self._notes, {}
         return {"deploy": notes} if notes else {}
 
+    def close(self) -> None:
+        """Nothing to free: the nodes keep their clients' state (and the run may resume on them)."""
+
     def meta(self) -> dict:
         return {"driver": "flower", "token": self.token,
                 "nodes": {str(k): int(n) for k, n in sorted(self.node_of.items())}}

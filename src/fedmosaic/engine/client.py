@@ -10,7 +10,7 @@ same on every runtime.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
 
 import numpy as np
@@ -52,6 +52,19 @@ def order_parts(parts: list[dict]) -> list[dict]:
                   for k in mine[0] if k != "arch"}
         out.append(merged if arch is None else {"arch": arch, **merged})
     return out
+
+
+@dataclass(frozen=True)
+class Hosted:
+    """Which clients a runtime hosts: per architecture group (gid, ids), in (architecture, id) order, and whether
+    they keep an exemplar memory — what a checkpoint's rows are cut to for it."""
+
+    groups: tuple[tuple[int, np.ndarray], ...]
+    memory: bool
+
+    @property
+    def clients(self) -> np.ndarray:
+        return np.concatenate([ids for _, ids in self.groups]) if self.groups else np.zeros(0, dtype=np.int64)
 
 
 class ClientRuntime:
@@ -313,6 +326,9 @@ class ClientRuntime:
         return np.concatenate(hits)
 
     # ---- store --------------------------------------------------------------------------------------
+    def hosted(self) -> Hosted:
+        return Hosted(tuple((g.gid, g.clients) for g in self.groups), self.exemplars is not None)
+
     def state(self) -> dict:
         """The hosted clients' part of a checkpoint: per group its ids, store and buffers, and their memories."""
         return {"groups": [{"arch": g.gid, "ids": torch.as_tensor(g.clients), "store": g.store, "buffers": g.buffers,

@@ -25,7 +25,7 @@ from . import evaluate as ev
 from .augment import black
 from .build import Group, build_extra, build_groups, build_public, client_store, data_spec, make_trainer
 from .calendar import TaskCalendar
-from .client import ClientRuntime, ids_of, order_parts
+from .client import ClientRuntime, Hosted, ids_of, order_parts
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
 from .pools import InProcessPool, WirePool, traffic
 from .preflight import (
@@ -54,9 +54,11 @@ class Federation:
                  pool=None):
         """``threads``: the CPU threads a resumed run started with (``execution.cpu_threads``). ``pool`` (default
         ``engine.pool``): ``local``, every client in this process's one runtime; ``wire``, each client in a runtime
-        of its own, every message through the codec (``pools.WirePool``); or a function of this federation that
-        makes the pool (a deployment's: ``deploy.server.FlowerPool``, whose clients keep their state on their
-        nodes: ``pool.remote``)."""
+        of its own, every message through the codec (``pools.WirePool``); ``ray``, shards of clients on Ray actors
+        (``raypool.RayPool``); ``none``, no clients here (a process that hosts some itself: :meth:`client_runtime`
+        — a Ray actor, a Flower node); or a function of this federation that makes the pool (a deployment's:
+        ``deploy.server.FlowerPool``, whose clients keep their state on their nodes: ``pool.remote``). Only the
+        local pool's clients have their state in this process."""
         self.cfg = cfg
         #: torch's CPU threads for the whole run: never more than the cores free for it (``execution.cpu_threads``)
         self.threads = cpu_threads(cfg.engine.threads, threads)
@@ -86,7 +88,7 @@ class Federation:
             self.global_test = (tensor(self.fd.x_global), torch.as_tensor(self.fd.y_global, device=dev))
         self.num_clients = self.fd.num_clients
         self.label_counts = self.fd.summary()["counts"]  # [K, C] train labels per client
-        self.memory = memory_bytes(dev)
+        self.memory = memory_bytes(dev) if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20
         self._check_data(cfg)
         self.pad_fill = black(normalize, self.fd.dataset.input_shape, dev) if cfg.data.augment.crop_padding else 0.0
 
@@ -137,10 +139,14 @@ class Federation:
                                      self.transform, self.public, dev, self.tasks, exemplars, self.global_test)
         #: per client its architecture and its row in that group's store
         self.group_of, self.row_of = self.runtime.group_of, self.runtime.row_of
+        pool = cfg.engine.pool if pool is None else pool
+        if pool not in ("local", "wire", "ray", "none") and not callable(pool):
+            raise ValueError(f"pool: 'local', 'wire', 'ray' or 'none' (got {pool!r})")
         for g in self.groups:
             one = self.algo.init_client(g.init)
-            check_training_memory(g.module, g.init, len(g.clients), nbytes(one), self.chunk, self.memory, dev)
-            g.store = client_store(cfg, self.algo, g, one, shape, C, dev)
+            if pool == "local":  # every client's state in this process; another pool's runtimes hold their own
+                check_training_memory(g.module, g.init, len(g.clients), nbytes(one), self.chunk, self.memory, dev)
+                g.store = client_store(cfg, self.algo, g, one, shape, C, dev)
             g.execution = ex = self._choose_execution(g)
             # running statistics are updated in place during the forward pass, which vmap cannot do per client:
             # such groups take the sequential path (same results, no vmap)
@@ -150,14 +156,15 @@ class Federation:
             g.trainer = make_trainer(cfg, self.algo, g.module, ex, self.transform, self.pad_fill, self.batch,
                                      self.extra, self.public)
             check_slots(self.algo, self.server, one, g.clients[:1])
-        pool = cfg.engine.pool if pool is None else pool
-        if pool not in ("local", "wire") and not callable(pool):
-            raise ValueError(f"pool: 'local' or 'wire' (got {pool!r})")
         if pool != "local" and cfg.eval.cross_clients:
             raise ConfigError("eval.cross_clients: the K x K matrix needs every client's test split in one process; "
                               "it is measured with engine.pool: local only")
+        if pool == "ray":
+            from .raypool import RayPool
+
+            pool = RayPool
         self.pool = (InProcessPool(self.runtime) if pool == "local" else self._wire_pool() if pool == "wire"
-                     else pool(self))
+                     else None if pool == "none" else pool(self))
 
     def _wire_pool(self, shards: list | None = None) -> WirePool:
         """One runtime per client (or per shard of client ids): :meth:`client_runtime`."""
@@ -177,7 +184,10 @@ class Federation:
             if not len(mine):
                 continue
             mine = Group(g.gid, g.module, mine)
-            mine.store = client_store(cfg, algo, mine, algo.init_client(mine.init), shape, C, dev)
+            one = algo.init_client(mine.init)
+            check_training_memory(g.module, mine.init, len(mine.clients), nbytes(one),
+                                  min(self.chunk, len(mine.clients)), self.memory, dev)
+            mine.store = client_store(cfg, algo, mine, one, shape, C, dev)
             mine.execution = full.execution
             mine.trainer = make_trainer(cfg, algo, g.module, full.execution, self.transform, self.pad_fill,
                                         self.batch, self.extra, self.public)
@@ -574,18 +584,18 @@ class Federation:
         self.plateau = dict(state.get("plateau", self.plateau))
         for g, gb in zip(self.groups, state["server_buffers"], strict=True):
             g.global_buffers = gb
-        self.pool.load([self._client_part(rt, clients, state.get("memory")) for rt in self.pool.runtimes])
+        self.pool.load([self._client_part(h, clients, state.get("memory")) for h in self.pool.hosted()])
 
-    def _client_part(self, rt: ClientRuntime, clients: list[dict], memory: list | None) -> dict:
+    def _client_part(self, hosted: Hosted, clients: list[dict], memory: list | None) -> dict:
         """A runtime's rows of a checkpoint's client parts (the same tensors when it hosts every client)."""
         groups = []
-        for g in rt.groups:
-            full = clients[self.srv.group_index[g.gid]]
+        for gid, ids in hosted.groups:
+            full = clients[self.srv.group_index[gid]]
             trees = [full[k] for k in ("store", "buffers", "task_buffers")]
-            if not np.array_equal(ids_of(full), g.clients):
-                at = torch.as_tensor(np.searchsorted(ids_of(full), g.clients))
+            if not np.array_equal(ids_of(full), ids):
+                at = torch.as_tensor(np.searchsorted(ids_of(full), ids))
                 trees = [take(tr, at) for tr in trees]
             store, bufs, task = trees
-            groups.append({"arch": g.gid, "ids": torch.as_tensor(g.clients), "store": store, "buffers": bufs,
+            groups.append({"arch": gid, "ids": torch.as_tensor(ids), "store": store, "buffers": bufs,
                            "task_buffers": task})
-        return {"groups": groups, "memory": None if rt.exemplars is None else [memory[k] for k in rt.clients]}
+        return {"groups": groups, "memory": [memory[k] for k in hosted.clients] if hosted.memory else None}

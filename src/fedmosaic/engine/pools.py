@@ -145,6 +145,13 @@ class InProcessPool:
     def load(self, parts: list[dict]) -> None:
         self.runtime.load(parts[0])
 
+    def close(self) -> None:
+        """The run is over (or starts again on a new pool): free what the pool holds outside this process."""
+
+    def hosted(self) -> list:
+        """Per runtime the clients it hosts (``client.Hosted``): the rows of a checkpoint each one loads."""
+        return [rt.hosted() for rt in self.runtimes]
+
 
 class WirePool:
     """Each runtime hosts its own clients; every message to it and every answer from it travels as bytes through
@@ -157,7 +164,7 @@ class WirePool:
         self.runtimes, self.algo, self.device = runtimes, algo, device
         self.traffic: dict[str, list[int]] = {}
 
-    notes, meta = InProcessPool.notes, InProcessPool.meta
+    notes, meta, hosted, close = InProcessPool.notes, InProcessPool.meta, InProcessPool.hosted, InProcessPool.close
 
     def _wire(self, action: str, up: bool, kind: str, body, device: torch.device):
         data = codec.encode(kind, body)

@@ -48,7 +48,7 @@ def memory_bytes(device: torch.device) -> int | None:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+    return f"{n / 2**30:.1f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 def check_fits(need: int, budget: int | None, device: torch.device, what: str) -> None:

@@ -26,7 +26,7 @@ import torch
 from .. import __version__, plugins
 from ..config import RunConfig, dump, load_config, yaml_scalar
 from ..data.federated import FederatedData
-from ..errors import FedMosaicError, RunError
+from ..errors import ClientsLost, FedMosaicError, RunError
 from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
 from ..protocol.tree import layout
 from .client import NonFiniteLoss
@@ -394,7 +394,19 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
             out.rmdir()
         raise FedMosaicError(f"cannot write the run directory {out}: {e.strerror or e}") from None
     try:
-        summary = _rounds(cfg, out, fed, start, records, progress, stop_after)
+        lost = 0
+        while True:
+            try:
+                summary = _rounds(cfg, out, fed, start, records, progress, stop_after)
+                break
+            except ClientsLost as e:  # with their actors: replay from the last checkpoint on new ones
+                lost += 1
+                if lost > cfg.engine.ray.restarts:
+                    raise RunError(f"{e}; stopped after {lost - 1} replays (engine.ray.restarts)") from None
+                warnings.warn(f"{e}; replaying from the last checkpoint on new actors", stacklevel=2)
+                fed.pool.close()
+                fed = Federation(cfg, fed.fd, fed.threads.count, pool)
+                start, records = _restore(out, fed)
     except BaseException as e:
         done = len(read_metrics(out))
         if not resume and not done:  # stopped before its first round finished: nothing of value, leave nothing
@@ -403,6 +415,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
             raise RunError(f"cannot write {e.filename or out}: {e.strerror or e}; {out} keeps rounds 0-{done - 1}"
                            if done else f"cannot write {e.filename or out}: {e.strerror or e}") from None
         raise
+    finally:
+        fed.pool.close()
     return summary
 
 

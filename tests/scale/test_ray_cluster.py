@@ -1,0 +1,125 @@
+"""A real two-node Ray cluster on loopback — a head on 127.0.0.2 and a second node on 127.0.0.3 (Ray rewrites
+127.0.0.1 to the machine's address), each started with `ray start --block` in its own session and killed by the PIDs
+of that session — driven by the command line as a user drives it: the clients' two shards on the two nodes, the
+numbers of one process. And a cluster that is not there is one line, in seconds."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import RAY_ENV, kill
+from deploy.cases import same_metrics
+from test_ray_pool import cfg_of
+
+from fedmosaic.config import dump
+from fedmosaic.engine.runner import read_metrics, run
+
+CLI = [sys.executable, "-m", "fedmosaic.cli.main"]
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def session_pids(sid: int) -> list[int]:
+    """The processes of session ``sid`` (a `ray start --block` and everything it started: raylet, workers)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(d.name)) == sid:
+                    out.append(int(d.name))
+    return out
+
+
+class Cluster:
+    """Two Ray nodes on loopback, one CPU each; logs under ``root``, state in a short temporary directory (Ray's
+    socket paths must stay under 108 bytes), removed at the end."""
+
+    def __init__(self, root: Path):
+        root.mkdir(parents=True)
+        self.root, self.state, self.procs = root, Path(tempfile.mkdtemp(prefix="ray", dir="/tmp")), []
+        self.port = free_port("127.0.0.2")
+        self.address = f"127.0.0.2:{self.port}"
+        self.env = {**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1"}
+
+    def _start(self, name: str, *args: str) -> None:
+        ray = str(Path(sys.executable).with_name("ray"))
+        log = open(self.root / f"{name}.log", "wb")
+        self.procs.append(subprocess.Popen(
+            [ray, "start", "--block", "--num-cpus=1", "--object-store-memory=100000000", "--disable-usage-stats",
+             f"--temp-dir={self.state / name}", *args], stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            start_new_session=True))
+        log.close()
+
+    def __enter__(self):
+        self._start("head", "--head", "--node-ip-address=127.0.0.2", f"--port={self.port}",
+                    "--include-dashboard=false")
+        deadline = time.monotonic() + 60
+        while True:  # the head's GCS is up
+            with contextlib.suppress(OSError):
+                socket.create_connection(("127.0.0.2", self.port), timeout=1).close()
+                break
+            assert time.monotonic() < deadline and self.procs[0].poll() is None, \
+                (self.root / "head.log").read_text()[-2000:]
+            time.sleep(0.3)
+        self._start("node", f"--address={self.address}", "--node-ip-address=127.0.0.3")
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            kill(session_pids(p.pid))
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(10)
+        deadline = time.monotonic() + 10
+        while any(session_pids(p.pid) for p in self.procs) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            for p in self.procs:
+                kill(session_pids(p.pid))
+        shutil.rmtree(self.state, ignore_errors=True)
+
+
+def cli(*args: str, env: dict, timeout: float = 200) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_a_two_node_cluster_hosts_a_shard_per_node_and_reaches_the_numbers_of_one_process(tmp_path):
+    cfg = cfg_of("ditto", ray={"actors": 2, "cpus_per_actor": 1.0, "start_timeout_s": 90})
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    run(cfg, tmp_path / "local", progress=False)
+    with Cluster(tmp_path / "cluster") as cluster:
+        done = cli("run", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "ray"), "--no-progress",
+                   "--set", "engine.pool=ray", "--set", f"engine.ray.address={cluster.address}", env=cluster.env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    meta = json.loads((tmp_path / "ray" / "meta.json").read_text())["ray"]
+    assert meta["address"] == cluster.address
+    assert sorted(a["node"] for a in meta["actors"]) == ["127.0.0.2", "127.0.0.3"], meta
+    assert [a["clients"] for a in meta["actors"]] == [3, 2]
+    a, b = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
+    assert not same_metrics(a, b, 0.0), same_metrics(a, b, 0.0)[:5]
+    assert yaml.safe_load((tmp_path / "ray" / "config.yaml").read_text())["engine"]["pool"] == "ray"
+
+
+def test_a_cluster_that_is_not_there_is_one_line_in_seconds(tmp_path):
+    port = free_port("127.0.0.2")  # nothing listens there
+    t0 = time.monotonic()
+    done = cli("run", "quickstart", "--out", str(tmp_path / "run"), "--no-progress", "--set", "engine.pool=ray",
+               "--set", f"engine.ray.address=127.0.0.2:{port}", env={**os.environ, **RAY_ENV}, timeout=60)
+    assert done.returncode == 2 and time.monotonic() - t0 < 30
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"cannot reach the Ray cluster at 127.0.0.2:{port} (engine.ray.address)" in lines[0]
+    assert not (tmp_path / "run").exists()

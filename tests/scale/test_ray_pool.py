@@ -1,0 +1,132 @@
+"""engine.pool: ray — shards of clients on Ray actors reach the numbers of one process: exactly on the sequential
+backend, within 1e-6 on the vectorized one (an actor trains its shard's cohort members together: other vmap
+batches). One algorithm per family, an actor killed mid-run, checkpoints moving between one process and actors,
+and the errors a user meets in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import warnings
+
+import pytest
+from deploy.cases import config, same_metrics
+from fedtest import assert_trees_close, merged
+
+from fedmosaic.data.federated import build
+from fedmosaic.engine.build import data_spec
+from fedmosaic.engine.federation import Federation
+from fedmosaic.engine.raypool import RayPool
+from fedmosaic.engine.runner import read_metrics, run
+from fedmosaic.errors import FedMosaicError
+
+FAMILIES = ["fedavg", "scaffold", "ditto", "apfl_pd", "ahf", "protofcl"]
+#: 5 clients over 2 actors (3 + 2), 4 of them per round: cohorts that leave clients out, shards of unequal size
+SHARDED = {"data": {"clients": 5}, "train": {"clients_per_round": 4, "rounds": 3}}
+
+
+def cfg_of(family: str, backend: str = "sequential", ray: dict | None = None, engine: dict | None = None, **over):
+    """``family``'s config (``deploy.cases``) over 5 clients, its clients on 2 actors of half a CPU."""
+    engine = {"backend": backend, "threads": 1, "ray": {"actors": 2, "cpus_per_actor": 0.5, **(ray or {})},
+              **(engine or {})}
+    return config(family, engine=engine, **merged(SHARDED, over))
+
+
+def records(fed: Federation) -> list[dict]:
+    out = []
+    for t in range(fed.cfg.train.rounds):
+        rec = fed.round(t)
+        rec.update(fed.evaluate(t))
+        out.append(rec)
+    return out
+
+
+@pytest.mark.parametrize("backend, tol", [("sequential", 0.0), ("vectorized", 1e-6)])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_family_on_ray_actors_reaches_the_numbers_of_one_process(ray_runtime, family, backend, tol):
+    cfg = cfg_of(family, backend)
+    fd = build(data_spec(cfg))
+    local = Federation(cfg, fd)
+    sharded = Federation(cfg, fd, pool="ray")
+    try:
+        hosted = [len(h.clients) for h in sharded.pool.hosted()]
+        assert hosted == [3, 2], hosted
+        a, b = records(local), records(sharded)
+        assert not same_metrics(a, b, tol), same_metrics(a, b, tol)[:5]
+        if tol == 0:
+            assert [{k: v for k, v in r.items() if not k.startswith("time")} for r in a] == b
+        assert_trees_close(local.state_dict(), sharded.state_dict(), exact=tol == 0, atol=tol, rtol=tol)
+        # the driver keeps no client's state: the actors do
+        assert all(not g.store for g in sharded.groups)
+    finally:
+        sharded.pool.close()
+
+
+def test_an_actor_killed_mid_run_is_replaced_and_the_run_ends_as_an_uninterrupted_one(ray_runtime, tmp_path):
+    cfg = cfg_of("ditto", checkpoint_every=2, train={"rounds": 5})
+    run(cfg, tmp_path / "local", progress=False)
+    killed, pools = [], []
+
+    def killing(fed):
+        pool = RayPool(fed)
+        pools.append(pool)
+        train = pool.train
+
+        def train_after_a_kill(header, broadcast, assignment):
+            if header["round"] == 3 and not killed:  # after the checkpoint of round 1, two rounds since
+                killed.append(pool.where[1]["pid"])
+                os.kill(killed[0], signal.SIGKILL)
+            return train(header, broadcast, assignment)
+
+        pool.train = train_after_a_kill
+        return pool
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run(cfg, tmp_path / "ray", progress=False, pool=killing)
+    said = [str(w.message) for w in caught if "replaying from the last checkpoint" in str(w.message)]
+    assert len(said) == 1 and "a Ray actor was lost while train" in said[0], said
+    assert len(pools) == 2 and killed[0] not in [w["pid"] for w in pools[1].where]
+    a, b = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "ray")
+    assert [r["round"] for r in b] == list(range(5))
+    assert not same_metrics(a, b, 0.0), same_metrics(a, b, 0.0)[:5]
+
+
+def test_a_checkpoint_moves_from_one_process_to_actors_and_back(ray_runtime, tmp_path):
+    cfg = cfg_of("apfl_pd", checkpoint_every=1, train={"rounds": 4})
+    run(cfg, tmp_path / "whole", progress=False)
+    out = tmp_path / "moved"
+    run(cfg, out, progress=False, stop_after=0)  # round 0 in this process
+    run(cfg, out, resume=True, progress=False, stop_after=2, pool="ray")  # rounds 1-2 on 2 actors
+    run(cfg, out, resume=True, progress=False)  # round 3 in this process again
+    a, b = read_metrics(tmp_path / "whole"), read_metrics(out)
+    assert not same_metrics(a, b, 0.0), same_metrics(a, b, 0.0)[:5]
+
+
+def test_a_checkpoint_resumes_on_another_number_of_actors(ray_runtime, tmp_path):
+    two = cfg_of("protofcl", checkpoint_every=1, train={"rounds": 3})
+    three = cfg_of("protofcl", checkpoint_every=1, train={"rounds": 3}, ray={"actors": 3, "cpus_per_actor": 0.5})
+    run(two, tmp_path / "whole", progress=False)
+    out = tmp_path / "moved"
+    run(two, out, progress=False, stop_after=0, pool="ray")
+    run(three, out, resume=True, amend=True, progress=False, pool="ray")
+    meta = json.loads((out / "meta.json").read_text())
+    assert [a["clients"] for a in meta["ray"]["actors"]] == [3, 2]
+    assert not same_metrics(read_metrics(tmp_path / "whole"), read_metrics(out), 0.0)
+
+
+def test_too_few_cpus_for_the_actors_is_one_line(ray_runtime):
+    cfg = cfg_of("fedavg", ray={"actors": 3, "cpus_per_actor": 1.0, "start_timeout_s": 2.0})
+    with pytest.raises(FedMosaicError, match=r"cannot place 3 actors of 1 CPU within 2 s .* it has 2 CPU") as e:
+        Federation(cfg, pool="ray")
+    assert "\n" not in str(e.value)
+
+
+def test_a_shard_over_the_memory_budget_is_one_line_from_the_actor(ray_runtime):
+    # 3 personal models of 38k parameters and the training of 4 at once: more than 1 MiB
+    cfg = cfg_of("ditto", engine={"memory_mb": 1}, model={"options": {"hidden": 512}})
+    with pytest.raises(FedMosaicError, match=r"a Ray actor failed starting its clients: .*needs about .* more than "
+                                             r"the 1.0 MiB of memory on cpu") as e:
+        Federation(cfg, pool="ray")
+    assert "\n" not in str(e.value)
