@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 import warnings
 
 import pytest
@@ -130,3 +131,20 @@ def test_a_shard_over_the_memory_budget_is_one_line_from_the_actor(ray_runtime):
                                              r"the 1.0 MiB of memory on cpu") as e:
         Federation(cfg, pool="ray")
     assert "\n" not in str(e.value)
+
+
+def test_a_comparison_on_ray_equals_one_in_process_and_leaves_no_actor_or_reservation(ray_runtime, tmp_path):
+    from fedmosaic import api
+
+    cfg = cfg_of("fedavg")
+    local = api.compare(cfg, ["fedavg", "fedprox:mu=0.1"], out=tmp_path / "local", progress=False)
+    ray_cfg = cfg.model_copy(update={"engine": cfg.engine.model_copy(update={"pool": "ray"})})
+    remote = api.compare(ray_cfg, ["fedavg", "fedprox:mu=0.1"], out=tmp_path / "ray", progress=False)
+    for a, b in zip(local, remote, strict=True):
+        assert not same_metrics(read_metrics(a.dir), read_metrics(b.dir), 0.0)
+    # every variant's actors stopped and its placement group removed (Ray frees them asynchronously)
+    for _ in range(50):
+        if ray_runtime.available_resources().get("CPU") == 2.0:
+            break
+        time.sleep(0.1)
+    assert ray_runtime.available_resources().get("CPU") == 2.0, ray_runtime.available_resources()

@@ -123,8 +123,8 @@ def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend
     if partition and not resume:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # each variant warns when it runs
-            for v in cfg.variants()[1:]:
-                Federation(v, fd)
+            for v in cfg.variants()[1:]:  # (a Ray pool's actors check their shards when the variant runs)
+                Federation(v, fd, pool="none" if v.engine.pool == "ray" else None)
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
