@@ -13,7 +13,7 @@
 Each configuration starts its own Ray runtime on this machine (``ray.init``: the driver's process; the actors are
 processes of their own) and stops it afterwards. Timings include no Ray start-up (reported apart).
 
-Usage:  python benchmarks/ray_scale.py [--quick] [--only same|big] [--clients 100000] [--actors 2]
+Usage:  python benchmarks/ray_scale.py [--quick] [--only same|big] [--clients 100000] [--actors 2 4]
                                        [--memory-mb 4096] [--json out.json]
 """
 
@@ -57,7 +57,7 @@ def register(name: str, samples: int) -> str:
 
 
 def config(dataset: str, clients: int, per_round: int, rounds: int, backend: str, pool: str, actors: int,
-           memory_mb=None, client_test: float = 0.25) -> dict:
+           memory_mb=None, client_test: float = 0.25, cpus: float = 1.0) -> dict:
     return {
         "name": f"ray-scale-{clients}", "seed": 0,
         "data": {"dataset": dataset, "clients": clients, "partition": {"scheme": "iid"},
@@ -67,7 +67,7 @@ def config(dataset: str, clients: int, per_round: int, rounds: int, backend: str
         "train": {"rounds": rounds, "clients_per_round": per_round, "local_epochs": 1, "batch_size": 10,
                   "optimizer": {"lr": 0.05}},
         "engine": {"backend": backend, "pool": pool, "memory_mb": memory_mb,
-                   "ray": {"actors": actors, "cpus_per_actor": 1.0}},
+                   "ray": {"actors": actors, "cpus_per_actor": cpus}},
         "eval": {"every": rounds},
     }
 
@@ -75,6 +75,8 @@ def config(dataset: str, clients: int, per_round: int, rounds: int, backend: str
 def timed_run(raw: dict) -> dict:
     """Build, run every round, evaluate at the end; wall times and the records (no timings in them)."""
     cfg = validate(raw)
+    with open("/proc/self/clear_refs", "w") as f:  # restart this process's peak RSS (VmHWM) from here
+        f.write("5")
     t0 = time.perf_counter()
     fed = Federation(cfg)
     built = time.perf_counter() - t0
@@ -92,7 +94,7 @@ def timed_run(raw: dict) -> dict:
         fed.pool.close()
     return {"start_s": built, "rounds_s": rounds, "eval_s": evaluation, "execution": fed.execution,
             "records": [{k: v for k, v in r.items() if not k.startswith("time")} for r in recs],
-            "driver_peak_rss_mb": peak_rss_mb(), "actors_peak_rss_mb": actors, "actors": where}
+            "driver_peak_rss_mb": peak_rss_mb(), "actors_peak_rss_mb": actors, "where": where}
 
 
 def differ(a, b, tol: float, at: str = "") -> list[str]:
@@ -137,9 +139,9 @@ def same(quick: bool) -> list[dict]:
     return out
 
 
-def big(clients: int, actors: int, memory_mb: int, quick: bool) -> list[dict]:
+def big(clients: int, actors: list[int], memory_mb: int, quick: bool) -> list[dict]:
     rounds = 2 if quick else 3
-    dataset, out = register("synthetic60-big", 10 * clients), []  # ~8 train and test samples per client
+    dataset, out = register("synthetic60-big", 10 * clients), []  # ~4 train and 4 test samples per client
     raw = config(dataset, clients, 100, rounds, "auto", "local", 1, memory_mb, client_test=0.5)
     try:
         Federation(validate(raw))
@@ -148,17 +150,19 @@ def big(clients: int, actors: int, memory_mb: int, quick: bool) -> list[dict]:
         refused = str(e)
     print(f"big   local: {refused or 'NOT refused'}", flush=True)
     out.append({"part": "big", "pool": "local", "clients": clients, "memory_mb": memory_mb, "refused": refused})
-    raw = config(dataset, clients, 100, rounds, "auto", "ray", actors, memory_mb, client_test=0.5)
-    res = with_ray(lambda: timed_run(raw))
-    row = {"part": "big", "pool": "ray", "actors": actors, "clients": clients, "memory_mb": memory_mb,
-           "rounds": rounds, **{k: v for k, v in res.items() if k != "records"},
-           "personal_acc": res["records"][-1]["personal"]["acc"], "evaluated_clients":
-               res["records"][-1]["personal"]["clients"]}
-    out.append(row)
-    print(f"big   ray x{actors}: start {res['start_s']:.1f} s, {rounds} rounds {res['rounds_s']:.1f} s, eval of "
-          f"{row['evaluated_clients']:,} clients {res['eval_s']:.1f} s; peak RSS driver "
-          f"{res['driver_peak_rss_mb']:,.0f} MiB, actors {[round(m) for m in res['actors_peak_rss_mb']]} MiB",
-          flush=True)
+    for n in actors:
+        cpus = min(1.0, (os.cpu_count() or 1) / n)  # every actor placed on this machine
+        raw = config(dataset, clients, 100, rounds, "auto", "ray", n, memory_mb, client_test=0.5, cpus=cpus)
+        res = with_ray(lambda raw=raw: timed_run(raw))
+        row = {"part": "big", "pool": "ray", "actors": n, "cpus_per_actor": cpus, "clients": clients,
+               "memory_mb": memory_mb, "rounds": rounds, **{k: v for k, v in res.items() if k != "records"},
+               "personal_acc": res["records"][-1]["personal"]["acc"],
+               "evaluated_clients": res["records"][-1]["personal"]["clients"]}
+        out.append(row)
+        print(f"big   ray x{n}: start {res['start_s']:.1f} s, {rounds} rounds {res['rounds_s']:.1f} s, eval of "
+              f"{row['evaluated_clients']:,} clients {res['eval_s']:.1f} s; peak RSS driver "
+              f"{res['driver_peak_rss_mb']:,.0f} MiB, actors {[round(m) for m in res['actors_peak_rss_mb']]} MiB",
+              flush=True)
     return out
 
 
@@ -167,7 +171,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
     ap.add_argument("--only", choices=("same", "big"))
     ap.add_argument("--clients", type=int, default=100_000, help="(big) the population")
-    ap.add_argument("--actors", type=int, default=2, help="(big) the actors")
+    ap.add_argument("--actors", type=int, nargs="+", default=[2, 4], help="(big) the actor counts to run")
     ap.add_argument("--memory-mb", type=int, default=4096, help="(big) engine.memory_mb: each process's budget")
     ap.add_argument("--json", help="write the rows there")
     args = ap.parse_args()

@@ -148,3 +148,19 @@ def test_a_comparison_on_ray_equals_one_in_process_and_leaves_no_actor_or_reserv
             break
         time.sleep(0.1)
     assert ray_runtime.available_resources().get("CPU") == 2.0, ray_runtime.available_resources()
+
+
+def test_tensors_travel_as_numpy_and_arrive_as_copies_of_their_own(ray_runtime):
+    import torch
+
+    from fedmosaic.engine.raypool import register_tensors
+
+    register_tensors(ray_runtime)
+    sent = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(), "b": torch.tensor([1.5, -2.0]).bfloat16(),
+            "n": torch.tensor(3), "mask": torch.tensor([True, False])}
+    ref = ray_runtime.put(sent)
+    got = ray_runtime.get(ref)
+    for k, v in sent.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    got["w"].add_(100)  # writable, and a copy: the object in the store is unchanged
+    assert torch.equal(ray_runtime.get(ref)["w"], sent["w"])
