@@ -80,3 +80,39 @@ _register_blobs()
 @pytest.fixture(scope="session")
 def blob_data():
     return blobs()
+
+
+@pytest.fixture(scope="session")
+def ray_runtime(tmp_path_factory):
+    """One local Ray runtime for the session's scale-out tests (tests/scale): 2 CPUs, a small object store, no
+    dashboard, no usage statistics, no token file in the home directory; stopped at the end, and every process it
+    started that outlives ``ray.shutdown`` killed by PID."""
+    import ray
+    from scale.raytools import RAY_ENV, descendants, kill
+
+    os.environ.update(RAY_ENV)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=256 * 2**20,
+             _temp_dir=str(tmp_path_factory.mktemp("ray")))
+    try:
+        yield ray
+    finally:
+        started = set(descendants(os.getpid()))
+        ray.shutdown()
+        kill(started & set(descendants(os.getpid())))  # what ray.shutdown left running
+
+
+@pytest.fixture
+def bounded():
+    """The test runs at most 240 s: an alarm interrupts it (in the main thread; Ray's waits are interruptible)."""
+    import signal
+
+    def stop(signum, frame):
+        raise TimeoutError("the test took more than 240 s")
+
+    before = signal.signal(signal.SIGALRM, stop)
+    signal.alarm(240)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)

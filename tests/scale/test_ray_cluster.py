@@ -18,14 +18,14 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import RAY_ENV, kill
 from deploy.cases import same_metrics
-from test_ray_pool import cfg_of
+from scale.raytools import RAY_ENV, cfg_of, kill
 
 from fedmosaic.config import dump
 from fedmosaic.engine.runner import read_metrics, run
 
 CLI = [sys.executable, "-m", "fedmosaic.cli.main"]
+pytestmark = pytest.mark.usefixtures("bounded")
 
 
 def free_port(host: str) -> int:

@@ -12,8 +12,9 @@ import time
 import warnings
 
 import pytest
-from deploy.cases import config, same_metrics
-from fedtest import assert_trees_close, merged
+from deploy.cases import same_metrics
+from fedtest import assert_trees_close
+from scale.raytools import cfg_of
 
 from fedmosaic.data.federated import build
 from fedmosaic.engine.build import data_spec
@@ -23,15 +24,7 @@ from fedmosaic.engine.runner import read_metrics, run
 from fedmosaic.errors import FedMosaicError
 
 FAMILIES = ["fedavg", "scaffold", "ditto", "apfl_pd", "ahf", "protofcl"]
-#: 5 clients over 2 actors (3 + 2), 4 of them per round: cohorts that leave clients out, shards of unequal size
-SHARDED = {"data": {"clients": 5}, "train": {"clients_per_round": 4, "rounds": 3}}
-
-
-def cfg_of(family: str, backend: str = "sequential", ray: dict | None = None, engine: dict | None = None, **over):
-    """``family``'s config (``deploy.cases``) over 5 clients, its clients on 2 actors of half a CPU."""
-    engine = {"backend": backend, "threads": 1, "ray": {"actors": 2, "cpus_per_actor": 0.5, **(ray or {})},
-              **(engine or {})}
-    return config(family, engine=engine, **merged(SHARDED, over))
+pytestmark = pytest.mark.usefixtures("bounded")
 
 
 def records(fed: Federation) -> list[dict]:
