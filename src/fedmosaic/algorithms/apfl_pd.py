@@ -64,7 +64,7 @@ def plateau_step(det: dict, loss: float, window: int, delta_mu: float, delta_sig
     out = {**det, "losses": losses}
     if len(losses) < window:
         return out, False
-    t = torch.tensor(losses, dtype=torch.float64)
+    t = torch.tensor(losses, dtype=torch.float64)  # host: the detector's window of Python floats
     mean, std = float(t.mean()), float(t.std(unbiased=False))
     refresh = bool(det["peak"]) and mean < delta_mu and std < delta_sigma
     if refresh:
@@ -115,7 +115,7 @@ class APFLPD(Algorithm):
         loss = float((uploads["global_loss"] * weights).sum() / weights.sum())
         det, refresh = plateau_step(det, loss, self.cfg.window, self.cfg.delta_mu, self.cfg.delta_sigma)
         losses = torch.zeros_like(server["losses"])
-        losses[: len(det["losses"])] = torch.tensor(det["losses"], dtype=losses.dtype)
+        losses[: len(det["losses"])] = torch.tensor(det["losses"], dtype=losses.dtype)  # host: copied over
         like = lambda v: torch.full_like(server["peak"], float(v))
         out.update(losses=losses, seen=like(len(det["losses"])), peak=like(det["peak"]), mu_old=like(det["mu_old"]),
                    sigma_old=like(det["sigma_old"]))
@@ -151,7 +151,7 @@ class APFLPD(Algorithm):
 
     def _ewc(self, ctx: LocalContext) -> torch.Tensor:
         if self.cfg.mu == 0:
-            return torch.zeros(())
+            return ctx.zero()
         pen = sum((f * (w - g) ** 2).sum() for w, g, f in zip(ctx.params["shared"].values(),
                                                                ctx.payload["global"].values(),
                                                                ctx.payload["F"].values(), strict=True))

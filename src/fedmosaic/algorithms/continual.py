@@ -44,7 +44,7 @@ class Distill:
 
     def __call__(self, ctx: LocalContext) -> torch.Tensor:
         if self.lam == 0:
-            return torch.zeros(())
+            return ctx.zero()
         _, logits = ctx.forward(self.slot)
         known = ctx.state["known"]
         _, old = ctx.teacher(ctx.state["teacher"], "task")

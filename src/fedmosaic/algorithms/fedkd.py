@@ -36,7 +36,7 @@ from pydantic import Field, model_validator
 
 from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
 from ..protocol.context import LocalContext, per_sample_task_loss
-from ..protocol.tree import clone, weighted_mean
+from ..protocol.tree import clone, leaves, weighted_mean
 
 
 class FedKDConfig(AlgoConfig):
@@ -90,7 +90,7 @@ class FedKD(Algorithm):
     def broadcast(self, server, round_idx):
         frac = min(1.0, (round_idx + 1) / self.setting.rounds)
         energy = self.cfg.t_start + (self.cfg.t_end - self.cfg.t_start) * frac
-        return {"global": server["model"], "energy": torch.tensor(energy)}
+        return {"global": server["model"], "energy": torch.tensor(energy, device=leaves(server["model"])[0].device)}
 
     def init_client(self, init_params):
         return {"mentor": clone(self.setting.models["mentor"])}

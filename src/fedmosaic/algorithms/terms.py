@@ -40,7 +40,7 @@ class Prox:
 
     def __call__(self, ctx: LocalContext) -> torch.Tensor:
         if self.mu == 0:
-            return torch.zeros(())
+            return ctx.zero()
         w, r = leaves(ctx.params[self.slot]), leaves(ctx.payload[self.ref])
         return 0.5 * self.mu * sum(((a - b) ** 2).sum() for a, b in zip(w, r, strict=True))
 
@@ -98,7 +98,7 @@ class NotTrueDistillation:
 
     def __call__(self, ctx: LocalContext) -> torch.Tensor:
         if self.beta == 0:
-            return torch.zeros(())
+            return ctx.zero()
         _, logits = ctx.forward(self.slot)
         _, t_logits = ctx.teacher(ctx.payload[self.teacher], "global")
         idx = not_true_columns(ctx.y, logits.shape[-1])
@@ -122,7 +122,7 @@ class CurvaturePenalty:
 
     def __call__(self, ctx: LocalContext) -> torch.Tensor:
         if self.lam == 0:
-            return torch.zeros(())
+            return ctx.zero()
         w = leaves(ctx.params[self.slot])
         U, V = leaves(ctx.payload["U"]), leaves(ctx.payload["V"])
         u, v = leaves(ctx.state["u"]), leaves(ctx.state["v"])
@@ -182,7 +182,7 @@ class ModelContrastive:
 
     def __call__(self, ctx: LocalContext) -> torch.Tensor:
         if self.mu == 0:
-            return torch.zeros(())
+            return ctx.zero()
         z, _ = ctx.forward(self.slot)
         z_glob = ctx.teacher(ctx.payload[self.global_ref], "global")[0]
         z_prev = ctx.teacher(ctx.state[self.prev], "local")[0]

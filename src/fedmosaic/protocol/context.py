@@ -36,6 +36,11 @@ class LocalContext:
         #: the named parts of the objective computed on this batch (:meth:`term`), reported per round
         self.terms: dict[str, torch.Tensor] = {}
 
+    def zero(self) -> torch.Tensor:
+        """0 on the batch's device: what a term at weight 0 returns (a bare ``torch.zeros(())`` is a CPU tensor,
+        which the engine's per-client sums on a GPU refuse)."""
+        return self.y.new_zeros((), dtype=torch.float32)
+
     def term(self, name: str, value: torch.Tensor) -> torch.Tensor:
         """``value``, recorded under ``name`` as one part of the objective: each part's mean over the round's steps
         goes to ``metrics.jsonl`` (``terms``) and ``report``, so nobody infers a term from two runs' difference.
