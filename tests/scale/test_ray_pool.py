@@ -157,3 +157,30 @@ def test_tensors_travel_as_numpy_and_arrive_as_copies_of_their_own(ray_runtime):
         assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
     got["w"].add_(100)  # writable, and a copy: the object in the store is unchanged
     assert torch.equal(ray_runtime.get(ref)["w"], sent["w"])
+
+
+def test_a_model_registered_by_the_users_script_travels_to_the_actors(ray_runtime):
+    """A model class the actors cannot import (defined here, in a function) goes to them by value."""
+    import math
+
+    from torch import nn
+
+    from fedmosaic.models import register_model
+
+    class Tiny(nn.Module):
+        def __init__(self, input_shape, num_classes, hidden=16):
+            super().__init__()
+            self.body = nn.Sequential(nn.Flatten(), nn.Linear(math.prod(input_shape), hidden), nn.Tanh())
+            self.fc = nn.Linear(hidden, num_classes)
+
+        def forward(self, x):
+            return self.fc(self.body(x))
+
+    register_model("tiny_of_a_script", Tiny)
+    cfg = cfg_of("ditto", model={"name": "tiny_of_a_script"})
+    fd = build(data_spec(cfg))
+    sharded = Federation(cfg, fd, pool="ray")
+    try:
+        assert not same_metrics(records(Federation(cfg, fd)), records(sharded), 0.0)
+    finally:
+        sharded.pool.close()

@@ -76,24 +76,26 @@ def register_tensors(ray) -> None:
 # ---- the actor ----------------------------------------------------------------------------------------------
 class ClientHost:
     """One actor: the runtime of the clients ``shard`` (sorted ids), built from the run's config and its
-    partition ``fd`` (from the object store), with ``threads`` torch threads. ``models``: the registered models the
-    config uses that are not built in (a script's ``register_model``), ``data_dirs``: the driver's data search path
-    (a public dataset is read from it)."""
+    partition ``fd`` (from the object store), with ``threads`` torch threads. ``registered``: what the config uses
+    that the driver's process registered (``register_model``, ``register_dataset`` of a public dataset: a script's
+    own travel by value); ``data_dirs``: the driver's data search path (a public dataset is read from it)."""
 
-    def __init__(self, cfg, fd, shard, threads: int, models: dict, data_dirs: str):
+    def __init__(self, cfg, fd, shard, threads: int, registered: dict, data_dirs: str):
         import ray
 
         from .. import models as zoo
+        from ..data import registry
         from ..paths import set_data_dirs
         from .federation import Federation
 
         torch.set_num_threads(threads)
         register_tensors(ray)
         set_data_dirs(data_dirs)
-        for name, (factory, head) in models.items():
+        for name, (factory, head) in registered["models"].items():
             zoo.MODELS[name] = factory
             if head is not None:
                 zoo.HEADS[name] = head
+        registry.REGISTRY.update(registered["datasets"])
         warnings.filterwarnings("ignore")  # the driver has said it already (execution notes, data warnings)
         self.rt = Federation(cfg, fd, threads, pool="none").client_runtime(shard)
 
@@ -139,6 +141,7 @@ class RayPool:
     def __init__(self, fed):
         from .. import models as zoo
         from .. import plugins
+        from ..data import registry
         from ..paths import data_dirs
 
         self.ray = ray = ray_module()
@@ -166,13 +169,16 @@ class RayPool:
                 f"{o.start_timeout_s:g} s (engine.ray.start_timeout_s): it has {_resources(have)} in all; lower "
                 "engine.ray.actors, cpus_per_actor, gpus_per_actor or engine.memory_mb, or add nodes")
         used = [cfg.model.name, *(a.name for a in cfg.model.heterogeneous or [])]
-        models = {n: (zoo.MODELS[n], zoo.HEADS.get(n)) for n in used if ("model", n) in plugins.ORIGINS}
+        public = [] if cfg.data.public is None else [cfg.data.public.source.lower()]
+        mine = lambda kind, names: [n for n in names if (kind, n) in plugins.ORIGINS]  # noqa: E731
+        registered = {"models": {n: (zoo.MODELS[n], zoo.HEADS.get(n)) for n in mine("model", used)},
+                      "datasets": {n: registry.REGISTRY[n] for n in mine("dataset", public)}}
         fd = ray.put(fed.fd)  # the partition once; every actor takes its rows
         host = ray.remote(ClientHost)
         self.actors = [
             host.options(num_cpus=o.cpus_per_actor, num_gpus=o.gpus_per_actor, memory=memory, max_restarts=0,
                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, i)).remote(
-                cfg, fd, part, threads, models, os.pathsep.join(map(str, data_dirs())))
+                cfg, fd, part, threads, registered, os.pathsep.join(map(str, data_dirs())))
             for i, part in enumerate(parts)]
         try:
             ready = ray.get([a.hello.remote() for a in self.actors], timeout=o.start_timeout_s)
