@@ -26,6 +26,9 @@ DEBIAN_PACKAGES = {"fashion-mnist": "dataset-fashion-mnist"}
 # otherwise: the default follows the machine's load at each run's start (engine.execution.cpu_threads), and tests
 # that compare a run in one process with its resumption in another need the same count in both
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# the device the suite's runs take for `engine.device: auto`: the CPU (whose numbers the tests pin) unless
+# FEDMOSAIC_TEST_DEVICE says otherwise (e.g. `FEDMOSAIC_TEST_DEVICE=cuda python -m pytest` on a GPU machine)
+os.environ["FEDMOSAIC_DEVICE"] = os.environ.get("FEDMOSAIC_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(autouse=True)

@@ -217,6 +217,14 @@ class EngineConfig(Schema):
         None, ge=1, le=MAX_COUNT, description="the memory one process of the run may use, in MiB (what it is refused "
         "up front beyond); default: the device's (a GPU's, else the machine's or its cgroup's limit). With "
         "engine.pool: ray each actor holds its own shard's client states within it (and reserves it from Ray)")
+    deterministic: bool = Field(
+        True, description="on CUDA, deterministic kernels only (torch.use_deterministic_algorithms, cuDNN's "
+        "deterministic convolutions, no cuDNN autotuning): a run and its resume give the same numbers, bit for bit, "
+        "on the same GPU and software; false: faster, the same numbers within float rounding. (The CPU is "
+        "deterministic either way.)")
+    tf32: bool = Field(
+        False, description="on CUDA (Ampere and later), TensorFloat-32 for matrix products and convolutions: faster, "
+        "about 1e-3 relative error per product; false: full float32, as on the CPU")
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch CPU threads (kept as set). Default: OMP_NUM_THREADS if set, else the "
         "cores this process may use (CPU affinity, cgroup quota), divided by FEDMOSAIC_PARALLEL_RUNS (runs sharing "

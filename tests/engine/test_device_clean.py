@@ -8,7 +8,8 @@ vmap turns into a CPU ``[n]`` loss that ``index_add_`` refuses on a GPU) fails h
 local training. (torch's FakeTensorMode with a fake ``cuda`` device cannot stand in: on a CPU-only build,
 ``Tensor.to("cuda")`` and ``copy_`` initialise the CUDA device guard before dispatch and raise "PyTorch is not linked
 with support for cuda devices".) The round's one host sync is the finite check after training, which is stubbed;
-the server's aggregation reads its detector on the host and is not run here."""
+not run here: the server's aggregation and a task's end, which read on the host once per round or task (the
+detectors, the labels whose exemplars a client keeps)."""
 
 from __future__ import annotations
 
@@ -53,7 +54,8 @@ def test_the_client_side_of_a_round_runs_on_a_device_that_is_not_the_cpu(on_meta
     fed = federation.Federation(cfg, build(data_spec(cfg)))
     srv, t = fed.srv, 0
     assignment = srv.assign(srv.cohort(t))
-    assignment["ids"] = torch.as_tensor(srv.cohort(t))  # the protocol's client ids, read on the host
+    # the protocol's client ids are read on the host (on a GPU: once per message, not in training)
+    assignment["ids"] = torch.as_tensor(srv.cohort(t))
     if cfg.train.warmup_epochs:
         fed.pool.warm_up(srv.lr(t), {**srv.assign(fed.everyone), "ids": torch.as_tensor(fed.everyone)})
     shared = {}
@@ -84,3 +86,80 @@ def test_no_algorithm_makes_a_tensor_without_saying_on_which_device():
                     and "# host" not in lines[node.lineno - 1]:
                 bare.append(f"{path.name}:{node.lineno}: {lines[node.lineno - 1].strip()}")
     assert not bare, "\n".join(bare)
+
+
+def test_the_precision_policy_sets_torch_for_a_cuda_run_and_leaves_a_cpu_run_alone(monkeypatch):
+    from fedmosaic.engine.preflight import precision
+
+    flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,  # noqa: E731
+                     torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+                     torch.backends.cudnn.benchmark)
+    before = flags()
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    try:
+        precision(True, True, torch.device("cpu"))
+        assert flags() == before
+        precision(True, False, torch.device("cuda"))  # the defaults: exact, full float32
+        assert flags() == (False, False, True, True, False)
+        assert __import__("os").environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        precision(False, True, torch.device("cuda:1"))  # fast: TF32, autotuned, nondeterministic kernels allowed
+        assert flags() == (True, True, False, False, True)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[:2]
+        torch.use_deterministic_algorithms(before[2])
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[3:]
+
+
+def test_fedmosaic_device_says_what_auto_means_and_a_wrong_one_is_one_line(monkeypatch):
+    from fedmosaic.engine.preflight import resolve_device
+    from fedmosaic.errors import ConfigError
+
+    monkeypatch.setenv("FEDMOSAIC_DEVICE", "cpu")
+    assert resolve_device("auto") == torch.device("cpu")
+    monkeypatch.setenv("FEDMOSAIC_DEVICE", "cuda:7")
+    with pytest.raises(ConfigError, match=r"^\$FEDMOSAIC_DEVICE: 'cuda:7' is not available on this machine"):
+        resolve_device("auto")
+    assert resolve_device("cpu") == torch.device("cpu")  # a device the config names is the config's
+    for wrong in ("gpu", "meta"):
+        monkeypatch.setenv("FEDMOSAIC_DEVICE", wrong)
+        with pytest.raises(ConfigError, match=rf"^\$FEDMOSAIC_DEVICE: '{wrong}' is not a device to train on"):
+            resolve_device("auto")
+    monkeypatch.delenv("FEDMOSAIC_DEVICE")
+    assert resolve_device("auto") == torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def test_a_compile_that_fails_here_falls_back_to_eager_with_one_warning(monkeypatch):
+    """A GPU Triton cannot target, or a host without a compiler: training goes on eagerly, never exit 3."""
+    import warnings
+
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    from fedmosaic.engine import local
+
+    def no_compiler(fn, dynamic=False):
+        def call(*args):
+            raise BackendCompilerFailed(fn, RuntimeError("no kernel image for sm_60"), None)
+        return call
+
+    cfg = validate(merged(DIGITS3, {"algorithm": {"name": "fedavg"},
+                                    "engine": {"backend": "vectorized", "compile": True, "threads": 1}}))
+    eager = validate(merged(DIGITS3, {"algorithm": {"name": "fedavg"},
+                                      "engine": {"backend": "vectorized", "compile": False, "threads": 1}}))
+    fd = build(data_spec(cfg))
+    monkeypatch.setattr(local.torch, "compile", no_compiler)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fed = federation.Federation(cfg, fd)
+        got = [fed.round(t)["train_loss"] for t in range(2)]
+    said = [str(w.message) for w in caught if "torch.compile failed" in str(w.message)]
+    assert len(said) == 1 and "(RuntimeError: no kernel image for sm_60)" in said[0], said
+    ref = federation.Federation(eager, fd)
+    assert got == pytest.approx([ref.round(t)["train_loss"] for t in range(2)], rel=1e-6)
+
+
+def test_a_gpu_run_is_sized_against_the_memory_still_free_once_its_data_is_there(monkeypatch):
+    from fedmosaic.engine.preflight import memory_bytes
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (asked.append(device), (3 << 30, 80 << 30))[1])
+    assert memory_bytes(torch.device("cuda:1")) == 3 << 30 and asked == [torch.device("cuda:1")]

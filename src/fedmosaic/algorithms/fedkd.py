@@ -36,7 +36,7 @@ from pydantic import Field, model_validator
 
 from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
 from ..protocol.context import LocalContext, per_sample_task_loss
-from ..protocol.tree import clone, leaves, weighted_mean
+from ..protocol.tree import clone, cumsum, leaves, weighted_mean
 
 
 class FedKDConfig(AlgoConfig):
@@ -72,7 +72,7 @@ def truncated_svd(d: torch.Tensor, energy: torch.Tensor) -> tuple[torch.Tensor, 
     total; the others zeroed (fixed shapes)."""
     U, s, Vh = torch.linalg.svd(d, full_matrices=False)
     e = s * s
-    keep = ((e.cumsum(0) - e) < energy * e.sum()).to(d.dtype)  # the energy before component j is still short
+    keep = ((cumsum(e, 0) - e) < energy * e.sum()).to(d.dtype)  # the energy before component j is still short
     return U * (s * keep), Vh * keep[:, None]
 
 

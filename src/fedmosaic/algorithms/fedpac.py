@@ -44,7 +44,7 @@ from pydantic import Field
 from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
 from ..protocol.context import LocalContext, TaskLoss
 from ..protocol.program import Phase, Probe, Step
-from ..protocol.tree import repeat, tmap, weighted_mean
+from ..protocol.tree import cumsum, repeat, tmap, weighted_mean
 from .terms import PrototypeMSE, class_sums
 
 BOTH = ("body", "head")
@@ -65,9 +65,9 @@ class FedPACConfig(AlgoConfig):
 def simplex_projection(v: torch.Tensor) -> torch.Tensor:
     """Euclidean projection of each row of ``v`` onto the probability simplex (sort-based, exact)."""
     u, _ = torch.sort(v, dim=-1, descending=True)
-    css = u.cumsum(-1) - 1
+    css = cumsum(u, -1) - 1
     k = torch.arange(1, v.shape[-1] + 1, device=v.device, dtype=v.dtype)
-    rho = ((u - css / k) > 0).to(v.dtype).cumsum(-1).argmax(-1, keepdim=True)  # last index where it holds
+    rho = ((u - css / k) > 0).to(torch.int64).cumsum(-1).argmax(-1, keepdim=True)  # last index where it holds
     theta = css.gather(-1, rho) / (rho + 1).to(v.dtype)
     return (v - theta).clamp(min=0)
 

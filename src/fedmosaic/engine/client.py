@@ -18,7 +18,7 @@ import torch
 
 from ..errors import FedMosaicError
 from ..protocol.algorithm import Algorithm
-from ..protocol.tree import all_finite, put, repeat, take, tmap
+from ..protocol.tree import finite, put, repeat, take, tmap
 from . import evaluate as ev
 from . import memory as mem
 from .build import Group
@@ -201,7 +201,9 @@ class ClientRuntime:
         cohort = np.concatenate([members for _, members, _, _ in parts])
         loss = torch.cat([out.loss for _, _, out, _ in parts])
         bad = ~torch.isfinite(loss)
-        if bad.any() or not all(all_finite(out.uploads) for _, _, out, _ in parts):
+        # the round's one host sync: every flag on the device first, then one read
+        oks = [~bad.any(), *finite([out.uploads for _, _, out, _ in parts])]
+        if not bool(torch.stack([ok.to(loss.device) for ok in oks]).all()):
             who = cohort[bad.cpu().numpy()] if bad.any() else cohort
             raise NonFiniteLoss(f"round {t}: non-finite loss or update on clients {who.tolist()[:10]}")
 

@@ -49,7 +49,8 @@ def score_samples(apply, params, x: torch.Tensor, y: torch.Tensor, transform, lo
 
 def global_metrics(correct: torch.Tensor, losses: torch.Tensor, y: torch.Tensor, num_classes: int) -> dict:
     per_class_n = torch.bincount(y, minlength=num_classes).double()
-    per_class_ok = torch.bincount(y, weights=correct.double(), minlength=num_classes)
+    # (index_add_, not bincount(weights=...): the latter has no deterministic CUDA kernel)
+    per_class_ok = torch.zeros(num_classes, dtype=torch.float64, device=y.device).index_add_(0, y, correct.double())
     return {
         "acc": float(correct.double().mean()),
         "loss": float(losses.mean()),

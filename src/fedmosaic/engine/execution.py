@@ -26,7 +26,6 @@ wait for it: beside one busy core, two threads on a 2-core machine ran a run ~8x
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import shutil
@@ -149,9 +148,15 @@ class Execution:
 
 
 def compiler_available(device: str) -> bool:
-    """torch.compile needs a C++ compiler for the CPU and Triton for CUDA."""
+    """Whether torch.compile's inductor can build kernels here: for CUDA, torch's own test (``has_triton``: Triton
+    installed and a GPU of compute capability 7 or more) and a C compiler (Triton builds its launcher with one);
+    for the CPU, a C++ compiler. A compile that fails anyway falls back to eager (``local.CompiledOrEager``)."""
     if device == "cuda":
-        return importlib.util.find_spec("triton") is not None
+        try:
+            from torch.utils._triton import has_triton
+        except ImportError:  # an older torch
+            return False
+        return has_triton() and any(shutil.which(c) for c in ("cc", "gcc", "clang"))
     if device == "cpu":
         return any(shutil.which(c) for c in ("g++", "c++", "clang++"))
     return False

@@ -35,6 +35,7 @@ from .preflight import (
     check_slots,
     check_training_memory,
     memory_bytes,
+    precision,
     resolve_device,
 )
 from .seeding import POOL, TASKS, rng
@@ -64,6 +65,7 @@ class Federation:
         self.threads = cpu_threads(cfg.engine.threads, threads)
         torch.set_num_threads(self.threads.count)
         self.device = dev = resolve_device(cfg.engine.device)  # before any data is read
+        precision(cfg.engine.deterministic, cfg.engine.tf32, dev)
         self.fd = fd if fd is not None else build(data_spec(cfg))
         normalize = make_normalizer(cfg.data.normalize, self.fd.x["train"], dev)
         arrays = [self.fd.x[s] for s in ("train", "val", "test")]

@@ -22,6 +22,8 @@ vmapped step has a fixed framework overhead worth several plain single-client st
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -40,7 +42,7 @@ from .objective import TERMS, Objective, _sub
 from .plans import SHARED, plan_phase
 from .probes import Probes
 from .seeding import FINETUNE, SERVER, TASK_END, WARMUP
-from .tensors import ClientTensors, cat_trees, gather
+from .tensors import ClientTensors, cat_trees, gather, to_device
 
 
 class Trained(NamedTuple):
@@ -73,6 +75,45 @@ class Packed(NamedTuple):
     states: dict
     buffers: dict
     own: dict
+
+
+
+class CompiledOrEager:
+    """``torch.compile(fn)``, or ``fn`` itself once compiling has failed here (no working compiler for this device,
+    a GPU Triton cannot target): one warning per trainer (``failed`` is shared by its compiled functions), and the
+    run goes on eagerly — the same arithmetic, without the compiled speed. A compile fails before the graph runs,
+    so nothing was updated in place and the eager call repeats nothing."""
+
+    def __init__(self, fn, failed: list):
+        self.fn, self.compiled, self.failed = fn, torch.compile(fn, dynamic=False), failed
+
+    def __call__(self, *args):
+        if not self.failed:
+            try:
+                return self.compiled(*args)
+            except Exception as e:
+                if not isinstance(e, compile_errors()):
+                    raise
+                cause = getattr(e, "inner_exception", None) or e
+                first = (str(cause).strip().splitlines() or [""])[0][:300]
+                self.failed.append(f"{type(cause).__name__}: {first}")
+                warnings.warn(f"engine.compile: torch.compile failed on this machine ({self.failed[0]}); training "
+                              "goes on without compiling (set engine.compile: false to skip the attempt)",
+                              stacklevel=2)
+        return self.fn(*args)
+
+
+@functools.cache
+def compile_errors() -> tuple[type, ...]:
+    """What torch raises when it cannot compile (as opposed to an error in the code being compiled)."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    errors: list[type] = [BackendCompilerFailed]
+    with contextlib.suppress(ImportError):
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    return tuple(errors)
 
 
 class LocalTrainer(Objective, LoopedSteps, Probes):
@@ -124,8 +165,9 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
             import torch._dynamo
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            self._fused = torch.compile(self._k_steps, dynamic=False)
-            self._grads = torch.compile(self._default, dynamic=False)
+            failed: list = []  # why compiling failed here, once it has
+            self._fused = CompiledOrEager(self._k_steps, failed)
+            self._grads = CompiledOrEager(self._default, failed)
 
     def _each(self, fn, dims, fresh=False):
         return for_each_client(fn, dims, self.vectorize, fresh)
@@ -360,11 +402,13 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
         # compiled, padded to a power of two with masked copies of the first so few shapes get compiled).
         # While every client is active and no padding is needed, it is the full trees themselves.
         active = np.arange(n)
-        ia, real = torch.as_tensor(active, device=dev), n
+        ia, real = to_device(active, dev), n
         opt = [optim.init_state(self._opt(u), leaves(_sub(params, u.slots))) for u in updates]
         packed = Packed(params, opt, states, buffers, own)
         finish_at = set(steps.tolist())
         S = int(steps.max()) if n else 0
+        if fast:  # the fused calls' learning rate and step counter, made on the device (no copy from the host)
+            lr_t, step_t = torch.full((), float(lr), device=dev), torch.arange(S, device=dev)
         block0 = fused_until = 0  # steps block0..fused_until-1 run in fused blocks of ``self.fuse``
         s0 = 0  # plan tensors start at step s0
         for s in range(S):
@@ -375,14 +419,14 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
                 keep = np.searchsorted(active, now)
                 if fast:
                     keep = np.concatenate([keep, np.full((1 << (len(keep) - 1).bit_length()) - len(keep), keep[0])])
-                keep = torch.as_tensor(keep, device=dev)
+                keep = to_device(keep, dev)
                 packed = Packed(*(take(t, keep) for t in packed))
                 # only the steps still to come: repacking then costs O(what remains), not O(the whole plan)
                 tensors = {k: t[s - s0 :].index_select(1, keep) for k, t in tensors.items()}
                 for k in ("mask", "mask2"):
                     if k in tensors:
                         tensors[k][:, len(now) :] = 0  # padding rows never count
-                active, ia, real, s0 = now, torch.as_tensor(now, device=dev), len(now), s
+                active, ia, real, s0 = now, to_device(now, dev), len(now), s
             if not fast and real < self.loop_below:  # few clients left: the rest of the phase on the loop
                 loss, acc, final = self._loop_rest(data, tensors, s, s0, packed, real, steps[active] - s,
                                                    phase.updates, updates, payload, lr)
@@ -402,8 +446,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
                 if (s - block0) % self.fuse:
                     continue  # already taken by the fused call that started at an earlier step
                 x, y, m, *_ = self._batch(data, tensors, slice(s - s0, s - s0 + self.fuse))
-                loss, acc = self._fused(p_, o_[0], st_, payload, own_, x, y, m, b_, torch.tensor(lr, device=dev),
-                                        torch.tensor(s, device=dev))
+                loss, acc = self._fused(p_, o_[0], st_, payload, own_, x, y, m, b_, lr_t, step_t[s].clone())
             else:
                 batch = self._batch(data, tensors, s - s0)
                 for i, u in enumerate(phase.updates):

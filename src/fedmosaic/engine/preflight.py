@@ -19,24 +19,54 @@ from ..protocol.program import Phase, View
 from ..protocol.tree import nbytes, tmap
 
 
+#: ``FEDMOSAIC_DEVICE=cpu|cuda|cuda:1|mps``: the device ``engine.device: auto`` means in this environment (a GPU
+#: machine's test suite on the CPU, or on CUDA: tests/conftest.py's ``FEDMOSAIC_TEST_DEVICE``)
+DEVICE_ENV = "FEDMOSAIC_DEVICE"
+
+
 def resolve_device(name: str) -> torch.device:
-    """``auto``: the first CUDA device when there is one, else the CPU. A device that is not there is an error."""
+    """``auto``: ``$FEDMOSAIC_DEVICE`` if set, else the first CUDA device when there is one, else the CPU. A device
+    that is not there is an error."""
+    where = "engine.device"
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+        name, where = os.environ.get(DEVICE_ENV, "").strip(), f"${DEVICE_ENV}"
+        if not name:
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"{where}: {name!r} is not a device to train on (use 'cpu', 'cuda', 'cuda:1' or 'mps')")
     if dev.type == "cuda":
         there = torch.cuda.is_available() and (dev.index or 0) < torch.cuda.device_count()
     else:
         there = dev.type != "mps" or torch.backends.mps.is_available()
     if not there:
-        raise ConfigError(f"engine.device: {name!r} is not available on this machine (use 'auto' or 'cpu')")
+        raise ConfigError(f"{where}: {name!r} is not available on this machine (use 'auto' or 'cpu')")
     return dev
 
 
+def precision(deterministic: bool, tf32: bool, device: torch.device) -> None:
+    """The precision and determinism policy of a run on ``device`` (``engine.deterministic``, ``engine.tf32``):
+    on CUDA, TensorFloat-32 as configured (torch's own defaults differ between matrix products and convolutions)
+    and, when deterministic, only deterministic kernels — cuBLAS's fixed workspace, cuDNN's deterministic
+    algorithms, no autotuning. A CPU run is left as it is: its kernels are deterministic."""
+    if device.type != "cuda":
+        return
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS makes its first handle
+    torch.use_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, not deterministic
+
+
 def memory_bytes(device: torch.device) -> int | None:
-    """The memory a run on ``device`` can use at most: the GPU's, or the machine's (or its cgroup's limit)."""
+    """The memory a run on ``device`` can use at most: the GPU's free memory now (what other processes and this
+    run's data, already there, leave), or the machine's (or its cgroup's limit)."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).total_memory
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
     try:
         total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

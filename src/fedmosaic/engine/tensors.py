@@ -60,3 +60,13 @@ def cat_trees(trees: list):
 def gather(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``t[idx]`` for an index tensor of any shape (index_select: a fraction of advanced indexing's overhead)."""
     return t.index_select(0, idx.reshape(-1)).view(*idx.shape, *t.shape[1:])
+
+
+def to_device(a, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A host array (numpy, list) as a tensor on ``device``. To a GPU it goes through pinned memory without
+    waiting: a plain copy from pageable memory first waits for every kernel queued before it — a host sync, on
+    the hot path each time a client of a ragged cohort finishes."""
+    t = torch.as_tensor(a, dtype=dtype)
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)

@@ -58,16 +58,20 @@ def weighted_mean(stacked, weights: torch.Tensor):
 
 
 def all_finite(tree) -> bool:
-    return all(_finite(t) for t in leaves(tree) if t.is_floating_point())
+    """No NaN or infinity in any floating-point tensor of ``tree``: read on the host once per device."""
+    return all(bool(ok) for ok in finite(tree))
 
 
-def _finite(t: torch.Tensor) -> bool:
-    """No NaN or infinity in ``t``: one pass, no temporary (a NaN makes both extremes NaN, so both tests fail);
-    ``isfinite(t).all()`` costs 20x more, as much as a CNN's optimiser step for every round's uploads."""
-    if t.numel() == 0:
-        return True
-    lo, hi = torch.aminmax(t)
-    return bool(lo > -torch.inf) and bool(hi < torch.inf)
+def finite(tree) -> list[torch.Tensor]:
+    """Per device of ``tree``'s floating-point tensors, a boolean on that device: none holds a NaN or infinity.
+    One pass per tensor, no temporary (a NaN makes both extremes NaN, so both tests fail; ``isfinite(t).all()``
+    costs 20x more, as much as a CNN's optimiser step for every round's uploads), and nothing read on the host."""
+    flags: dict = {}
+    for t in leaves(tree):
+        if t.is_floating_point() and t.numel():
+            lo, hi = torch.aminmax(t)
+            flags.setdefault(t.device, []).append((lo > -torch.inf) & (hi < torch.inf))
+    return [torch.stack(f).all() for f in flags.values()]
 
 
 def layout(tree, at: str = ""):
@@ -83,3 +87,11 @@ def layout(tree, at: str = ""):
             yield from layout(v, f"{at}/{i}")
     else:
         yield at, type(tree).__name__, None
+
+
+def cumsum(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t.cumsum(dim)``, also where a CUDA run asks for deterministic algorithms (``engine.deterministic``), which
+    CUDA's floating-point cumsum is not: there it runs on the host (the same sums in the same order as on a CPU)."""
+    if t.is_cuda and t.is_floating_point() and torch.are_deterministic_algorithms_enabled():
+        return t.cpu().cumsum(dim).to(t.device)
+    return t.cumsum(dim)
