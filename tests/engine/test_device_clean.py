@@ -163,3 +163,22 @@ def test_a_gpu_run_is_sized_against_the_memory_still_free_once_its_data_is_there
     asked = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (asked.append(device), (3 << 30, 80 << 30))[1])
     assert memory_bytes(torch.device("cuda:1")) == 3 << 30 and asked == [torch.device("cuda:1")]
+
+
+def test_the_activations_of_the_clients_trained_at_once_are_part_of_the_memory_check():
+    """Measured on the meta device: linear in the batch, nothing for the parameters themselves; a chunk whose
+    activations do not fit is refused before training, naming the knobs."""
+    from fedmosaic.engine.preflight import activation_bytes, check_training_memory
+    from fedmosaic.errors import ConfigError
+    from fedmosaic.models import build_model
+
+    mlp = build_model("mlp", (1, 8, 8), 10, hidden=32)
+    one, two = activation_bytes(mlp, (1, 8, 8), 50), activation_bytes(mlp, (1, 8, 8), 100)
+    assert 0 < one and two == pytest.approx(2 * one, rel=1e-3)  # (and a few scalars)
+    # the input (50 x 64) and the hidden layer's output and activation (2 x 50 x 32) at least, in float32
+    assert one >= 4 * 50 * (64 + 2 * 32)
+    init = {k: v.detach() for k, v in mlp.named_parameters()}
+    check_training_memory(mlp, init, 10, 4096, 8, 1 << 20, torch.device("cpu"), one)  # fits in 1 MiB
+    with pytest.raises(ConfigError, match=r"activations per client and step; 10 client states, 128 clients trained "
+                                          r"at once: engine.chunk_size"):
+        check_training_memory(mlp, init, 10, 4096, 128, 1 << 20, torch.device("cpu"), one)

@@ -29,6 +29,7 @@ from .client import ClientRuntime, Hosted, ids_of, order_parts
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
 from .pools import InProcessPool, WirePool, traffic
 from .preflight import (
+    activation_bytes,
     check_evaluation,
     check_memory_total,
     check_plans,
@@ -146,10 +147,11 @@ class Federation:
             raise ValueError(f"pool: 'local', 'wire', 'ray' or 'none' (got {pool!r})")
         for g in self.groups:
             one = self.algo.init_client(g.init)
-            if pool == "local":  # every client's state in this process; another pool's runtimes hold their own
-                check_training_memory(g.module, g.init, len(g.clients), nbytes(one), self.chunk, self.memory, dev)
-                g.store = client_store(cfg, self.algo, g, one, shape, C, dev)
             g.execution = ex = self._choose_execution(g)
+            if pool == "local":  # every client's state in this process; another pool's runtimes hold their own
+                check_training_memory(g.module, g.init, len(g.clients), nbytes(one), self._at_once(ex),
+                                      self.memory, dev, activation_bytes(g.module, shape, self.batch))
+                g.store = client_store(cfg, self.algo, g, one, shape, C, dev)
             # running statistics are updated in place during the forward pass, which vmap cannot do per client:
             # such groups take the sequential path (same results, no vmap)
             if g.global_buffers and cfg.engine.backend != "sequential":
@@ -188,7 +190,8 @@ class Federation:
             mine = Group(g.gid, g.module, mine)
             one = algo.init_client(mine.init)
             check_training_memory(g.module, mine.init, len(mine.clients), nbytes(one),
-                                  min(self.chunk, len(mine.clients)), self.memory, dev)
+                                  min(self._at_once(full.execution), len(mine.clients)), self.memory, dev,
+                                  activation_bytes(g.module, shape, self.batch))
             mine.store = client_store(cfg, algo, mine, one, shape, C, dev)
             mine.execution = full.execution
             mine.trainer = make_trainer(cfg, algo, g.module, full.execution, self.transform, self.pad_fill,
@@ -242,6 +245,10 @@ class Federation:
             active = np.pad(active, (0, max(0, len(prof) - len(active))))
             active[: len(prof)] += prof
         return RunFacts(tc.rounds, tuple(active.tolist()), all(ph.plain for ph in program), self.batch)
+
+    def _at_once(self, ex: Execution) -> int:
+        """How many clients ``ex`` trains at once: a chunk of the cohort when mapped, one when looped."""
+        return self.chunk if ex.backend == "vectorized" else 1
 
     def _choose_execution(self, g: Group) -> Execution:
         e = self.cfg.engine

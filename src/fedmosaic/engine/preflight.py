@@ -144,14 +144,41 @@ def option_of(algo: Algorithm, value: int, otherwise: str) -> str:
     return " or ".join(names) or otherwise
 
 
+def activation_bytes(module: torch.nn.Module, input_shape: tuple, batch: int) -> int:
+    """What autograd keeps for the backward pass of one client's local step on ``batch`` samples: every tensor the
+    forward pass and the loss save, but the parameters themselves. Measured on the ``meta`` device (shapes only:
+    no memory touched, no arithmetic done), so a model's allowance costs nothing to know, on any machine."""
+    meta = torch.device("meta")
+    params = {k: torch.empty_like(v, device=meta).requires_grad_(v.is_floating_point())
+              for k, v in module.named_parameters()}
+    held = {id(v) for v in params.values()}
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        if id(t) not in held and id(t._base) not in held:
+            saved += t.numel() * t.element_size()
+        return t
+
+    x = torch.empty((batch, *input_shape), device=meta)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = torch.func.functional_call(
+            module, {**params, **{k: torch.empty_like(v, device=meta) for k, v in module.named_buffers()}}, (x,))
+        torch.nn.functional.cross_entropy(out, torch.zeros(batch, dtype=torch.int64, device=meta))
+    return saved
+
+
 def check_training_memory(module: torch.nn.Module, init: dict, clients: int, state_bytes: int, chunk: int,
-                          memory: int | None, device: torch.device) -> None:
-    """Every client's persistent state, plus the cohort chunk's parameters, gradients and optimiser state."""
+                          memory: int | None, device: torch.device, activations: int = 0) -> None:
+    """Every client's persistent state, plus the cohort chunk's parameters, gradients and optimiser state, and the
+    ``activations`` one client's step keeps for its backward pass (:func:`activation_bytes`) times the ``chunk`` of
+    clients trained at once."""
     params = nbytes(init)
-    need = state_bytes * clients + params * (4 + 5 * chunk)
+    need = state_bytes * clients + params * (4 + 5 * chunk) + activations * chunk
     check_fits(need, memory, device,
-               f"training {module.__class__.__name__} ({params // 4:,} parameters; {clients} client "
-               f"states, {chunk} clients trained at once: engine.chunk_size, train.clients_per_round)")
+               f"training {module.__class__.__name__} ({params // 4:,} parameters, {gib(activations)} of activations "
+               f"per client and step; {clients} client states, {chunk} clients trained at once: engine.chunk_size, "
+               "train.clients_per_round, train.batch_size)")
 
 
 def check_evaluation(cfg: RunConfig, personalized: bool, clients: int, tested: bool) -> None:
