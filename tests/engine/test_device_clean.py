@@ -100,13 +100,13 @@ def test_the_precision_policy_sets_torch_for_a_cuda_run_and_leaves_a_cpu_run_alo
         precision(True, True, torch.device("cpu"))
         assert flags() == before
         precision(True, False, torch.device("cuda"))  # the defaults: exact, full float32
-        assert flags() == (False, False, True, True, False)
+        assert flags() == (False, False, True, True, False) and torch.is_deterministic_algorithms_warn_only_enabled()
         assert __import__("os").environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         precision(False, True, torch.device("cuda:1"))  # fast: TF32, autotuned, nondeterministic kernels allowed
         assert flags() == (True, True, False, False, True)
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[:2]
-        torch.use_deterministic_algorithms(before[2])
+        torch.use_deterministic_algorithms(before[2], warn_only=False)
         torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[3:]
 
 
@@ -182,3 +182,15 @@ def test_the_activations_of_the_clients_trained_at_once_are_part_of_the_memory_c
     with pytest.raises(ConfigError, match=r"activations per client and step; 10 client states, 128 clients trained "
                                           r"at once: engine.chunk_size"):
         check_training_memory(mlp, init, 10, 4096, 128, 1 << 20, torch.device("cpu"), one)
+
+
+def test_a_gpu_run_checks_the_host_memory_its_batch_plans_are_drawn_in(on_meta, monkeypatch):
+    from fedmosaic.errors import ConfigError
+
+    host = {"memory": None}
+    monkeypatch.setattr(federation, "memory_bytes", lambda device: host["memory"] if device.type == "cpu" else None)
+    cfg = validate(merged(DIGITS3, {"algorithm": {"name": "fedavg"}, "engine": {"backend": "vectorized"}}))
+    federation.Federation(cfg)  # the device (meta here, a GPU there) has room, and so has the host
+    host["memory"] = 1 << 10
+    with pytest.raises(ConfigError, match=r"the local batch plan .* more than the 0.0 MiB of memory on cpu"):
+        federation.Federation(cfg)

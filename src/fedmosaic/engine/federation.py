@@ -133,9 +133,12 @@ class Federation:
         #: the server side of every round (``server.ServerRuntime``)
         self.srv = ServerRuntime(cfg, self.algo, self.groups, self.num_clients, self.calendar, self.public,
                                  self.transform, self.batch, dev)
-        check_plans(cfg, self.algo, self.server, self.num_clients, self.chunk, self.batch,
-                    int(self.split["train"].sizes.max(initial=1)), None if self.public is None else len(self.public.y),
-                    self.memory, self.device)
+        # the batch plans are drawn on the host, then copied to the device: both must hold them
+        for memory, where in [(self.memory, dev)] + ([] if dev.type == "cpu" else
+                                                     [(memory_bytes(torch.device("cpu")), torch.device("cpu"))]):
+            check_plans(cfg, self.algo, self.server, self.num_clients, self.chunk, self.batch,
+                        int(self.split["train"].sizes.max(initial=1)),
+                        None if self.public is None else len(self.public.y), memory, where)
         shape, C = self.fd.dataset.input_shape, self.fd.num_classes
         #: every client, hosted in this process (its groups' stores and trainers are set up below)
         self.runtime = ClientRuntime(cfg, self.algo, self.groups, self.split, self.num_clients, C, self.batch,

@@ -57,7 +57,9 @@ def precision(deterministic: bool, tf32: bool, device: torch.device) -> None:
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = tf32
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # before cuBLAS makes its first handle
-    torch.use_deterministic_algorithms(deterministic)
+    # warn_only: an op with no deterministic CUDA kernel (none of ours is left: see docs/design.md "GPU") says so
+    # in a warning naming it, rather than stopping a run that has only lost bit-exactness
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, not deterministic
 
 
