@@ -194,3 +194,20 @@ def test_a_gpu_run_checks_the_host_memory_its_batch_plans_are_drawn_in(on_meta, 
     host["memory"] = 1 << 10
     with pytest.raises(ConfigError, match=r"the local batch plan .* more than the 0.0 MiB of memory on cpu"):
         federation.Federation(cfg)
+
+
+def test_a_model_whose_activations_cannot_be_measured_without_data_still_runs(recwarn):
+    from torch import nn
+
+    from fedmosaic.engine.preflight import activation_bytes
+
+    class ReadsItsData(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 3)
+
+        def forward(self, x):
+            return self.fc(x) * float(x.abs().max() > 0)  # a host read: no shapes-only forward can do it
+
+    assert activation_bytes(ReadsItsData(), (4,), 8) == 0
+    assert any("cannot be measured without data" in str(w.message) for w in recwarn)
