@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 from deploy.cases import same_metrics
+from deploy.harness import free_port
 from scale.raytools import RAY_ENV, cfg_of, kill
 
 from fedmosaic.config import dump
@@ -26,12 +27,6 @@ from fedmosaic.engine.runner import read_metrics, run
 
 CLI = [sys.executable, "-m", "fedmosaic.cli.main"]
 pytestmark = pytest.mark.usefixtures("bounded")
-
-
-def free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def session_pids(sid: int) -> list[int]:

@@ -37,6 +37,8 @@ class Group:
         self.task_buffers = tmap(torch.clone, self.buffers)
         self.trainer: LocalTrainer | None = None
         self.execution: Execution | None = None
+        #: what autograd keeps for one client's step (``preflight.activation_bytes``), bytes
+        self.activations = 0
         self.store: dict = {}
 
     def global_buffers_like(self, n: int) -> dict:

@@ -151,9 +151,10 @@ class Federation:
         for g in self.groups:
             one = self.algo.init_client(g.init)
             g.execution = ex = self._choose_execution(g)
+            g.activations = activation_bytes(g.module, shape, self.batch)
             if pool == "local":  # every client's state in this process; another pool's runtimes hold their own
                 check_training_memory(g.module, g.init, len(g.clients), nbytes(one), self._at_once(ex),
-                                      self.memory, dev, activation_bytes(g.module, shape, self.batch))
+                                      self.memory, dev, g.activations)
                 g.store = client_store(cfg, self.algo, g, one, shape, C, dev)
             # running statistics are updated in place during the forward pass, which vmap cannot do per client:
             # such groups take the sequential path (same results, no vmap)
@@ -194,7 +195,7 @@ class Federation:
             one = algo.init_client(mine.init)
             check_training_memory(g.module, mine.init, len(mine.clients), nbytes(one),
                                   min(self._at_once(full.execution), len(mine.clients)), self.memory, dev,
-                                  activation_bytes(g.module, shape, self.batch))
+                                  full.activations)
             mine.store = client_store(cfg, algo, mine, one, shape, C, dev)
             mine.execution = full.execution
             mine.trainer = make_trainer(cfg, algo, g.module, full.execution, self.transform, self.pad_fill,

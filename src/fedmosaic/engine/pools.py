@@ -65,6 +65,12 @@ def traffic(algo, n: int, header: dict, broadcast: dict, assignment: dict, parts
     return {"bytes_down": down, "bytes_up": up, "payload_bytes_down": payload_down, "payload_bytes_up": payload_up}
 
 
+def rows_of(assignment: dict, clients: np.ndarray) -> dict | None:
+    """The rows of an assignment for the runtime hosting ``clients`` (None: none of them is in it)."""
+    hosted = np.flatnonzero(np.isin(ids_of(assignment), clients))
+    return take(assignment, torch.as_tensor(hosted, device=assignment["ids"].device)) if len(hosted) else None
+
+
 def merge_logits(rows: list[dict]) -> dict:
     """One LogitsReply from the replies of several clients (or runtimes), in (architecture, client id) order."""
     parts = order_parts([{"arch": int(r["arch"]), "ids": r["ids"], "logits": r["logits"]} for r in rows])
@@ -182,14 +188,9 @@ class WirePool:
         reply = getattr(rt, action)(*args)
         return None if reply is None else self._wire(action, True, "reply", reply, self.device)
 
-    def _mine(self, rt: ClientRuntime, assignment: dict) -> dict | None:
-        """``rt``'s clients' rows of an assignment (None: none of them is in it)."""
-        hosted = np.flatnonzero(np.isin(ids_of(assignment), rt.clients))
-        return take(assignment, torch.as_tensor(hosted)) if len(hosted) else None
-
     def _each(self, assignment: dict):
         for rt in self.runtimes:
-            mine = self._mine(rt, assignment)
+            mine = rows_of(assignment, rt.clients)
             if mine is not None:
                 yield rt, mine
 

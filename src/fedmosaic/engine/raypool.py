@@ -26,9 +26,9 @@ import numpy as np
 import torch
 
 from ..errors import ClientsLost, FedMosaicError, one_line
-from ..protocol.tree import take, to
-from .client import NonFiniteLoss, ids_of, order_parts
-from .pools import merge_evaluations, merge_logits, row, sub_request
+from ..protocol.tree import to
+from .client import NonFiniteLoss, order_parts
+from .pools import InProcessPool, merge_evaluations, merge_logits, row, rows_of, sub_request
 
 #: where an action's arguments hold an actor's own rows of the assignment
 MINE = object()
@@ -258,12 +258,9 @@ class RayPool:
 
     def _mine(self, assignment: dict) -> list:
         """Per actor hosting some of ``assignment``'s clients: (actor, its clients, their rows of it)."""
-        ids, out = ids_of(assignment), []
-        for a, clients in zip(self.actors, self.clients, strict=True):
-            at = np.flatnonzero(np.isin(ids, clients))
-            if len(at):
-                out.append((a, clients, take(assignment, torch.as_tensor(at, device=assignment["ids"].device))))
-        return out
+        rows = [(a, clients, rows_of(assignment, clients)) for a, clients in zip(self.actors, self.clients,
+                                                                                  strict=True)]
+        return [r for r in rows if r[2] is not None]
 
     def _each(self, action: str, assignment: dict, *args) -> list:
         """``action`` on every actor hosting some of ``assignment``'s clients, with their rows of it where ``args``
@@ -273,8 +270,7 @@ class RayPool:
                 for a, _, mine in self._mine(assignment)]
         return self._gather(refs, action)
 
-    def notes(self) -> dict:
-        return {}
+    notes = InProcessPool.notes
 
     def meta(self) -> dict:
         return {"ray": {"address": self.address, "version": self.ray.__version__, "actors": self.where}}
