@@ -279,6 +279,10 @@ class EvalConfig(Schema):
     every: int = Field(1, ge=1, le=MAX_COUNT, description="evaluate every N rounds (and always after the last)")
     global_test: bool = True
     client_test: bool = True
+    split: Literal["test", "val"] = Field(
+        "test", description="the held-out samples of the global evaluations (the global model's accuracy, the "
+        "continual accuracy after each task): 'test' the dataset's test split; 'val' the clients' validation splits "
+        "pooled (data.client_val > 0) — to choose hyper-parameters without looking at the test data")
     local_models: bool = Field(
         False, description="also test the cohort's local models on the global test set: in-local / out-local accuracy"
     )
@@ -335,6 +339,9 @@ class RunConfig(Schema):
         if tc is not None and tc.rounds_per_task > self.train.rounds:  # no task would end: nothing to measure
             raise ValueError(f"data.tasks.rounds_per_task: a task of {tc.rounds_per_task} rounds never ends within "
                              f"train.rounds = {self.train.rounds}; at most {self.train.rounds}")
+        if self.eval.split == "val" and not self.data.client_val:
+            raise ValueError("eval.split: 'val' evaluates on the clients' validation splits, which data.client_val: 0 "
+                             "leaves empty; set data.client_val (e.g. 0.1)")
         if self.eval.cross_clients and not self.eval.client_test:
             raise ValueError("eval.cross_clients: the matrix is measured on the clients' test splits, which "
                              "eval.client_test: false leaves untested; set eval.client_test: true")

@@ -157,3 +157,33 @@ def test_a_sampled_continual_evaluation_resumed_equals_uninterrupted(tmp_path):
     full = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(tmp_path / "full")]
     cut = [{k: v for k, v in r.items() if k not in TIMING_KEYS} for r in read_metrics(tmp_path / "cut")]
     assert cut == full and full[-1]["continual"]["sample"]["per_model"] == 10
+
+
+# ---- eval.split: val — choosing hyper-parameters without the test data ------------------------------------------------
+def test_eval_split_val_judges_the_clients_pooled_validation_splits_not_the_test_split():
+    from fedmosaic.engine.federation import Federation
+    raw = {"seed": 1, "data": {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"}, "client_val": 0.2,
+                               "tasks": {"n_tasks": 2, "rounds_per_task": 1}},
+           "model": {"name": "mlp", "options": {"hidden": 8}}, "algorithm": {"name": "fedlwf"},
+           "train": {"rounds": 2, "clients_per_round": 4, "batch_size": 16}, "eval": {"split": "val"}}
+    fed = Federation(with_overrides(raw))
+    fed.round(0)
+    out = fed.evaluate(0)
+    x, y = fed.split["val"].x, fed.split["val"].y
+    assert torch.equal(fed.global_test[1], y) and len(y) < len(fed.fd.y_global)
+    model = fed.groups[0].module
+    with torch.no_grad():
+        pred = torch.func.functional_call(model, fed.algo.global_params(fed.server), (fed.transform(x),)).argmax(1)
+    assert out["global"]["acc"] == pytest.approx(float((pred == y).float().mean()))
+    seen = np.isin(y.numpy(), np.flatnonzero(fed.first_met(0) == 0))  # continual: the first task's classes
+    first = fed.first_met(0) > 0
+    masked = torch.func.functional_call(model, fed.algo.global_params(fed.server), (fed.transform(x[seen]),))
+    masked[:, torch.as_tensor(first)] = float("-inf")
+    assert out["continual"]["seen_acc"] == pytest.approx(float((masked.argmax(1) == y[seen]).float().mean()))
+
+
+def test_eval_split_val_without_validation_splits_is_refused_in_one_line():
+    from fedmosaic.config import load_config
+    from fedmosaic.errors import ConfigError
+    with pytest.raises(ConfigError, match="eval.split: 'val' evaluates on the clients' validation splits.*client_val"):
+        load_config(None, ["eval.split=val"])

@@ -86,9 +86,13 @@ class Federation:
             s: ClientTensors(tensor(self.fd.x[s]), torch.as_tensor(self.fd.y[s], device=dev), self.fd.ptr[s])
             for s in ("train", "val", "test")
         }
+        #: the held-out samples of the global evaluations and their labels: the test split, or (``eval.split: val``)
+        #: the clients' validation splits pooled
+        held = (self.fd.x["val"], self.fd.y["val"]) if cfg.eval.split == "val" else (self.fd.x_global, self.fd.y_global)
+        self.global_labels = held[1]
         self.global_test = None
-        if self.fd.x_global is not None:
-            self.global_test = (tensor(self.fd.x_global), torch.as_tensor(self.fd.y_global, device=dev))
+        if held[0] is not None:
+            self.global_test = (tensor(held[0]), torch.as_tensor(held[1], device=dev))
         self.num_clients = self.fd.num_clients
         self.label_counts = self.fd.summary()["counts"]  # [K, C] train labels per client
         self.memory = memory_bytes(dev) if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20
@@ -476,7 +480,7 @@ class Federation:
         stage = self.stage(t)
         first = self.first_met(stage)
         x, y = self.global_test
-        labels, C = self.fd.y_global, self.fd.num_classes
+        labels, C = self.global_labels, self.fd.num_classes
         unseen = torch.as_tensor(first > stage, device=self.device)
         sent = self.algo.broadcast(self.server, t)
         order = np.concatenate([g.clients for g in self.groups])  # the personal models, (architecture, id) order
@@ -513,7 +517,7 @@ class Federation:
     def _test_ranks(self) -> np.ndarray:
         """Per global test sample its rank in its class (``evaluate.class_ranks``): fixed by the data seed, so a
         sampled continual evaluation judges the same samples for every method and evaluation."""
-        return ev.class_ranks(self.fd.y_global, data_spec(self.cfg).seed)
+        return ev.class_ranks(self.global_labels, data_spec(self.cfg).seed)
 
     def _predictors(self, g: Group, t: int, n: int | None = None) -> tuple[dict, dict]:
         """(parameters, buffers) of the model each client of ``g`` predicts with (``ClientRuntime.predictors``)."""
