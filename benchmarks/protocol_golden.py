@@ -63,6 +63,9 @@ CASES = {
     "protofcl": ({"name": "protofcl"}, CONTINUAL), "fedweit": ({"name": "fedweit"}, CONTINUAL),
     "glfc": ({"name": "glfc"}, CONTINUAL), "fedlwf": ({"name": "fedlwf"}, CONTINUAL),
     "fedewc": ({"name": "fedewc"}, CONTINUAL), "cfed": ({"name": "cfed"}, merged(CONTINUAL, PUBLIC)),
+    "protofcl_global": ({"name": "protofcl", "prototypes": "global"}, CONTINUAL),
+    "fedsi": ({"name": "fedsi"}, CONTINUAL), "fedpmr": ({"name": "fedpmr"}, CONTINUAL),
+    "fedrecon": ({"name": "fedrecon", "encoder": "initial"}, CONTINUAL),
     "fedavg_batchnorm": ({"name": "fedavg"}, BATCHNORM),
 }
 

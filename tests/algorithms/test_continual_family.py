@@ -150,9 +150,16 @@ def test_every_client_keeps_the_model_it_predicted_with_at_the_end_of_each_task(
         assert_trees_close({n: v[k] for n, v in fed.groups[0].store["teacher"].items()}, fed.server["model"],
                            exact=True)
         np.testing.assert_array_equal(fed.groups[0].store["known"][k].numpy(), seen)
-    fed = train(make_cfg(), None, rounds=R)  # ProtoFCL: each client its own model, and the library of then
+    # ProtoFCL: each client its own model, and the library it predicted with then — the server's (global) or its
+    # own (the paper's: its model's features, the nearest of its own prototypes as the head)
+    fed = train(make_cfg(algorithm={"name": "protofcl", "prototypes": "global"}), None, rounds=R)
     assert_trees_close(fed.groups[0].store["teacher"], fed.groups[0].store["model"], exact=True)
     assert all(torch.equal(p, fed.server["protos"]) for p in fed.groups[0].store["teacher_protos"])
+    fed = train(make_cfg(), None, rounds=R)
+    store, head = fed.groups[0].store, fed.groups[0].trainer.algo.setting.head_keys
+    body = lambda tree: {k: v for k, v in tree.items() if k not in head}  # noqa: E731
+    assert_trees_close(body(store["teacher"]), body(store["model"]), exact=True)
+    assert torch.equal(store["teacher_protos"], store["protos"])
 
 
 @pytest.mark.parametrize("algo", [{"name": "fedlwf", "lam": 0.0}, {"name": "fedewc", "lam": 0.0}])
@@ -191,15 +198,22 @@ def test_fedewc_anchors_at_the_global_model_with_the_fisher_of_the_task():
 
 # ---- ProtoFCL -----------------------------------------------------------------------------------------------
 def test_protofcls_teacher_knows_the_classes_its_library_holds():
-    fed = Federation(make_cfg(train__clients_per_round=1, data__tasks__order="random"))
+    fed = Federation(make_cfg(train__clients_per_round=1, data__tasks__order="random",
+                              algorithm={"name": "protofcl", "prototypes": "global"}))
     fed.round(0), fed.round(1)  # the end of task 0, one client in each round
     has, seen = fed.server["has"], torch.as_tensor(fed.seen_classes(0), dtype=torch.float32)
     assert has.sum() < seen.sum()  # some classes met by clients whose prototypes never reached the server
     assert (fed.groups[0].store["known"] == has).all()
+    # the paper's reading: each client's teacher knows the classes of its own library
+    fed = Federation(make_cfg(train__clients_per_round=1, data__tasks__order="random"))
+    fed.round(0), fed.round(1)
+    store = fed.groups[0].store
+    assert (store["known"] == store["has"] * seen).all() and (store["known"].sum(1) > 0).sum() == 2
+    assert (store["teacher_protos"] == store["protos"]).all()
 
 
 def test_the_prototype_library_is_the_unweighted_mean_over_the_clients_that_sent_each_class():
-    algo = ProtoFCL(setting=Setting(num_classes=4, feature_dim=2))
+    algo = ProtoFCL(setting=Setting(num_classes=4, feature_dim=2, head_keys=HEAD))
     server = algo.init_server([{"w": torch.zeros(1)}])
     server["protos"][3] = torch.tensor([9.0, 9.0])
     server["has"][3] = 1.0  # a class from an earlier round that nobody sends now
@@ -216,8 +230,12 @@ def test_the_prototype_library_is_the_unweighted_mean_over_the_clients_that_sent
     assert out["has"].tolist() == [1, 1, 0, 1]
 
 
-def test_protofcl_loss_by_hand():
-    algo = ProtoFCL(setting=Setting(num_classes=3, feature_dim=2))
+HEAD = ("head.weight", "head.bias")  # a linear head: what prediction by own prototypes needs
+
+
+def _protofcl_batch():
+    """A three-sample batch (one sample of each of classes 0, 1, 2) whose features are ``z``, a teacher whose
+    features are ``old``, and a context builder."""
     z = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]], requires_grad=True)
     old = torch.tensor([[0.5, 0.0], [1.0, 1.0], [0.0, 1.0]])
     teacher, student = {"w": torch.tensor(0.0)}, {"w": torch.tensor(1.0)}
@@ -225,30 +243,121 @@ def test_protofcl_loss_by_hand():
     def apply(params, x, slot=None):
         return (z, z) if params is student else (old, old)
 
+    def ctx(state, payload):
+        return LocalContext(apply, {"model": student}, {"teacher": teacher, **state}, payload, None,
+                            torch.tensor([0, 1, 2]), torch.ones(3))
+    return z, old, ctx
+
+
+def _soft_ce(dt, ds, T):
+    return -(torch.softmax(-dt / T, 1) * torch.log_softmax(-ds / T, 1)).sum(1).mean()
+
+
+def test_protofcl_global_loss_by_hand():
+    algo = ProtoFCL(ProtoFCL.Config(prototypes="global", beta=1.0), Setting(num_classes=3, feature_dim=2))
+    z, old, ctx = _protofcl_batch()
     glob = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 0.0]])
     payload = {"protos": glob, "has": torch.tensor([1.0, 1.0, 0.0])}
     tp = torch.tensor([[1.0, 1.0], [0.0, -1.0], [0.0, 0.0]])  # the library the teacher predicted with
-    state = {"teacher": teacher, "known": torch.tensor([1.0, 0.0, 0.0]), "teacher_protos": tp}
-    y = torch.tensor([0, 1, 2])
-    ctx = LocalContext(apply, {"model": student}, state, payload, None, y, torch.ones(3))
-    T = algo.cfg.T
+    state = {"known": torch.tensor([1.0, 0.0, 0.0]), "teacher_protos": tp}
+    y, T = torch.tensor([0, 1, 2]), algo.cfg.T
     protos = torch.stack([glob[0], glob[1], z[2].detach()])  # class 2 has no global prototype: its batch mean
     d = torch.cdist(z, protos)
     lc = torch.nn.functional.cross_entropy(-d / T, y)
     # L_D: only class 0 was known to the teacher: a softmax over one class is 1, its CE is 0
     lr = (z[0] - glob[0]).norm() + (z[1] - glob[1]).norm()  # the paper's sum over classes 0 and 1 (eq. 5)
-    torch.testing.assert_close(algo.loss(ctx), lc + lr)
+    torch.testing.assert_close(algo.loss(ctx(state, payload)), lc + lr)
     state["known"] = torch.tensor([1.0, 1.0, 0.0])
-    dt = torch.cdist(old, tp)[:, :2]
-    ld = -(torch.softmax(-dt / T, 1) * torch.log_softmax(-d[:, :2] / T, 1)).sum(1).mean()
-    torch.testing.assert_close(algo.loss(ctx), lc + ld + lr)
+    ld = _soft_ce(torch.cdist(old, tp)[:, :2], d[:, :2], T)
+    torch.testing.assert_close(algo.loss(ctx(state, payload)), lc + ld + lr)
     torch.testing.assert_close(distances(z.detach(), glob), torch.cdist(z.detach(), glob), atol=2e-4, rtol=0)
 
 
+def test_protofcl_paper_loss_by_hand_own_prototypes_classify_and_global_ones_only_pull():
+    algo = ProtoFCL(ProtoFCL.Config(alpha=0.5, beta=0.25), Setting(num_classes=3, feature_dim=2, head_keys=HEAD))
+    assert algo.cfg.prototypes == "paper"
+    z, old, ctx = _protofcl_batch()
+    own = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])  # the client's: class 0 only
+    glob = torch.tensor([[0.0, 1.0], [2.0, 0.0], [5.0, 5.0]])  # the server's: classes 1 and 2
+    payload = {"protos": glob, "has": torch.tensor([0.0, 1.0, 1.0])}
+    tp = torch.tensor([[1.0, 0.0], [0.0, 3.0], [0.0, 0.0]])  # the client's own library at its previous task's end
+    state = {"protos": own, "has": torch.tensor([1.0, 0.0, 0.0]), "known": torch.tensor([1.0, 1.0, 0.0]),
+             "teacher_protos": tp}
+    y, T = torch.tensor([0, 1, 2]), algo.cfg.T
+    # L_C over its own prototype of class 0 and the batch's (detached) means of classes 1 and 2 — never the server's
+    protos = torch.stack([own[0], z[1].detach(), z[2].detach()])
+    d = torch.cdist(z, protos)
+    lc = torch.nn.functional.cross_entropy(-d / T, y)
+    ld = _soft_ce(torch.cdist(old, tp)[:, :2], d[:, :2], T)  # the teacher with its own prototypes, classes 0, 1
+    lr = (z[1] - glob[1]).norm() + (z[2] - glob[2]).norm()  # classes in the batch with a global prototype
+    loss = algo.loss(ctx(state, payload))
+    torch.testing.assert_close(loss, lc + 0.5 * ld + 0.25 * lr)
+    # the gradient of L_R reaches the features through the batch's means; L_C's prototypes are detached
+    loss.backward()
+    zz = z.detach().clone().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(-torch.cdist(zz, protos) / T, y) \
+        + 0.5 * _soft_ce(torch.cdist(old, tp)[:, :2], torch.cdist(zz, protos)[:, :2], T) \
+        + 0.25 * ((zz[1] - glob[1]).norm() + (zz[2] - glob[2]).norm())
+    ref.backward()
+    torch.testing.assert_close(z.grad, zz.grad)
+
+
+def test_protofcl_local_pulls_to_its_own_prototypes_and_sends_nothing():
+    algo = ProtoFCL(ProtoFCL.Config(prototypes="local", alpha=0.0, beta=1.0), Setting(num_classes=3, feature_dim=2, head_keys=HEAD))
+    z, _, ctx = _protofcl_batch()
+    own = torch.tensor([[1.0, 1.0], [3.0, 0.0], [0.0, 0.0]])
+    state = {"protos": own, "has": torch.tensor([1.0, 1.0, 0.0]), "known": torch.zeros(3),
+             "teacher_protos": torch.zeros(3, 2)}
+    protos = torch.stack([own[0], own[1], z[2].detach()])
+    lc = torch.nn.functional.cross_entropy(-torch.cdist(z, protos) / algo.cfg.T, torch.tensor([0, 1, 2]))
+    lr = (z[0] - own[0]).norm() + (z[1] - own[1]).norm()
+    torch.testing.assert_close(algo.loss(ctx(state, {})), lc + lr)
+    assert algo.broadcast(algo.init_server([{"w": torch.zeros(1)}]), 0) == {}
+
+
+@pytest.mark.parametrize("mode,beta,sent", [("paper", 1.0, True), ("paper", 0.0, False), ("global", 0.0, True),
+                                            ("local", 1.0, False)])
+def test_protofcl_what_travels(mode, beta, sent):
+    """The paper's "w/o L_R" exchanges nothing: with beta 0 nothing is broadcast, uploaded or aggregated."""
+    algo = ProtoFCL(ProtoFCL.Config(prototypes=mode, beta=beta),
+                    Setting(num_classes=3, feature_dim=2, head_keys=HEAD))
+    server = algo.init_server([{"w": torch.zeros(1)}])
+    assert bool(algo.broadcast(server, 0)) == sent
+    state = algo.init_client({"body": torch.zeros(2), "head.weight": torch.zeros(3, 2), "head.bias": torch.zeros(3)})
+    stats = {"protos": {"sum": torch.tensor([[2.0, 2.0], [0, 0], [3, 0]]), "count": torch.tensor([2.0, 0, 1])}}
+    upload, new = algo.finish({"model": state["model"]}, state, {}, stats)
+    assert bool(upload) == sent
+    if mode != "global":  # its own library: the round's class means, a class it did not meet keeps none
+        torch.testing.assert_close(new["protos"], torch.tensor([[1.0, 1.0], [0, 0], [3, 0]]))
+        assert new["has"].tolist() == [1, 0, 1]
+
+
+def test_protofcl_paper_predicts_with_the_nearest_own_prototype():
+    algo = ProtoFCL(setting=Setting(num_classes=3, feature_dim=2, head_keys=HEAD))
+    state = {"model": {"head.weight": torch.zeros(3, 2), "head.bias": torch.zeros(3)},
+             "protos": torch.tensor([[0.0, 0.0], [4.0, 0.0], [1.0, 0.0]]), "has": torch.tensor([1.0, 1.0, 0.0])}
+    p = algo.personal_params(state, {"protos": torch.tensor([[9.0, 9], [9, 9], [1, 0]]), "has": torch.ones(3)})
+    z = torch.tensor([[0.9, 0.0], [2.1, 0.0], [3.0, 1.0]])
+    pred = (z @ p["head.weight"].T + p["head.bias"]).argmax(1)
+    assert pred.tolist() == [0, 1, 1]  # class 2 (no own prototype) is never chosen, the server's never used
+
+
+def test_protofcl_report_measures_the_prototype_geometry():
+    algo = ProtoFCL(setting=Setting(num_classes=2, feature_dim=2, head_keys=HEAD))
+    protos = torch.tensor([[[0.0, 0.0], [4.0, 0.0]], [[0.0, 1.0], [4.0, 3.0]]])  # two clients, two classes
+    out = algo.report({}, {"protos": protos, "has": torch.ones(2, 2)})
+    assert out["proto_inter"] == pytest.approx((4 + (16 + 4) ** 0.5) / 2)
+    assert out["proto_spread"] == pytest.approx((0.5 + 1.5) / 2)  # class 0: 0.5 from its centre, class 1: 1.5
+    assert out["proto_spread_ratio"] == pytest.approx(out["proto_spread"] / out["proto_inter"])
+    assert algo.report({}, {"protos": protos, "has": torch.tensor([[1.0, 0], [0, 1]])}) == {}  # nothing to measure
+
+
 # ---- every method: vectorized == sequential, resume mid-task ------------------------------------------------
-FAMILY = [{"name": "protofcl"}, {"name": "protofcl", "prototypes": "local", "distance": "squared"},
+FAMILY = [{"name": "protofcl"}, {"name": "protofcl", "prototypes": "global"},
+          {"name": "protofcl", "prototypes": "local", "distance": "squared"},
           {"name": "fedlwf"}, {"name": "fedewc", "lam": 50.0}, {"name": "fedavg"}, {"name": "glfc"},
-          {"name": "glfc", "loss": "bce"}, {"name": "cfed", "review_steps": 3}, {"name": "fedweit", "lam1": 1e-3}]
+          {"name": "glfc", "loss": "bce"}, {"name": "cfed", "review_steps": 3}, {"name": "fedweit", "lam1": 1e-3},
+          {"name": "fedsi", "c": 1.0}, {"name": "fedpmr"}, {"name": "fedrecon"}]
 SURROGATE = {"source": "noise", "size": 40}  # CFeD's unlabeled stream
 
 

@@ -153,7 +153,7 @@ def _ctx(algo, z, y, payload, state, old=None):
 
 
 def test_protofcl_squared_distance_and_the_mean_form_of_l_r_by_hand():
-    algo = ProtoFCL(ProtoFCL.Config(distance="squared", lr_sum=False),
+    algo = ProtoFCL(ProtoFCL.Config(distance="squared", lr_sum=False, prototypes="global", beta=1.0),
                     setting=Setting(num_classes=3, feature_dim=2))
     z = torch.tensor([[0.0, 0.0], [1.0, 0.0], [0.0, 2.0]], requires_grad=True)
     glob = torch.tensor([[0.0, 1.0], [2.0, 0.0], [0.0, 0.0]])

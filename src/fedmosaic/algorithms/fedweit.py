@@ -25,7 +25,7 @@ import torch
 from pydantic import Field
 
 from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
-from ..protocol.context import CE_CLASSES, LocalContext
+from ..protocol.context import CE_CLASSES, LocalContext, only, per_sample_task_loss
 from ..protocol.tree import clone, tmap, weighted_mean
 from .apfl_pd import _unit
 
@@ -111,7 +111,12 @@ class FedWeIT(Algorithm):
     def loss(self, ctx: LocalContext) -> torch.Tensor:
         p, pay, st, cfg = ctx.params, ctx.payload, ctx.state, self.cfg
         w = self.compose(p["B"], p["mask"], p["A"], p["alpha"], pay["kb"], pay["kb_has"])
-        loss = ctx.term("task_loss", ctx.task_loss_of(w, classes=cfg.ce_classes))
+        _, logits = ctx.apply(w, ctx.x)
+        task = per_sample_task_loss(ctx.task_loss, only(logits, ctx.classes(cfg.ce_classes)), ctx.y)
+        loss = ctx.term("task_loss", ctx.mean(task, ctx.mask))
+        recall = self.recall(ctx, logits)
+        if recall is not None:
+            loss = loss + recall
         if cfg.lam1:
             loss = loss + ctx.term("l1", cfg.lam1 * sum(a.abs().sum() for a in p["A"].values()))
         if cfg.lam2:  # Σ_j ||(B - B_prev) ⊙ σ(m_j)||^2 = Σ_units (Σ_j σ(m_j)^2) ||(B - B_prev)_unit||^2, j: ended tasks
@@ -120,6 +125,10 @@ class FedWeIT(Algorithm):
                         for k, b in p["B"].items())
             loss = loss + ctx.term("drift", 0.5 * cfg.lam2 * drift)
         return loss
+
+    def recall(self, ctx: LocalContext, logits: torch.Tensor) -> torch.Tensor | None:
+        """A term on the composed model's ``logits`` of this batch (FedPMR's replay of stored probabilities); none."""
+        return None
 
     def finish(self, params, state, payload, stats):
         return {"B": params["B"], "A": params["A"]}, {**state, "mask": params["mask"], "A": params["A"],

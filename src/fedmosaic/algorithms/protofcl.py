@@ -1,31 +1,45 @@
-"""ProtoFCL: federated class-incremental learning with prototypes, distillation and replay.
+"""ProtoFCL: federated class-incremental learning with prototypes, distillation and replay (seed paper 003).
 
-Clients never share weights, only class prototypes (the mean feature of each class, eq. 2); the server keeps a
-growing library of global prototypes, each the unweighted mean over the clients that sent that class (eq. 4), a
-class keeping its prototype in rounds nobody sends it. Prediction: the nearest global prototype (Euclidean).
+Clients never share weights, only class prototypes (the mean feature of each class, eq. 2). As the paper writes it
+(``prototypes: paper``, the default), every client classifies with its OWN prototypes p_i: in L_C (eqs. 11-12), in
+L_D's soft labels (eq. 8), in prediction (the nearest own prototype, Euclidean: eq. 3) and in exemplar selection
+(eq. 9). The server keeps a growing library of global prototypes p̄_i, each the unweighted mean over the clients
+that sent that class (eq. 4), a class keeping its prototype in rounds nobody sends it; the global prototypes enter
+a client's training only through L_R = Σ_i dis(p_i, p̄_i) (eq. 5) — so without L_R (``beta: 0``) nothing is
+exchanged at all ("Ours w/o L_R": no knowledge exchange between clients, §5.3).
 Local loss L = L_C + alpha L_D + beta L_R:
 
-- L_C: cross-entropy of the distance softmax p(k|x) = softmax_k(-||f(x) - p_k|| / T) over every known class —
-  the library's (detached), plus the batch's own classes the library lacks yet (their batch mean, detached);
+- L_C: cross-entropy of the distance softmax p(k|x) = softmax_k(-d(f(x), p_k) / T) over every class the client
+  knows — its own prototypes from the end of its previous round (detached), plus the batch's own classes it has
+  none of yet (their batch mean, detached);
 - L_D: cross-entropy between the previous task's model's distance softmax (the teacher, kept at the end of each
-  task with the prototype library it predicted with) and the current one's, at temperature T, over the classes the
+  task with the prototypes it predicted with) and the current one's, at temperature T, over the classes the
   teacher knew (none in the first task);
-- L_R: the sum over the batch's classes with a global prototype of the distance between the batch's (differentiable)
-  local prototype and the global one.
+- L_R: over the batch's classes that have a global prototype, the distance between the batch's (differentiable)
+  class mean and the global prototype: the paper's sum over classes (``lr_sum: true``) or the count-weighted mean
+  over the batch's samples (``false``).
 
 Replay is the engine's exemplar memory (``data.tasks.memory``: per class or in total), filled with the samples
-nearest to each class prototype; the learning rate falls on loss plateaus with ``train.optimizer.plateau``. The
-prototypes a client uploads are the class means over its task and memory samples at its final model of the round
-(one pass after training).
+nearest to the client's own class prototype; the learning rate falls on loss plateaus with
+``train.optimizer.plateau``. The prototypes a client keeps (and uploads) are the class means over its task and memory
+samples at its final model of the round (one pass after training); a class keeps its prototype until the client
+meets it again.
 
-Options (the paper's choice first): ``distance: euclidean | squared`` (in the softmaxes and L_R);
-``lr_sum: true`` L_R as the paper's plain sum over classes (eq. 5), ``false`` its mean over the batch's samples;
-``prototypes: global | local`` — ``local``: nothing is exchanged, every client keeps a library of its own (its class
-means, a class keeping its prototype until the client meets it again), which L_C, L_D and prediction use. The
-paper's ablations: without memory (no ``data.tasks.memory``), without L_D (``alpha: 0``), without L_R, "without
-prototype learning" — no exchange at all (``beta: 0, prototypes: local``). Each round reports the teacher's entropy
-over the classes it knew divided by its maximum ln N (``teacher_entropy``: 1 is a flat teacher with nothing to
-distil; 0 while there is no teacher).
+Unstated by the paper, and chosen on validation splits (docs/results.md): beta, T and the form of L_R. Summed
+Euclidean distances between the un-normalised features of models that share no weights are minimised fastest by
+shrinking every client's feature space, and at beta = 1 the prototypes collapse (the distance softmax goes flat);
+every evaluation therefore reports the prototype geometry (``report``): ``proto_inter`` the mean distance between two
+classes' prototypes of one client, ``proto_spread`` the mean distance of a client's prototype of a class to the
+clients' mean prototype of it, and their ratio ``proto_spread_ratio`` (<< 1: the clients agree on where a class
+lies; ~1: two clients' prototypes of one class lie as far apart as two classes). Each round reports the teacher's
+entropy over the classes it knew divided by its maximum ln N (``teacher_entropy``: 1 is a flat teacher with
+nothing to distil; 0 while there is no teacher).
+
+Other readings, as options: ``prototypes: global`` — the server's library classifies (L_C, L_D, prediction) and L_R
+pulls to it (an earlier reading of the paper, fedmosaic's default before); ``prototypes: local`` — nothing is
+exchanged and L_R pulls the batch's means to the client's own prototypes. ``distance: euclidean | squared`` (in the
+softmaxes and L_R). The paper's ablations: without memory (no ``data.tasks.memory``), without L_D (``alpha: 0``),
+without L_R (``beta: 0``: nothing exchanged).
 """
 
 from typing import Literal
@@ -45,14 +59,17 @@ from .terms import class_sums
 
 class ProtoFCLConfig(AlgoConfig):
     alpha: float = Field(1.0, ge=0, description="weight of the distillation from the previous task's model (L_D)")
-    beta: float = Field(1.0, ge=0, description="weight of the prototype regulariser (L_R)")
-    T: float = Field(2.0, gt=0, description="temperature of the distance softmax, in L_C and L_D")
+    beta: float = Field(0.1, ge=0, description="weight of the prototype regulariser (L_R); the paper gives none: "
+                        "0.1 was best on validation splits (docs/results.md), 1 collapses the features")
+    T: float = Field(2.0, gt=0, description="temperature of the distance softmax, in L_C and L_D (the paper's "
+                     "sweep: 2; on validation splits here 0.5 was better, the presets use it)")
     distance: Literal["euclidean", "squared"] = Field("euclidean", description="prototype distance (the paper's: "
                                                       "Euclidean; squared: its square)")
     lr_sum: bool = Field(True, description="L_R as the paper's sum over classes of the distances (false: their "
                                            "mean over the batch's samples)")
-    prototypes: Literal["global", "local"] = Field("global", description="global: the server's library; local: "
-                                                   "nothing exchanged, each client its own library")
+    prototypes: Literal["paper", "global", "local"] = Field(
+        "paper", description="paper: each client classifies with its own prototypes, the server's library only "
+        "in L_R; global: the server's library classifies too; local: nothing exchanged, L_R pulls to its own")
 
 
 def distances(z: torch.Tensor, protos: torch.Tensor, kind: str = "euclidean") -> torch.Tensor:
@@ -81,20 +98,27 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
 
     def __init__(self, cfg=None, setting=None):
         super().__init__(cfg, setting)
-        if self.local and len(self.setting.head_keys) != 2:
-            raise ConfigError("protofcl: prototypes: local predicts through the model's head, which must be one "
-                              f"linear layer (weight and bias); this model's head has {len(self.setting.head_keys)} "
-                              "parameters")
+        if self.own and len(self.setting.head_keys) != 2:
+            raise ConfigError(f"protofcl: prototypes: {self.cfg.prototypes} predicts through the model's head, which "
+                              "must be one linear layer (weight and bias); this model's head has "
+                              f"{len(self.setting.head_keys)} parameters")
 
     @property
-    def local(self) -> bool:
-        return self.cfg.prototypes == "local"
+    def own(self) -> bool:
+        """Each client classifies with its own prototypes (``paper``, ``local``)."""
+        return self.cfg.prototypes != "global"
+
+    @property
+    def exchanged(self) -> bool:
+        """Prototypes travel: the server's library is what clients classify with (``global``) or what L_R pulls
+        to (``paper`` with beta > 0)."""
+        return self.cfg.prototypes == "global" or (self.cfg.prototypes == "paper" and self.cfg.beta > 0)
 
     def broadcast(self, server, round_idx):
-        return {} if self.local else super().broadcast(server, round_idx)
+        return super().broadcast(server, round_idx) if self.exchanged else {}
 
     def aggregate(self, server, uploads, weights, round_idx, signals):
-        if self.local:
+        if not self.exchanged:
             return server
         mean, count = self.senders_mean(uploads)  # (a class no one sent keeps its prototype)
         return {"protos": torch.where(count[:, None] > 0, mean, server["protos"]),
@@ -104,13 +128,18 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         dev = next(iter(init_params.values())).device
         protos = torch.zeros(self.num_classes, self.feature_dim, device=dev)  # the server's library's shape
         state = {**super().init_client(init_params), "model": clone(init_params), "teacher_protos": protos}
-        if self.local:  # the client's own library
+        if self.own:  # the client's own library
             state.update(protos=protos.clone(), has=torch.zeros(self.num_classes, device=dev))
         return state
 
     def library(self, payload, state) -> tuple[torch.Tensor, torch.Tensor]:
-        """The prototypes [C, d] and which classes have one [C] that the client predicts with."""
-        return (state["protos"], state["has"]) if self.local else (payload["protos"], payload["has"])
+        """The prototypes [C, d] and which classes have one [C] that the client classifies with."""
+        return (state["protos"], state["has"]) if self.own else (payload["protos"], payload["has"])
+
+    def target(self, payload, state) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prototypes L_R pulls the batch's class means to, and which classes have one."""
+        return (state["protos"], state["has"]) if self.cfg.prototypes == "local" else (payload["protos"],
+                                                                                       payload["has"])
 
     def end_task(self, state, model, stats, seen, payload):
         # the teacher predicts with the library it had: its distances to today's prototypes (made by models that
@@ -126,12 +155,12 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
     def loss(self, ctx: LocalContext) -> torch.Tensor:
         z, _ = ctx.forward()
         cfg = self.cfg
-        glob, has = self.library(ctx.payload, ctx.state)
+        lib, has = self.library(ctx.payload, ctx.state)
         hot = onehot(ctx.y, self.num_classes, ctx.mask)
         count = hot.sum(0)
         local = hot.T @ z / count.clamp(min=1)[:, None]  # [C, d] the batch's class means (differentiable)
         in_batch = (count > 0).to(z.dtype)
-        protos = torch.where(has[:, None] > 0, glob, local.detach())
+        protos = torch.where(has[:, None] > 0, lib, local.detach())
         known = torch.maximum(has, in_batch)
         logits = torch.where(known > 0, -distances(z, protos, cfg.distance) / cfg.T, UNKNOWN)
         loss = ctx.term("l_c", ctx.mean(-logits.log_softmax(-1).gather(1, ctx.y[:, None])[:, 0]))
@@ -143,9 +172,11 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
             loss = loss + cfg.alpha * ctx.term("l_d", ctx.mean(soft) * (old.sum() > 0))
             ctx.term("teacher_entropy", ctx.mean(entropy_ratio(teacher / cfg.T, old)))
         if cfg.beta:
+            glob, has_glob = self.target(ctx.payload, ctx.state)
             gap = ((local - glob) ** 2).sum(1).clamp(min=1e-8)
             gap = gap.sqrt() if cfg.distance == "euclidean" else gap
-            l_r = (gap * in_batch * has).sum() if cfg.lr_sum else (gap * count * has).sum() / count.sum().clamp(min=1)
+            l_r = (gap * in_batch * has_glob).sum() if cfg.lr_sum else \
+                (gap * count * has_glob).sum() / count.sum().clamp(min=1)
             loss = loss + cfg.beta * ctx.term("l_r", l_r)
         return loss
 
@@ -159,13 +190,15 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         count = stats["protos"]["count"]
         protos = stats["protos"]["sum"] / count.clamp(min=1)[:, None]
         sent = (count > 0).to(protos.dtype)
-        if self.local:  # nothing sent; a class keeps its prototype until the client meets it again
-            return {}, {**state, "model": params["model"], "has": torch.maximum(state["has"], sent),
+        upload = {"protos": protos, "has": sent} if self.exchanged else {}
+        if not self.own:
+            return upload, {**state, "model": params["model"]}
+        # a class keeps its prototype until the client meets it again
+        return upload, {**state, "model": params["model"], "has": torch.maximum(state["has"], sent),
                         "protos": torch.where(sent[:, None] > 0, protos, state["protos"])}
-        return {"protos": protos, "has": sent}, {**state, "model": params["model"]}
 
     def personal_params(self, state, payload):
-        if not self.local:
+        if not self.own:
             return state["model"]
         # nearest of the client's own prototypes through the model's linear head: argmin ||z - p_k|| is
         # argmax 2 z.p_k - ||p_k||^2, so weight 2P and bias -||P||^2 (classes without one: never chosen)
@@ -174,6 +207,41 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         return {**model, w: 2 * p, b: torch.where(has > 0, -(p * p).sum(1), UNKNOWN)}
 
     def eval_logits(self, z, logits, payload):
-        if self.local:
+        if self.own:
             return logits
         return torch.where(payload["has"] > 0, -distances(z, payload["protos"]), float("-inf"))
+
+    # ---- the prototype geometry, with every evaluation ----------------------------------------------------
+    def client_report(self, state):
+        if not self.own:
+            return {}
+        return {"protos": state["protos"], "has": state["has"]}
+
+    def report(self, server, reports):
+        """``proto_inter``: the mean over clients of the mean distance between two of its classes' prototypes;
+        ``proto_spread``: the mean over classes held by two or more clients of the mean distance of a client's
+        prototype of the class to the clients' mean of it; ``proto_spread_ratio`` the second over the first. With
+        ``prototypes: global`` (no client keeps its own) the server library's inter-class distance. A measure with
+        nothing to measure yet is left out."""
+        if not self.own:
+            return _defined(proto_inter_global=mean_pair_distance(server["protos"][None], server["has"][None]))
+        protos, has = reports["protos"].double(), reports["has"].double()
+        inter = mean_pair_distance(protos, has)
+        holders = has.sum(0)  # [C] clients holding each class
+        centre = torch.einsum("kc,kcd->cd", has, protos) / holders.clamp(min=1)[:, None]
+        dist = (protos - centre).norm(dim=-1) * has  # [K, C]
+        many = holders > 1
+        spread = float((dist.sum(0)[many] / holders[many]).mean()) if many.any() else None
+        ratio = spread / inter if spread is not None and inter else None
+        return _defined(proto_inter=inter, proto_spread=spread, proto_spread_ratio=ratio)
+
+
+def mean_pair_distance(protos: torch.Tensor, has: torch.Tensor) -> float | None:
+    """The mean over libraries (``protos`` [K, C, d], ``has`` [K, C]) holding two or more classes of the mean
+    Euclidean distance between two of its classes' prototypes (None if none holds two)."""
+    out = [float(torch.pdist(p[h > 0].double()).mean()) for p, h in zip(protos, has) if int((h > 0).sum()) > 1]
+    return sum(out) / len(out) if out else None
+
+
+def _defined(**measures) -> dict:
+    return {k: v for k, v in measures.items() if v is not None}
