@@ -344,10 +344,11 @@ def test_protofcl_presets_state_the_papers_settings(name, classes):
     assert tr.clients_per_round == 10 and tr.optimizer.name == "sgd" and tr.optimizer.lr == 0.01
     assert tr.optimizer.plateau.min_lr == 1e-4 and cfg.model.name == "resnet34"
     assert cfg.model.options["norm"] == "batch"  # as the paper's ResNet-34
-    # the paper's "without L_R" is "without prototype learning": nothing exchanged
-    assert any(a.params().get("beta") == 0 and a.params().get("prototypes") == "local" for a in cfg.compare)
+    # the paper's "without L_R" is "without prototype learning": with its reading (the default) beta 0 exchanges
+    # nothing
+    assert any(a.params().get("beta") == 0 and a.params().get("prototypes", "paper") == "paper" for a in cfg.compare)
     names = {a.name for a in cfg.compare}
-    assert names == {"protofcl", "fedavg", "fedlwf", "fedewc", "glfc", "cfed", "fedweit"}
+    assert names == {"protofcl", "fedavg", "fedlwf", "fedewc", "glfc", "cfed", "fedweit", "fedrecon", "fedsi", "fedpmr"}
     ablations = [a for a in cfg.compare if a.name == "protofcl"]
     assert any(a.memory is False for a in ablations) and {"alpha", "beta"} <= {k for a in ablations
                                                                              for k in a.params()}
