@@ -178,3 +178,21 @@ def test_heat_maps_have_integer_tick_labels_and_annotations_sized_to_their_cells
     labels = [t.get_text() for t in huge.axes[0].get_xticklabels()]
     assert len(labels) <= 25 and all(int(t) % 5 == 0 for t in labels)
     assert not heat_texts(huge)  # cells too small to write in
+
+
+def test_diagnostics_draws_each_term_and_reported_measure_per_method_and_nothing_without_them(figures, tmp_path):
+    a, b = records(4), records(4, 1)
+    for t, r in enumerate(a):
+        r["terms"] = {"l_c": 1.0 + t, "teacher_entropy": 0.1 * t}
+        if t % 2:
+            r["report"] = {"proto_inter": 4.0 - t}  # every other round: reported with evaluations
+    for r in b:
+        r["terms"] = {"l_c": 0.5}
+    assert plots.diagnostics({"a": a, "b": b}, tmp_path / "d.png") is not None
+    fig = figures[0]
+    titles = [ax.get_title() for ax in fig.axes if ax.get_visible() and ax.axison]
+    assert titles == ["l_c (per round)", "teacher_entropy (per round)", "proto_inter (per evaluation)"]
+    lc, entropy, inter = (ax for ax in fig.axes if ax.axison)
+    assert len(lc.lines) == 2 and len(entropy.lines) == 1  # b has no teacher entropy
+    assert list(inter.lines[0].get_xdata()) == [2, 4] and list(inter.lines[0].get_ydata()) == [3.0, 1.0]
+    assert plots.diagnostics({"a": records(3)}, tmp_path / "none.png") is None and len(figures) == 1

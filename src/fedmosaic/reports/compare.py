@@ -15,7 +15,7 @@ from ..engine.federation import Federation, data_spec
 from ..engine.runner import check_out, claim, config_changes, read_metrics, run, run_hash, summarize, unclaimed
 from ..errors import FedMosaicError
 from ..files import atomic_write, remove_temp_files
-from .plots import accuracy_matrix, accuracy_per_task, cross_heatmap, learning_curves, method_colors
+from .plots import accuracy_matrix, accuracy_per_task, cross_heatmap, diagnostics, learning_curves, method_colors
 
 COLUMNS = (
     ("algorithm", "name", "{}"),
@@ -146,12 +146,14 @@ def _unclaim(out: Path, saved: str, resume: bool, created: bool) -> None:
 
 
 def write_outputs(out: Path, summaries: list[dict], curves: dict, title: str, colors: dict | None = None) -> None:
-    """The table as JSON, Markdown and LaTeX, the learning curves and (class-incremental) accuracy per task."""
+    """The table as JSON, Markdown and LaTeX, the learning curves, (class-incremental) accuracy per task and the
+    objective's parts and the algorithm's measures per round (``diagnostics.png``, when there are any)."""
     atomic_write(out / "comparison.json", json.dumps(summaries, indent=2).encode())
     for fmt, suffix in (("markdown", "md"), ("latex", "tex")):
         atomic_write(out / f"table.{suffix}", (table(summaries, fmt) + "\n").encode())
     learning_curves(curves, out / "learning_curves.png", title=title, colors=colors)
     accuracy_per_task(summaries, out / "accuracy_per_task.png", title=title, colors=colors)
+    diagnostics(curves, out / "diagnostics.png", title=title, colors=colors)
 
 
 def _variant_started(sub: Path, v: RunConfig) -> bool:

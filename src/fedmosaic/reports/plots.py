@@ -1,4 +1,5 @@
-"""PNG plots: learning curves, the accuracy after each task, the client x class bubble chart (pFedSRB Fig. 2 style)
+"""PNG plots: learning curves, the accuracy after each task, the objective's parts and an algorithm's measures per
+round, the client x class bubble chart (pFedSRB Fig. 2 style)
 and the accuracy heat maps.
 
 Colours: ``method_colors(names)`` gives the i-th method the i-th colour. ``learning_curves`` and
@@ -167,6 +168,41 @@ def accuracy_per_task(summaries: list[dict | list[dict]], path: str | Path, titl
     _integer_ticks(ax.xaxis)
     ax.grid(alpha=0.3)
     _legend(fig, methods)
+    _title(fig, title)
+    return _save(fig, path)
+
+
+def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path, title: str = "",
+                colors: dict[str, object] | None = None) -> Path | None:
+    """One small panel per named part of the local objective (``terms``, every round) and per measure an algorithm
+    reports (``report``, every evaluation): ProtoFCL's L_C, L_D, L_R, teacher entropy and prototype geometry, a
+    sparsity, ... — one line per method that has it (the mean over seeds with a band), so a collapse or a term that
+    does nothing is seen, not inferred. ``runs`` and ``colors`` as :func:`learning_curves`. None, and no file,
+    when no run has any."""
+    seeds = {name: recs if recs and isinstance(recs[0], list) else [recs] for name, recs in runs.items()}
+    keys = list(dict.fromkeys((kind, k) for s in seeds.values() for rs in s for r in rs
+                              for kind in ("terms", "report") for k in r.get(kind, {})))
+    if not keys:
+        return None
+    colors = colors or method_colors(list(runs))
+    cols = min(4, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False, layout="constrained")
+    drawn = {}
+    for ax, (kind, key) in zip(axes.flat, keys):
+        for name, s in seeds.items():
+            per_seed = [{r["round"] + 1: r[kind][key] for r in rs if key in r.get(kind, {})} for rs in s]
+            if all(per_seed):
+                x, mean, sd = _mean_std(per_seed)
+                _line(ax, x, mean, sd, colors[name], "-", len(x) <= SHORT_RUN, len(s) > 1)
+                drawn[name] = (len(x) <= SHORT_RUN, len(s))
+        ax.set(xlabel="round", title=key + (" (per round)" if kind == "terms" else " (per evaluation)"))
+        ax.title.set_fontsize(9)
+        _integer_ticks(ax.xaxis)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(keys):]:
+        ax.set_axis_off()
+    _legend(fig, [(name, colors[name], *drawn[name]) for name in seeds if name in drawn])
     _title(fig, title)
     return _save(fig, path)
 
