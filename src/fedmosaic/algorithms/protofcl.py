@@ -1,4 +1,4 @@
-"""ProtoFCL: federated class-incremental learning with prototypes, distillation and replay (seed paper 003).
+"""ProtoFCL: federated class-incremental learning with prototypes, distillation and replay (Zhang et al. 2024).
 
 Clients never share weights, only class prototypes (the mean feature of each class, eq. 2). As the paper writes it
 (``prototypes: paper``, the default), every client classifies with its OWN prototypes p_i: in L_C (eqs. 11-12), in
