@@ -127,6 +127,11 @@ def test_fedsi_path_integral_on_a_quadratic_is_its_known_importance():
     end = algo2.end_task(st, {"w": star}, {}, torch.ones(2), {})
     torch.testing.assert_close(end["importance"]["w"], h / 2, rtol=1e-5, atol=1e-5)
     assert not end["omega"]["w"].any() and torch.equal(end["anchor"]["w"], star)
+    # a segment along which the loss rose gives no importance (never a negative, concave penalty)
+    _, st = algo2.finish({"model": {"w": start}}, end, {"global": {"w": star}}, {"g_start": grad(star),
+                                                                                 "g_end": grad(start)})
+    assert (st["omega"]["w"] < 0).all()
+    assert torch.equal(algo2.end_task(st, {"w": start}, {}, torch.ones(2), {})["importance"]["w"], end["importance"]["w"])
 
 
 def test_fedsi_penalty_and_reduction_to_fine_tuning():

@@ -9,7 +9,7 @@ against forgetting). This file builds what the name says: synaptic intelligence 
 Every client keeps, per parameter of the shared model, the path integral ω of the current task — the loss decrease
 each parameter is responsible for, Σ −g_k Δθ_k along its local training paths (g the gradient of the unregularised
 task loss) —, the importance Ω of the earlier tasks and the anchor θ* (the global model at the end of the previous
-task). At the end of a task Ω ← Ω + ω / (Δ² + ξ), Δ = θ(end of task) − θ*, then ω ← 0 and θ* ← θ(end of task); the
+task). At the end of a task Ω ← Ω + max(ω, 0) / (Δ² + ξ), Δ = θ(end of task) − θ*, then ω ← 0 and θ* ← θ(end of task); the
 local loss is L_task + c Σ_k Ω_k (θ_k − θ*_k)² (Zenke et al., eqs. 4-5: no 1/2). The server averages models as FedAvg.
 
 How ω is measured (a deviation from SI's per-step sum, docs/design.md): per round, over the straight segment from the
@@ -68,6 +68,8 @@ class FedSI(Algorithm):
         return {"model": w}, {**state, "omega": omega}
 
     def end_task(self, state, model, stats, seen, payload):
-        imp = tmap(lambda o, om, x, a: o + om / ((x - a) ** 2 + self.cfg.xi), state["importance"], state["omega"],
-                   model, state["anchor"])
+        # (a negative path integral — the loss rose along a parameter's path, which the round-level segments allow
+        # and SI's per-step lr * g^2 estimate never gives — would make the penalty concave, unbounded below: 0)
+        imp = tmap(lambda o, om, x, a: o + om.clamp(min=0) / ((x - a) ** 2 + self.cfg.xi), state["importance"],
+                   state["omega"], model, state["anchor"])
         return {"anchor": model, "omega": tmap(torch.zeros_like, state["omega"]), "importance": imp}
