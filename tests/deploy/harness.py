@@ -14,6 +14,7 @@ import ssl
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -24,6 +25,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def write_home(home: Path, address: str, ca: Path) -> None:
+    """A flwr CLI home whose connection ``fedmosaic`` is ``address`` trusting ``ca``."""
+    import tomli_w
+
+    home.mkdir(parents=True, exist_ok=True)
+    (home / "config.toml").write_text(tomli_w.dumps(
+        {"superlink": {"default": "fedmosaic", "fedmosaic": {"address": address, "root-certificates": str(ca)}}}))
+
+
 def exe(name: str) -> str:
     """A Flower command of this Python's environment (where pip put it), else from PATH."""
     here = Path(sys.executable).parent / name
@@ -31,17 +41,16 @@ def exe(name: str) -> str:
 
 
 class LocalFederation:
-    """A SuperLink on 127.0.0.1 with the PKI in ``pki`` (``deploy.prepare.make_pki``), its flwr CLI home in
-    ``home``; logs in ``logs``."""
+    """A SuperLink on 127.0.0.1 with the PKI in ``pki`` (``deploy.prepare.make_pki``) behind the fleet gateway, as
+    ``fedmosaic deploy`` sets them up: the SuperLink on ``link_port`` (the operator's flwr CLI, home in ``home``),
+    the gateway on ``port`` (the SuperNodes); logs in ``logs``."""
 
     def __init__(self, root: Path, pki: Path, data_dir: str):
         self.root, self.pki, self.data_dir = Path(root), Path(pki), data_dir
-        self.port = free_port()
+        self.port, self.link_port = free_port(), free_port()
         self.home = self.root / "flwr"
         self.home.mkdir(parents=True, exist_ok=True)
-        (self.home / "config.toml").write_text(
-            f'[superlink]\ndefault = "fedmosaic"\n\n[superlink.fedmosaic]\naddress = "127.0.0.1:{self.port}"\n'
-            f'root-certificates = "{self.pki / "ca.crt"}"\n')
+        write_home(self.home, f"127.0.0.1:{self.link_port}", self.pki / "ca.crt")
         self.env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
                     "FLWR_HOME": str(self.home), "FEDMOSAIC_DATA": data_dir, "OMP_NUM_THREADS": "1",
                     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}  # fewer idle seconds per message
@@ -64,20 +73,36 @@ class LocalFederation:
         self._start("superlink", [exe("flower-superlink"), "--ssl-ca-certfile", str(p / "ca.crt"),
                                   "--ssl-certfile", str(p / "server.pem"), "--ssl-keyfile", str(p / "server.key"),
                                   "--enable-supernode-auth", "--disable-runtime-dependency-installation",
-                                  "--host", "127.0.0.1", "--port", str(self.port)])
-        ctx = ssl.create_default_context(cafile=str(p / "ca.crt"))
+                                  "--host", "127.0.0.1", "--port", str(self.link_port),
+                                  "--database", str(self.root / "superlink.db")])
+        self._up("superlink", self.link_port, "/health", timeout)
+        self.start_gateway(timeout)
+
+    def start_gateway(self, timeout: float = 60) -> None:
+        p = self.pki
+        self._start("gateway", [exe("fedmosaic"), "gateway", "--listen", f"127.0.0.1:{self.port}", "--superlink",
+                                f"127.0.0.1:{self.link_port}", "--certfile", str(p / "server.pem"), "--keyfile",
+                                str(p / "server.key"), "--ca", str(p / "ca.crt")])
+        self._up("gateway", self.port, "/v1/fleet/get-run", timeout)
+
+    def _up(self, name: str, port: int, path: str, timeout: float) -> None:
+        """Wait until ``name`` answers HTTPS on ``port`` (any status: the gateway refuses a GET, by design)."""
+        ctx = ssl.create_default_context(cafile=str(self.pki / "ca.crt"))
         deadline = time.monotonic() + timeout
         while True:
             try:
-                with urllib.request.urlopen(f"https://127.0.0.1:{self.port}/health", context=ctx, timeout=2):
+                with urllib.request.urlopen(f"https://127.0.0.1:{port}{path}", context=ctx, timeout=2):
                     return
+            except urllib.error.HTTPError:
+                return
             except OSError:
-                if self.procs["superlink"].poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("the SuperLink did not come up:\n" + self.log("superlink")[-3000:]) from None
+                if self.procs[name].poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the {name} did not come up:\n" + self.log(name)[-3000:]) from None
                 time.sleep(0.3)
 
-    def flwr(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        return subprocess.run([exe("flwr"), *args], env=self.env, capture_output=True, text=True, timeout=timeout,
+    def flwr(self, *args: str, timeout: float = 120, home: Path | None = None) -> subprocess.CompletedProcess:
+        env = self.env if home is None else {**self.env, "FLWR_HOME": str(home)}
+        return subprocess.run([exe("flwr"), *args], env=env, capture_output=True, text=True, timeout=timeout,
                               cwd=self.root)
 
     def register(self, pub: Path) -> int:

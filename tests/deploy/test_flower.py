@@ -139,6 +139,42 @@ for mtype in MESSAGE_TYPES.values():
 '''
 
 
+def test_only_the_operator_controls_the_deployment(link, tmp_path):
+    """A party that holds ca.crt (every node has it) and reaches the nodes' address tries the Control API through it
+    while the operator's run is on: register its own node key, start its own app, stop the run, list the runs —
+    every attempt is refused at the gateway; the run completes with the simulation's numbers, the SuperLink lists
+    only the operator's nodes and runs."""
+    from harness import write_home
+
+    cfg = config("fedavg", train={"rounds": 1})
+    app = deploy(cfg, tmp_path / "dep")
+    rid = link.submit(app)
+    attacker = tmp_path / "attacker"
+    write_home(attacker, f"127.0.0.1:{link.port}", link.pki / "ca.crt")  # the nodes' address, their CA
+    node_key(attacker / "mine")
+    rogue = deploy(config("fedavg", train={"rounds": 1}), tmp_path / "rogue")
+    tries = {"register": ["supernode", "register", str(attacker / "mine.pub"), "fedmosaic", "--format", "json"],
+             "run": ["run", str(rogue), "fedmosaic", "--format", "json"],
+             "stop": ["stop", str(rid), "fedmosaic", "--format", "json"],
+             "ls": ["ls", "fedmosaic", "--format", "json"],
+             "nodes": ["supernode", "list", "fedmosaic", "--format", "json"]}
+    for what, args in tries.items():
+        r = link.flwr(*args, home=attacker, timeout=60)
+        out = r.stdout + r.stderr
+        assert r.returncode != 0 or '"success": false' in out.replace("\n", " ").lower() \
+            or '"success":false' in out.replace(" ", "").lower(), f"{what} was not refused: {out[-1500:]}"
+        assert str(rid) not in r.stdout or what == "stop", f"{what} leaked the operator's run: {r.stdout[-500:]}"
+    st = link.wait(rid, 400)
+    assert st["status"] == "finished:completed", st["status-details"]
+    run(cfg, tmp_path / "sim", progress=False)
+    assert same_metrics(read_metrics(tmp_path / "dep" / "run"), read_metrics(tmp_path / "sim")) == []
+    runs = json.loads(link.flwr("ls", "fedmosaic", "--format", "json").stdout)["runs"]
+    assert str(rid) in {str(r["run-id"]) for r in runs} and len(runs) == len({r["run-id"] for r in runs})
+    assert all("rogue" not in json.dumps(r) for r in runs)
+    nodes = json.loads(link.flwr("supernode", "list", "fedmosaic", "--format", "json").stdout)["nodes"]
+    assert len(nodes) == 3  # the operator's three; the attacker's key was never registered
+
+
 def test_an_unregistered_supernode_is_refused(link, tmp_path):
     node_key(tmp_path / "stranger")
     p = link.start_node("stranger", tmp_path / "stranger", node_config(0, tmp_path / "nodes"),

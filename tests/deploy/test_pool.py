@@ -107,6 +107,7 @@ def test_an_evaluation_that_counts_more_than_its_client_has_is_rejected(tmp_path
     silent, _ = deployed(cfg, sub(tmp_path, "silent"), "silent",
                          tamper=lambda k, a, rec: None if (k, a) == (1, "evaluate") else rec)
     assert "impossible counts for personal" in got[0]["deploy_eval"]["evaluate"]["rejected"]["1"]
+    assert "personal" in got[0]["deploy_eval"]["evaluate"]["client_reported"]  # what nodes say of themselves
     assert got[0]["personal"]["clients"] == 2
     assert same_metrics(got, silent, tol=0) == []
 
@@ -197,7 +198,7 @@ def test_missing_nodes_are_waited_for_then_refused(tmp_path):
     (tmp_path / "run.yaml").write_text(dump(cfg))
     grid = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes")
     grid.down.add(1002)
-    with pytest.raises(FedMosaicError, match="only 2 of the 3 clients' SuperNodes connected within 0.5 s"):
+    with pytest.raises(FedMosaicError, match=r"clients \[2\] have no node after 0.5 s .*2 nodes online"):
         run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "R"))
 
 
@@ -218,3 +219,63 @@ def test_what_only_a_simulation_can_run_is_refused_in_one_line(over, match):
     with pytest.raises(ConfigError, match=match) as e:
         check_deployable(cfg, registered()[cfg.algorithm.name])
     assert "\n" not in str(e.value)
+
+
+def test_a_replayed_or_restamped_old_upload_is_rejected_and_counts_as_no_reply(tmp_path):
+    """Client 2's node answers round 1 with its round-0 reply — as it was (replayed) or stamped round 1: either
+    carries the nonce of another request, is rejected with that reason, and the run equals the one where client 2
+    sent nothing in round 1 (a free rider cannot pass an old upload off as new)."""
+    cfg = config("fedavg", deploy={"min_clients": 2}, train={"rounds": 3})
+
+    def replay(restamp: bool):
+        kept = {}
+
+        def tamper(k, action, rec):
+            if (k, action) == (2, "train"):
+                if rec["round"] == 0:
+                    kept.update(rec)
+                elif rec["round"] == 1:
+                    return {**kept, "round": 1} if restamp else dict(kept)
+            return rec
+        return tamper
+
+    silent, _ = deployed(cfg, sub(tmp_path, "silent"), "silent",
+                         tamper=lambda k, a, rec: None if (k, a, rec.get("round")) == (2, "train", 1) else rec)
+    for restamp in (False, True):
+        with pytest.warns(UserWarning, match="reply of client 2 .* rejected: it does not answer this request"):
+            got, _ = deployed(cfg, sub(tmp_path, f"r{restamp}"), "r", tamper=replay(restamp))
+        assert "nonce" in got[1]["deploy"]["train"]["rejected"]["2"]
+        assert same_metrics(got, silent, tol=0) == []
+
+
+def test_a_node_with_another_clients_key_is_refused_at_first_contact(tmp_path):
+    """Every client's node key is fixed by `fedmosaic deploy` (node_keys.json): a registered node that claims
+    client 1 with client 0's key is refused before anything is written; with the right keys the run goes on."""
+    cfg = config("fedavg", train={"rounds": 1})
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    made = {k: f"-----BEGIN PUBLIC KEY-----\nKEY{k}\n-----END PUBLIC KEY-----\n" for k in range(3)}
+    registered_keys = {1000 + k: made[k].replace("\n", "\r\n") for k in range(3)}  # (wrapped otherwise: the same)
+    ok = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes", keys=registered_keys)
+    run(cfg, tmp_path / "ok", progress=False, pool=lambda fed: FlowerPool(ok, fed, "t0k3n", "R", made))
+    stolen = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes", keys={**registered_keys, 1001: made[0]})
+    with pytest.raises(FedMosaicError, match="node 1001 claims client 1, but its key is not the one made for client 1"):
+        run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(stolen, fed, "t0k3n", "R", made))
+    assert not (tmp_path / "dep").exists()
+    unknown = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes", keys={1000: made[0], 1002: made[2]})
+    with pytest.raises(FedMosaicError, match="node 1001 claims client 1, but its key is not"):
+        run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(unknown, fed, "t0k3n", "R", made))
+
+
+def test_a_node_listed_online_but_dead_is_skipped_not_waited_for(tmp_path, capsys):
+    """The SuperLink still lists a node that died (for about a minute): first contact goes on with the nodes that
+    answer, in the time they take, and says which it skipped."""
+    cfg = config("fedavg", train={"rounds": 1}, deploy={"connect_timeout_s": 300})
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    grid = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes")
+    grid.silent.add(999)
+    import time
+    t0 = time.monotonic()
+    run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "R"))
+    assert time.monotonic() - t0 < 60  # not the 300 s of deploy.connect_timeout_s
+    assert "node 999 is listed online but did not answer the first contact: skipped" in capsys.readouterr().out
+    assert same_metrics(read_metrics(tmp_path / "dep"), simulated(cfg, tmp_path), tol=0) == []

@@ -98,8 +98,24 @@ def _deploy(args) -> None:
     flower()  # before anything is written: one line if the extra is missing
     cfg = load_config(_config_path(args.config), args.set)
     data = os.pathsep.join(str(Path(d).absolute()) for d in data_dirs())
-    print(prepare(cfg, Path(args.out), host=args.host, port=args.port, node_port=args.node_port, data_dir=data),
-          end="")
+    print(prepare(cfg, Path(args.out), host=args.host, port=args.port, link_port=args.link_port,
+                  node_port=args.node_port, data_dir=data), end="")
+
+
+def _gateway(args) -> None:
+    from ..deploy.common import flower
+    from ..deploy.gateway import serve
+    from ..deploy.prepare import address, check_host
+
+    flower()
+    host, _, port = args.listen.rpartition(":")
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise FedMosaicError(f"--listen: {args.listen[:80]!r} is not HOST:PORT (port 1-65535; IPv6 in brackets)")
+    check_host(host.strip("[]"))
+    for f in (args.certfile, args.keyfile, args.ca):
+        if not Path(f).is_file():
+            raise FedMosaicError(f"gateway: {f} is not a file")
+    serve(address(host.strip("[]"), int(port)), args.superlink, args.certfile, args.keyfile, args.ca)
 
 
 def _run(args) -> None:
@@ -342,10 +358,22 @@ def build_parser() -> argparse.ArgumentParser:
     dp.add_argument("--out", required=True, help="a new directory for the deployment (must not exist yet)")
     dp.add_argument("--host", default="127.0.0.1", help="the SuperLink's address as nodes reach it (default "
                     "127.0.0.1; a machine's address or DNS name for real devices)")
-    dp.add_argument("--port", type=_at_least(1), default=9093, help="the SuperLink's port (default 9093)")
-    dp.add_argument("--node-port", type=_at_least(1), default=9094,
+    dp.add_argument("--port", type=int, default=9093, help="the port nodes reach: the fleet gateway's (default "
+                    "9093)")
+    dp.add_argument("--link-port", type=int, default=9092, help="the SuperLink's port on the server's loopback, for "
+                    "the operator's flwr CLI and the gateway (default 9092)")
+    dp.add_argument("--node-port", type=int, default=9094,
                     help="first SuperNode's local port; node K uses this + K (default 9094)")
     dp.set_defaults(fn=_deploy)
+
+    gw = sub.add_parser("gateway", help="the fleet gateway of a deployment (commands.sh starts it): TLS on the "
+                        "address nodes reach, only the Fleet API's node calls forwarded to the SuperLink on loopback")
+    gw.add_argument("--listen", required=True, metavar="HOST:PORT")
+    gw.add_argument("--superlink", required=True, metavar="HOST:PORT", help="the SuperLink (its loopback address)")
+    gw.add_argument("--certfile", required=True)
+    gw.add_argument("--keyfile", required=True)
+    gw.add_argument("--ca", required=True, help="the CA that signed the SuperLink's certificate")
+    gw.set_defaults(fn=_gateway)
 
     rp = sub.add_parser("report", help="table (and learning curves) of existing run directories, finished or not")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")

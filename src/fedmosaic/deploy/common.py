@@ -10,8 +10,8 @@ import numpy as np
 from ..errors import ConfigError, FedMosaicError
 
 #: The one ConfigRecord of every message, both ways: ``action``, ``token`` (the run), ``round``, ``stamp`` (the
-#: client state the node must start from), ``body`` (a ``protocol.codec`` message); a reply: ``client``, ``round``,
-#: ``body``, or ``error`` (one line).
+#: client state the node must start from), ``nonce`` (fresh for every request), ``body`` (a ``protocol.codec``
+#: message); a reply: ``client``, ``round``, ``nonce`` (the request's), ``body``, or ``error`` (one line).
 RECORD = "fedmosaic"
 
 #: Flower message type per client action: ``train``/``evaluate`` as Flower names them, the rest as actions of

@@ -8,6 +8,7 @@ file per stamp (``state-dir=PATH``, default ``~/.fedmosaic/nodes``), so a restar
 ``Context.state``, carries on from the file. Each message names the stamp the client must start from (the round
 of the last state-changing message the server accepted): a stale or missing state is an error, never used.
 
+Every reply echoes the request's ``nonce``, so the server takes it as the answer to that request and to no other.
 Every failure answers with one ``error`` line instead of a body; the server logs it and goes on without the
 client.
 """
@@ -101,8 +102,8 @@ def answer(config_path: Path, rec, context) -> dict:
     if action == "hello":
         from .. import __version__
 
-        return {"client": client, "round": t, "rows": rows_hash(fed, client), "public": public_hash(fed),
-                "partition": fed.fd.hash, "train": int(fed.split["train"].sizes[client]),
+        return {"client": client, "round": t, "nonce": rec.get("nonce", ""), "rows": rows_hash(fed, client),
+                "public": public_hash(fed), "partition": fed.fd.hash, "train": int(fed.split["train"].sizes[client]),
                 "arch": int(fed.group_of[client]), "fedmosaic": __version__}
     rt = fed.client_runtime([client])
     store = NodeStore(Path(context.node_config.get("state-dir") or "~/.fedmosaic/nodes"), rec["token"], client,
@@ -133,7 +134,7 @@ def answer(config_path: Path, rec, context) -> dict:
         raise ValueError(f"unknown action {action!r}")
     if new_stamp is not None:
         store.write(new_stamp, rt.state())
-    return {"client": client, "round": t, "body": codec.encode(action, reply)}
+    return {"client": client, "round": t, "nonce": rec.get("nonce", ""), "body": codec.encode(action, reply)}
 
 
 def client_app(config_path: str | Path):
@@ -148,7 +149,8 @@ def client_app(config_path: str | Path):
         try:
             reply = answer(Path(config_path), msg.content[RECORD], context)
         except Exception as e:
-            reply = {"error": one_line(f"{type(e).__name__}: {e}", 2000)}
+            reply = {"error": one_line(f"{type(e).__name__}: {e}", 2000),
+                     "nonce": str(msg.content[RECORD].get("nonce", "")) if RECORD in msg.content else ""}
         return Message(content=RecordDict({RECORD: ConfigRecord(reply)}), reply_to=msg)
 
     for mtype in MESSAGE_TYPES.values():

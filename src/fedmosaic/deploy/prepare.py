@@ -1,22 +1,29 @@
 """``fedmosaic deploy``: everything a Flower federation of one config needs, in one new directory.
 
 - ``app/``: the Flower app (``pyproject.toml`` declaring the run config keys; ``fedmosaic_app/`` with the ServerApp,
-  the ClientApp and the run's resolved config ``run.yaml``),
-- ``pki/``: a certificate authority, the SuperLink's TLS certificate (for the addresses it is reached at) and key,
-  and per client a SuperNode key pair (ECDSA P-384, OpenSSH format, as Flower's node authentication expects),
-- ``flwr/config.toml``: the ``flwr`` CLI's connection to the SuperLink (``FLWR_HOME``),
-- ``commands.sh``: the commands, in order — start the SuperLink (TLS, node authentication, no runtime installs),
-  register each node's key, start each SuperNode with its partition, run, check the run's status.
+  the ClientApp, the run's resolved config ``run.yaml`` and ``node_keys.json``: which node key may host which
+  client, checked by the ServerApp at first contact),
+- ``pki/``: a certificate authority, the SuperLink's TLS certificate (for the addresses it is reached at, and the
+  loopback) and key, and per client a SuperNode key pair (ECDSA P-384, OpenSSH format, as Flower's node
+  authentication expects),
+- ``flwr/config.toml``: the ``flwr`` CLI's connection to the SuperLink on the server's loopback (``FLWR_HOME``),
+- ``commands.sh``: the commands, in order — the SuperLink on loopback (TLS, node authentication, no runtime
+  installs), the fleet gateway on the address nodes reach (``deploy/gateway.py``), the nodes' keys registered, one
+  SuperNode per client with its partition, the run, its status.
 
-Nothing that exists is overwritten: the directory must be new (or empty). Keys are written readable by their owner
-only.
+Every argument is checked before anything is written (host a hostname or IP, ports in range and distinct, the
+config one a run accepts); values reach ``commands.sh`` through a shell quoter and the TOML files through a TOML
+writer. Nothing that exists is overwritten: the directory must be new (or empty). Keys are written readable by their
+owner only.
 """
 
 from __future__ import annotations
 
 import datetime
 import ipaddress
+import json
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -36,7 +43,8 @@ def _name(cn: str):
 
 
 def make_pki(out: Path, hosts: list[str], nodes: int, days: int = 365) -> None:
-    """A CA, a server certificate for ``hosts`` (IP addresses or DNS names) and ``nodes`` SuperNode key pairs."""
+    """A CA, a server certificate for ``hosts`` (IP addresses or DNS names) and ``nodes`` SuperNode key pairs. The
+    certificate also names 127.0.0.1: the SuperLink listens there, behind the fleet gateway."""
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec
@@ -64,7 +72,7 @@ def make_pki(out: Path, hosts: list[str], nodes: int, days: int = 365) -> None:
                                     key_encipherment=False, data_encipherment=False, key_agreement=False,
                                     encipher_only=False, decipher_only=False), True)).sign(ca_key, hashes.SHA256())
     names = []
-    for h in hosts:
+    for h in dict.fromkeys([*hosts, "127.0.0.1"]):
         try:
             names.append(x509.IPAddress(ipaddress.ip_address(h)))
         except ValueError:
@@ -97,33 +105,6 @@ def node_key(path: Path) -> None:
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n")
 
 
-PYPROJECT = """[build-system]
-requires = ["hatchling"]
-build-backend = "hatchling.build"
-
-[project]
-name = "fedmosaic-app"
-version = "1.0.0"
-description = "{description}"
-dependencies = ["fedmosaic"]
-
-[tool.hatch.build.targets.wheel]
-packages = ["."]
-
-[tool.flwr.app]
-publisher = "fedmosaic"
-
-[tool.flwr.app.components]
-serverapp = "fedmosaic_app.server_app:app"
-clientapp = "fedmosaic_app.client_app:app"
-
-[tool.flwr.app.config]
-run-dir = {run_dir}
-resume = false
-data-dir = {data_dir}
-resume-command = {resume}
-"""
-
 SERVER = '''"""The ServerApp: fedmosaic's server runtime for the config beside this file."""
 from pathlib import Path
 
@@ -141,9 +122,14 @@ from fedmosaic.deploy.node import client_app
 app = client_app(Path(__file__).with_name("run.yaml"))
 '''
 
+#: the file beside run.yaml that binds each client to the public key of the node that may host it
+NODE_KEYS = "node_keys.json"
+
 
 def _toml(s: str) -> str:
-    return '"' + s.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    import tomli_w
+
+    return tomli_w.dumps({"v": s})[4:].strip()
 
 
 def node_config(client: int, state_dir: str | Path, data_dir: str | None = None) -> str:
@@ -152,9 +138,71 @@ def node_config(client: int, state_dir: str | Path, data_dir: str | None = None)
     return out + (f" data-dir={_toml(data_dir)}" if data_dir else "")
 
 
-def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, node_port: int = 9094,
-            data_dir: str | None = None, hosts: list[str] | None = None) -> str:
-    """Write the deployment of ``cfg`` into the new directory ``out``; the commands (also in ``commands.sh``)."""
+_HOSTNAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
+
+
+def check_host(host: str) -> str:
+    """``host`` if it is an IP address or a DNS name (RFC 1123), else one line."""
+    try:
+        ipaddress.ip_address(host)
+        return host
+    except ValueError:
+        pass
+    if not _HOSTNAME.fullmatch(host) or host.replace(".", "").isdigit():
+        raise FedMosaicError(f"--host: {host[:80]!r} is neither an IP address nor a host name (letters, digits, '-' "
+                             "and '.'; an IPv6 address without brackets)")
+    return host
+
+
+def address(host: str, port: int) -> str:
+    """HOST:PORT, an IPv6 host in brackets."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def check_ports(port: int, link_port: int, node_port: int, nodes: int) -> None:
+    """Every port 1-65535 and none used twice: the gateway's, the SuperLink's and the SuperNodes' (one each)."""
+    last = node_port + nodes - 1
+    for name, value in (("--port", port), ("--link-port", link_port), ("--node-port", node_port)):
+        if not 1 <= value <= 65535:
+            raise FedMosaicError(f"{name}: {value} is not a port (1-65535)")
+    if last > 65535:
+        raise FedMosaicError(f"--node-port: {nodes} SuperNodes from {node_port} need ports up to {last}, above 65535")
+    nodes_range = range(node_port, last + 1)
+    if port == link_port:
+        raise FedMosaicError(f"--port and --link-port: both {port}; the gateway and the SuperLink need a port each")
+    for name, value in (("--port", port), ("--link-port", link_port)):
+        if value in nodes_range:
+            raise FedMosaicError(f"{name}: {value} is among the SuperNodes' ports {node_port}-{last} (--node-port)")
+
+
+def check_model(cfg) -> None:
+    """Build the run's server as the ServerApp will (data, partition, model, algorithm) — so a config a run would
+    refuse is refused here, in one line, before anything is written."""
+    import warnings
+
+    from ..engine.federation import Federation
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the run warns when it starts)
+        Federation(cfg, pool="none")
+
+
+def public_key_pem(pub: Path) -> str:
+    """The SubjectPublicKeyInfo PEM of an OpenSSH public key file: how the SuperLink lists a registered node's key."""
+    from cryptography.hazmat.primitives import serialization
+
+    key = serialization.load_ssh_public_key(pub.read_bytes())
+    return key.public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo).decode()
+
+
+def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_port: int = 9092,
+            node_port: int = 9094, data_dir: str | None = None, hosts: list[str] | None = None,
+            check: bool = True) -> str:
+    """Write the deployment of ``cfg`` into the new directory ``out``; the commands (also in ``commands.sh``).
+    Every argument is checked first: a bad one is one line and nothing is written. ``check``: also build the run's
+    server once (its data, model and algorithm)."""
+    import tomli_w
+
     from ..config import dump
     from ..engine.runner import check_out
     from ..protocol.algorithm import registered
@@ -165,50 +213,80 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, node_p
     K = cfg.data.clients
     if K is None:
         raise FedMosaicError("data.clients: a deployment needs the number of clients (one SuperNode each)")
+    if cfg.deploy.min_clients is not None and cfg.deploy.min_clients > K:
+        raise FedMosaicError(f"deploy.min_clients: {cfg.deploy.min_clients} is more than the {K} clients (data.clients)")
+    host = check_host(host)
+    check_ports(port, link_port, node_port, K)
+    if check:
+        check_model(cfg)
     data_dir = data_dir if data_dir is not None else os.environ.get("FEDMOSAIC_DATA", "")
     app, pki, home = out / "app", out / "pki", out / "flwr"
     app_pkg = app / "fedmosaic_app"
     app_pkg.mkdir(parents=True)
     make_pki(pki, hosts or [host, *(["localhost"] if host == "127.0.0.1" else [])], K)
     home.mkdir()
-    (home / "config.toml").write_text(
-        f'[superlink]\ndefault = "{LINK}"\n\n[superlink.{LINK}]\naddress = "{host}:{port}"\n'
-        f'root-certificates = {_toml(str(pki / "ca.crt"))}\n')
-    env = " ".join(f"{k}={v}" for k, v in {**ENV, "FLWR_HOME": str(home)}.items())
+    link = address("127.0.0.1", link_port)  # the SuperLink: the server's loopback only
+    (home / "config.toml").write_text(tomli_w.dumps(
+        {"superlink": {"default": LINK, LINK: {"address": link, "root-certificates": str(pki / "ca.crt")}}}))
+    env = {**ENV, "FLWR_HOME": str(home), "OMP_NUM_THREADS": "1", "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}
     q = shlex.quote
+    exports = " ".join(f"{k}={q(v)}" for k, v in env.items())
     run_dir = out / "run"
-    resume = f"{env} flwr run {q(str(app))} {LINK} --run-config 'resume=true'"
-    (app / "pyproject.toml").write_text(PYPROJECT.format(
-        description=f"fedmosaic: {cfg.algorithm.name} on {cfg.data.dataset}", run_dir=_toml(str(run_dir)),
-        data_dir=_toml(data_dir), resume=_toml(resume)))
+    resume = f"{exports} flwr run {q(str(app))} {LINK} --run-config 'resume=true'"
+    (app / "pyproject.toml").write_text(tomli_w.dumps({
+        "build-system": {"requires": ["hatchling"], "build-backend": "hatchling.build"},
+        "project": {"name": "fedmosaic-app", "version": "1.0.0",
+                    "description": f"fedmosaic: {cfg.algorithm.name} on {cfg.data.dataset}",
+                    "dependencies": ["fedmosaic"]},
+        "tool": {"hatch": {"build": {"targets": {"wheel": {"packages": ["."]}}}},
+                 "flwr": {"app": {"publisher": "fedmosaic",
+                                  "components": {"serverapp": "fedmosaic_app.server_app:app",
+                                                 "clientapp": "fedmosaic_app.client_app:app"},
+                                  "config": {"run-dir": str(run_dir), "resume": False, "data-dir": data_dir,
+                                             "resume-command": resume}}}}}))
     (app_pkg / "__init__.py").write_text("")
     (app_pkg / "server_app.py").write_text(SERVER)
     (app_pkg / "client_app.py").write_text(CLIENT)
     (app_pkg / "run.yaml").write_text(dump(cfg))
+    (app_pkg / NODE_KEYS).write_text(json.dumps({str(k): public_key_pem(pki / f"node-{k}.pub") for k in range(K)},
+                                                indent=1))
+    public = address(host, port)
+    certs = (f"--ssl-ca-certfile {q(str(pki / 'ca.crt'))} --ssl-certfile {q(str(pki / 'server.pem'))} "
+             f"--ssl-keyfile {q(str(pki / 'server.key'))}")
     lines = [
         "#!/usr/bin/env bash",
         f"# fedmosaic deployment of {cfg.name} ({cfg.algorithm.name}, {K} clients): run these in order, each",
-        "# long-running one in its own terminal (or with & as here). Every command carries FLWR_* settings: no",
-        "# telemetry, no update check, the flwr CLI's home in this directory.",
-        f"export {env}",
-        "trap 'kill $(jobs -p) 2>/dev/null' EXIT  # the SuperLink and SuperNodes started here stop with this script",
-        f"# 1. the SuperLink (TLS with {pki}/server.pem, only registered nodes, no installs at run time)",
-        (f"flower-superlink --ssl-ca-certfile {q(str(pki / 'ca.crt'))} --ssl-certfile {q(str(pki / 'server.pem'))} "
-         f"--ssl-keyfile {q(str(pki / 'server.key'))} --enable-supernode-auth "
-         f"--disable-runtime-dependency-installation --host {host} --port {port} "
-         f"--database {q(str(out / 'superlink.db'))} &"),
-        "# 2. register each node's public key, once the SuperLink answers",
+        "# long-running one in its own terminal (or with & as here). Every command carries these settings: no",
+        "# telemetry, no update check, the flwr CLI's home in this directory, one thread per process, a short task",
+        "# poll. Under load, raise deploy.connect_timeout_s / deploy.round_timeout_s (README, Deploy with Flower).",
+        "set -u",
+        f"export {exports}",
+        "# everything started here stops with this script (its process groups: the SuperExec children too)",
+        "pids=()",
+        "stop() { for p in \"${pids[@]}\"; do kill -TERM -- \"-$p\" 2>/dev/null; done; sleep 2;"
+        " for p in \"${pids[@]}\"; do kill -KILL -- \"-$p\" 2>/dev/null; done; }",
+        "trap stop EXIT",
+        f"# 1. the SuperLink, on this machine's loopback only ({link}): TLS, only registered nodes, no installs at",
+        "#    run time. Its Control API (register nodes, start, stop and list runs) is reachable from this machine alone.",
+        f"setsid flower-superlink {certs} --enable-supernode-auth --disable-runtime-dependency-installation "
+        f"--host 127.0.0.1 --port {link_port} --database {q(str(out / 'superlink.db'))} & pids+=($!)",
+        f"# 2. the fleet gateway on {public}, the one address nodes reach: TLS, the Fleet API's node calls alone",
+        f"setsid fedmosaic gateway --listen {q(public)} --superlink {q(link)} --certfile {q(str(pki / 'server.pem'))} "
+        f"--keyfile {q(str(pki / 'server.key'))} --ca {q(str(pki / 'ca.crt'))} & pids+=($!)",
+        "# 3. register each node's public key, once the SuperLink answers",
         f"for i in $(seq 60); do flwr supernode list {LINK} >/dev/null 2>&1 && break; sleep 1; done",
         *[f"flwr supernode register {q(str(pki / f'node-{k}.pub'))} {LINK}" for k in range(K)],
-        "# 3. one SuperNode per client, on its own machine (or its own --port here), with its private key",
-        *[f"flower-supernode --superlink {host}:{port} --root-certificates {q(str(pki / 'ca.crt'))} "
+        "# 4. one SuperNode per client, on its own machine (or its own --port here), with its private key; it",
+        "#    reaches the gateway. If it exits with 'Failed to activate SuperNode' its key is not registered (or, right",
+        "#    after a crash, the SuperLink still lists it online: start it again after ~60 s)",
+        *[f"setsid flower-supernode --superlink {q(public)} --root-certificates {q(str(pki / 'ca.crt'))} "
           f"--auth-supernode-private-key {q(str(pki / f'node-{k}'))} --port {node_port + k} "
-          f"--node-config {q(node_config(k, out / 'nodes', data_dir))} &" for k in range(K)],
-        "# 4. the run: its results land in " + str(run_dir) + " (fedmosaic report reads it)",
+          f"--node-config {q(node_config(k, out / 'nodes', data_dir))} & pids+=($!)" for k in range(K)],
+        f"# 5. the run: its results land in {run_dir} (fedmosaic report reads it)",
         f"flwr run {q(str(app))} {LINK} --stream",
-        "# 5. flwr run exits 0 even when the run failed: its status says (finished:completed or finished:failed)",
+        "# 6. flwr run exits 0 even when the run failed: its status says (finished:completed or finished:failed)",
         f"flwr ls {LINK} --format json",
-        "# resume a stopped run:",
+        "# resume a stopped run (after restarting steps 1-4 as they are; README, Deploy with Flower):",
         f"# {resume}",
     ]
     text = "\n".join(lines) + "\n"

@@ -2,17 +2,28 @@
 
 :class:`FlowerPool` is a client pool (``engine.pools``) whose clients are nodes: each action goes to the clients
 it concerns as one message per client, and their answers come back through the SuperLink. First contact
-(``hello``) maps every client id to the node that hosts it and refuses a node whose data differ from the partition
-the server computed. Every reply passes the same checks before any of it is used — the right client and round,
-a size below ``deploy.max_reply_mb``, a well-formed message, the layout (keys, shapes, dtypes) the server's own
-runtime of that architecture produces for the same request, finite numbers, counts within the client's split —
-and a reply that fails one is logged and left out, like a node that did not answer in time. A round goes on with
-the clients that answered when at least ``deploy.min_clients`` did (``deploy`` in the round's metrics says who),
-else the run stops in one line that says how to resume it.
+(``hello``) maps every client id to the node that hosts it: it asks the nodes the SuperLink lists online, and
+accepts a node for client k only if its registered public key is the one ``fedmosaic deploy`` made for client k
+(``node_keys.json``) and its data are the partition the server computed; a listed node that does not answer is
+skipped with a line, not waited for. Every request carries a fresh nonce, and every reply passes the same checks
+before any of it is used — the nonce of its request, the right client and round, a size below
+``deploy.max_reply_mb``, a well-formed message, the layout (keys, shapes, dtypes) the server's own runtime of that
+architecture produces for the same request, finite numbers, counts within the client's split — and a reply that
+fails one is logged and left out, like a node that did not answer in time. A round goes on with the clients that
+answered when at least ``deploy.min_clients`` did (``deploy`` in the round's metrics says who), else the run stops
+in one line that says how to resume it.
+
+What the server can verify, and what not: who a node is (its key), that a reply answers this request (a replayed
+or re-stamped reply carries another nonce), its shape, finiteness and sample counts. It cannot verify that a node
+trained honestly or evaluated honestly: a node running other code can send any well-formed update (robust
+aggregation is the defence) and can report its own test hits as it likes within its split's size. So every
+evaluation measured on the nodes is marked client-reported (``deploy_eval.client_reported``); the global model's
+accuracy on the server's test set is the server's own.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import time
@@ -43,7 +54,7 @@ class FlowerPool:
 
     remote = True  # the clients' state stays on their nodes: a checkpoint keeps only each one's stamp
 
-    def __init__(self, grid, fed, token: str, resume: str):
+    def __init__(self, grid, fed, token: str, resume: str, keys: dict[int, str] | None = None):
         flower()
         check_deployable(fed.cfg, type(fed.algo))
         self.grid, self.fed, self.algo, self.device = grid, fed, fed.algo, fed.device
@@ -55,91 +66,138 @@ class FlowerPool:
         self._notes: dict = {}
         self._probes: dict = {}  # architecture -> a runtime of one of its clients: the reference for replies
         self._layouts: dict = {}
+        self._nonces: dict = {}  # (client or node) -> the nonce of the request it is answering now
+        #: per client the public key (SubjectPublicKeyInfo PEM) of the one node that may host it; None: any
+        self.keys = keys
         self.node_of = self._hello()
 
     # ---- first contact ------------------------------------------------------------------------------
     def _hello(self) -> dict[int, int]:
-        """Wait for a node per client, ask each which client it hosts and check its data against the partition."""
+        """A node per client: the nodes the SuperLink lists online are asked which client they host; each claim is
+        checked (key, data), and asking goes on until every client has its node or ``deploy.connect_timeout_s``."""
         K, wait = self.num_clients, self.opts.connect_timeout_s
         deadline = time.monotonic() + wait
-        while len(nodes := sorted(self.grid.get_node_ids())) < K:
-            if time.monotonic() > deadline:
-                raise FedMosaicError(f"only {len(nodes)} of the {K} clients' SuperNodes connected within {wait:g} s "
-                                     "(deploy.connect_timeout_s): start one per client, each with --node-config "
-                                     "'partition-id=K'")
-            time.sleep(0.5)
-        # a node's first message of a run also installs the app there: wait as long as for the nodes to connect
-        replies = self._send("hello", 0, {n: None for n in nodes}, by_node=True, timeout=wait)
         node_of: dict[int, int] = {}
-        sizes = self.fed.split["train"].sizes
-        for nid in nodes:
-            r = replies.get(nid)
-            if r is None:
-                raise FedMosaicError(f"node {nid} did not answer the first contact within {wait:g} s "
-                                     "(deploy.connect_timeout_s)")
-            try:
-                rec = self._record(r)
-            except Rejected as e:
-                raise FedMosaicError(f"node {nid} answered the first contact with no usable reply: {e}") from None
-            if "error" in rec:
-                raise FedMosaicError(f"node {nid} refused the first contact: {rec['error']}")
-            k = rec.get("client")
-            if not isinstance(k, int) or not 0 <= k < K:
-                raise FedMosaicError(f"node {nid} claims client {k!r}; the partition has clients 0-{K - 1}")
-            if k in node_of:
-                raise FedMosaicError(f"nodes {node_of[k]} and {nid} both claim client {k} (partition-id): give "
-                                     "each node its own")
-            ours = rows_hash(self.fed, k)
-            if rec.get("rows") != ours or rec.get("train") != int(sizes[k]):
-                raise FedMosaicError(
-                    f"node {nid} (client {k}) holds another partition: its rows hash {str(rec.get('rows'))[:12]} and "
-                    f"{rec.get('train')} train samples, the server's {ours[:12]} and {int(sizes[k])} (the same config, "
-                    "data and seed on both sides give the same partition: check the node's data-dir)")
-            if rec.get("public") != public_hash(self.fed):
-                raise FedMosaicError(f"node {nid} (client {k}) has another public stream than the server (data.public:"
-                                     " the same dataset, or noise from the same seed, on every node)")
-            if rec.get("arch") != int(self.fed.group_of[k]):
-                raise FedMosaicError(f"node {nid} (client {k}) builds architecture {rec.get('arch')}, the server "
-                                     f"{int(self.fed.group_of[k])}: another config on that node?")
-            node_of[k] = nid
+        asked: set[int] = set()
+        silent: dict[int, float] = {}  # node -> when it was asked
+        while len(node_of) < K:
+            online = self._online()
+            new = [n for n in online if n not in asked]
+            if new:
+                self._push("hello", 0, {n: None for n in new}, by_node=True, timeout=wait)
+                asked.update(new)
+                silent.update({n: time.monotonic() for n in new})
+            for r in self._pull():
+                nid = r.metadata.src_node_id
+                if nid in silent:
+                    del silent[nid]
+                    k = self._claim(nid, r, node_of)
+                    node_of[k] = nid
+            if len(node_of) == K:
+                break
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(K)) - set(node_of))
+                quiet = f"; listed online but silent: nodes {sorted(silent)}" if silent else ""
+                raise FedMosaicError(f"clients {missing} have no node after {wait:g} s (deploy.connect_timeout_s): "
+                                     f"{len(online)} nodes online{quiet}; start one SuperNode per client with "
+                                     "--node-config 'partition-id=K' and its own key")
+            time.sleep(POLL_S)
+        for nid in sorted(silent):  # (a node the SuperLink still lists but that died: not waited for)
+            print(f"fedmosaic: node {nid} is listed online but did not answer the first contact: skipped", flush=True)
+        self._waiting = set()  # (their hellos' answers, should they come, are not read)
         return node_of
 
+    def _online(self) -> list[int]:
+        return sorted(self.grid.get_node_ids())
+
+    def _key_of(self, nid: int) -> str | None:
+        """The public key the SuperLink registered for node ``nid`` (PEM), or None if it does not say."""
+        for info in self.grid.get_nodes() if hasattr(self.grid, "get_nodes") else ():
+            if getattr(info, "node_id", None) == nid:
+                key = getattr(info, "public_key", None)
+                return key.decode() if isinstance(key, bytes) else key
+        return None
+
+    def _claim(self, nid: int, reply, node_of: dict) -> int:
+        """The client node ``nid`` hosts, if its reply to the first contact checks out; else one line."""
+        K = self.num_clients
+        try:
+            rec = self._record(reply)
+            self._check_nonce(nid, rec)
+        except Rejected as e:
+            raise FedMosaicError(f"node {nid} answered the first contact with no usable reply: {e}") from None
+        if "error" in rec:
+            raise FedMosaicError(f"node {nid} refused the first contact: {rec['error']}")
+        k = rec.get("client")
+        if not isinstance(k, int) or not 0 <= k < K:
+            raise FedMosaicError(f"node {nid} claims client {k!r}; the partition has clients 0-{K - 1}")
+        if k in node_of:
+            raise FedMosaicError(f"nodes {node_of[k]} and {nid} both claim client {k} (partition-id): give "
+                                 "each node its own")
+        if self.keys is not None:
+            key = self._key_of(nid)
+            if key is None or _pem(key) != _pem(self.keys[k]):
+                raise FedMosaicError(f"node {nid} claims client {k}, but its key is not the one made for client {k} "
+                                     f"(node_keys.json): start client {k}'s SuperNode with pki/node-{k}")
+        sizes = self.fed.split["train"].sizes
+        ours = rows_hash(self.fed, k)
+        if rec.get("rows") != ours or rec.get("train") != int(sizes[k]):
+            raise FedMosaicError(
+                f"node {nid} (client {k}) holds another partition: its rows hash {str(rec.get('rows'))[:12]} and "
+                f"{rec.get('train')} train samples, the server's {ours[:12]} and {int(sizes[k])} (the same config, "
+                "data and seed on both sides give the same partition: check the node's data-dir)")
+        if rec.get("public") != public_hash(self.fed):
+            raise FedMosaicError(f"node {nid} (client {k}) has another public stream than the server (data.public:"
+                                 " the same dataset, or noise from the same seed, on every node)")
+        if rec.get("arch") != int(self.fed.group_of[k]):
+            raise FedMosaicError(f"node {nid} (client {k}) builds architecture {rec.get('arch')}, the server "
+                                 f"{int(self.fed.group_of[k])}: another config on that node?")
+        return k
+
     # ---- messages -----------------------------------------------------------------------------------
-    def _send(self, action: str, t: int, bodies: dict, by_node: bool = False, timeout: float | None = None) -> dict:
-        """One message per client (``by_node``: per node id) with its body; the replies that came back in time,
-        by client (node). Waits at most ``timeout`` (default ``deploy.round_timeout_s``) seconds."""
+    def _push(self, action: str, t: int, bodies: dict, by_node: bool = False, timeout: float | None = None) -> None:
+        """One message per client (``by_node``: per node id) with its body and a fresh nonce."""
         timeout = self.opts.round_timeout_s if timeout is None else timeout
         from flwr.app import ConfigRecord, Message, RecordDict
 
         msgs = []
         for key, body in bodies.items():
-            rec = ConfigRecord({"action": action, "token": self.token, "round": int(t),
+            self._nonces[key] = nonce = secrets.token_hex(16)
+            rec = ConfigRecord({"action": action, "token": self.token, "round": int(t), "nonce": nonce,
                                 "stamp": FRESH if by_node else int(self.stamps[key]),
                                 "body": codec.encode(action, body)})
             msgs.append(Message(content=RecordDict({RECORD: rec}), dst_node_id=key if by_node else self.node_of[key],
                                 message_type=MESSAGE_TYPES[action], group_id=str(t), ttl=timeout + 30))
-        client_of = {n: k for k, n in getattr(self, "node_of", {}).items()}
-        out = {}
-        for r in self._exchange(msgs, timeout):
-            src = r.metadata.src_node_id
-            key = src if by_node else client_of.get(src)
-            if key in bodies and key not in out:
-                out[key] = r
-        return out
+        self._waiting = getattr(self, "_waiting", set()) | set(self.grid.push_messages(msgs))
 
-    def _exchange(self, msgs: list, timeout: float) -> list:
-        """Push ``msgs`` and pull their replies until all are in or ``timeout`` seconds have passed. (Flower's
-        ``Grid.send_and_receive`` does the same but looks for replies every 3 s; a round has up to four exchanges.)"""
-        waiting = set(self.grid.push_messages(msgs))
-        deadline, replies = time.monotonic() + timeout, []
-        while waiting:
-            got = list(self.grid.pull_messages(waiting))
-            replies += got
-            waiting -= {r.metadata.reply_to_message_id for r in got}
-            if not waiting or time.monotonic() > deadline:
+    def _pull(self) -> list:
+        got = list(self.grid.pull_messages(self._waiting)) if self._waiting else []
+        self._waiting -= {r.metadata.reply_to_message_id for r in got}
+        return got
+
+    def _send(self, action: str, t: int, bodies: dict, timeout: float | None = None) -> dict:
+        """One message per client with its body; the replies that came back in time, by client. Waits at most
+        ``timeout`` (default ``deploy.round_timeout_s``) seconds. (Flower's ``Grid.send_and_receive`` does the same
+        but looks for replies every 3 s; a round has up to four exchanges.)"""
+        timeout = self.opts.round_timeout_s if timeout is None else timeout
+        self._waiting = set()
+        self._push(action, t, bodies, timeout=timeout)
+        client_of = {n: k for k, n in self.node_of.items()}
+        deadline, out = time.monotonic() + timeout, {}
+        while self._waiting:
+            for r in self._pull():
+                key = client_of.get(r.metadata.src_node_id)
+                if key in bodies and key not in out:
+                    out[key] = r
+            if not self._waiting or time.monotonic() > deadline:
                 break
             time.sleep(POLL_S)
-        return replies
+        return out
+
+    def _check_nonce(self, key: int, rec: dict) -> None:
+        if rec.get("nonce") != self._nonces.get(key):
+            raise Rejected("it does not answer this request (another request's nonce: a replayed or re-stamped "
+                           "reply)")
 
     @staticmethod
     def _record(reply) -> dict:
@@ -185,6 +243,7 @@ class FlowerPool:
     def _accept(self, action: str, t: int, k: int, reply, reference) -> object:
         """The body of client ``k``'s reply, if it passes every check; else :class:`Rejected`."""
         rec = self._record(reply)
+        self._check_nonce(k, rec)
         if "error" in rec:
             raise Rejected(f"the node failed: {rec['error']}")
         if rec.get("client") != k or rec.get("round") != t:
@@ -302,14 +361,18 @@ class FlowerPool:
             return made[first]
 
         got = self._ask("evaluate", t, subs, reference, self._check_counts)
+        self._notes["evaluate"]["client_reported"] = sorted(  # measured on the nodes: what they say (docstring)
+            k for k in ("global_clients", "global_val", "personal", "personal_val", "continual", "report")
+            if request.get(k) is not None and request.get(k) is not False)
         if request.get("continual") is not None and len(got) < len(subs):
             raise RunError(f"round {t}: the continual accuracy of personal models needs every client's answer; "
                            f"{len(subs) - len(got)} missing; resume: {self.resume}")
         return merge_evaluations(request, [(got[k], subs[k]) for k in sorted(got)])
 
     def _check_counts(self, k: int, body: dict) -> None:
-        """An evaluation reply counts only its own client's samples, at most its split's size: a node cannot
-        inflate the metrics."""
+        """An evaluation reply counts only its own client's samples, at most its split's size: a node cannot claim
+        samples it does not hold or move another client's numbers. Within its own split it reports what it likes:
+        these metrics are client-reported (``notes``)."""
         own = np.arange(self.num_clients) == k
         for split in ("test", "val"):
             if not np.array_equal(body["sizes"][split].cpu().numpy(), np.where(own, self.fed.split[split].sizes, 0)):
@@ -344,8 +407,32 @@ class FlowerPool:
         """Nothing to free: the nodes keep their clients' state (and the run may resume on them)."""
 
     def meta(self) -> dict:
-        return {"driver": "flower", "token": self.token,
-                "nodes": {str(k): int(n) for k, n in sorted(self.node_of.items())}}
+        out = {"driver": "flower", "token": self.token,
+               "nodes": {str(k): int(n) for k, n in sorted(self.node_of.items())}}
+        if self.keys is not None:  # which key hosts which client (SHA-256 of its PEM), kept with the run
+            out["node_keys"] = {str(k): hashlib.sha256(_pem(v).encode()).hexdigest()[:16]
+                                for k, v in sorted(self.keys.items())}
+        return out
+
+
+def _pem(key: str) -> str:
+    """A PEM key without its line breaks and surrounding blanks (the SuperLink's and ours may wrap alike or not)."""
+    return "".join(str(key).split())
+
+
+def read_keys(path: Path, clients: int) -> dict[int, str]:
+    """``node_keys.json``: per client the PEM public key of the node that may host it (``fedmosaic deploy``)."""
+    try:
+        raw = json.loads(path.read_text())
+        keys = {int(k): str(v) for k, v in raw.items()}
+    except FileNotFoundError:
+        raise FedMosaicError(f"{path.name}: not beside the app's run.yaml; a deployment made by `fedmosaic deploy` "
+                             "binds each client to its node's key there") from None
+    except (OSError, ValueError, TypeError, AttributeError) as e:
+        raise FedMosaicError(f"{path}: unreadable ({type(e).__name__})") from None
+    if sorted(keys) != list(range(clients)) or not all("PUBLIC KEY" in v for v in keys.values()):
+        raise FedMosaicError(f"{path}: needs one public key per client 0-{clients - 1}")
+    return keys
 
 
 def _no_terms(body: dict) -> dict:
@@ -375,8 +462,9 @@ def server_app(config_path: str | Path):
         out, resume = Path(str(rc["run-dir"])), bool(rc.get("resume", False))
         token = _token(out) if resume else secrets.token_hex(12)
         hint = str(rc.get("resume-command") or "flwr run APP SUPERLINK --run-config 'resume=true'")
+        keys = read_keys(Path(config_path).with_name("node_keys.json"), cfg.data.clients or 0)
         summary = run(cfg, out, resume=resume, progress=False,
-                      pool=lambda fed: FlowerPool(grid, fed, token, hint))
+                      pool=lambda fed: FlowerPool(grid, fed, token, hint, keys))
         print(json.dumps({"run_dir": str(out), "summary": summary}), flush=True)
 
     return app

@@ -1,0 +1,79 @@
+"""The fleet gateway: the only door of a deployment that nodes may knock on.
+
+Flower 1.42's SuperLink serves every API — the nodes' Fleet API, the Control API (register nodes, start, stop and list
+runs) and the Runtime API — on one address and port, and without Flower's enterprise module it authenticates no caller
+of the Control API: whoever reaches that port and trusts its certificate can register a node, run their own ServerApp
+on the server, stop the operator's run (docs/design.md "Deployment: who can do what"). So ``fedmosaic deploy`` binds
+the SuperLink to the server's loopback and puts this gateway on the address the nodes reach: it terminates TLS with
+the SuperLink's certificate and forwards the Fleet API's node operations alone (``FLEET``, POST) to the SuperLink
+over TLS on loopback; anything else is refused with 403 and a one-line reason, before it reaches the SuperLink. A
+node's own authentication (its registered key signs every Fleet request's headers) passes through unchanged.
+
+Run as ``fedmosaic gateway --listen HOST:PORT --superlink 127.0.0.1:PORT --certfile ... --keyfile ... --ca ...``
+(``commands.sh`` does).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+#: the Fleet API's calls a registered node makes (flwr 1.42, ``superlink/routers/fleet/router.py``); node
+#: self-registration is not among them (the SuperLink refuses it under --enable-supernode-auth anyway)
+FLEET = frozenset(f"/v1/fleet/{op}" for op in (
+    "activate-node", "deactivate-node", "send-node-heartbeat", "pull-messages", "push-messages", "get-run",
+    "get-fab", "push-object", "pull-object", "confirm-message-received"))
+#: request headers passed on (the node's signature headers among them); hop-by-hop ones and Host are not
+_DROP = frozenset(("host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+                   "proxy-authorization", "proxy-connection", "content-length"))
+REFUSED = "refused by the fleet gateway: only the Fleet API's node operations are served on this address"
+
+
+def make_app(superlink: str, ca: str, max_body_mb: float = 2048.0):
+    """The gateway's ASGI app, forwarding to ``https://<superlink>`` verified against the CA file ``ca``."""
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import PlainTextResponse, Response
+    from starlette.routing import Route
+
+    client = httpx.AsyncClient(base_url=f"https://{superlink}", verify=ca, timeout=httpx.Timeout(120.0))
+    limit = int(max_body_mb * 2**20)
+
+    async def forward(request: Request) -> Response:
+        path = request.url.path
+        if request.method != "POST" or path not in FLEET:
+            return PlainTextResponse(f"{REFUSED} ({request.method} {path[:100]})\n", status_code=403)
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return PlainTextResponse(f"refused by the fleet gateway: a body over {max_body_mb:g} MB\n", 413)
+        body = await request.body()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
+        try:
+            r = await client.post(path, content=body, headers=headers)
+        except httpx.HTTPError as e:
+            return PlainTextResponse(f"the SuperLink behind the gateway did not answer: {type(e).__name__}\n", 502)
+        out = {k: v for k, v in r.headers.items() if k.lower() not in _DROP | {"content-encoding"}}
+        return Response(r.content, status_code=r.status_code, headers=out)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await client.aclose()
+
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+    return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
+
+
+def serve(listen: str, superlink: str, certfile: str, keyfile: str, ca: str) -> None:
+    """Serve the gateway on ``listen`` (HOST:PORT, IPv6 in brackets) until stopped."""
+    import uvicorn
+
+    host, port = split_address(listen)
+    uvicorn.run(make_app(superlink, ca), host=host, port=port, ssl_certfile=certfile, ssl_keyfile=keyfile,
+                log_level="warning", workers=1)
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT or [IPv6]:PORT -> (host, port)."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
