@@ -73,8 +73,7 @@ class LocalFederation:
         self._start("superlink", [exe("flower-superlink"), "--ssl-ca-certfile", str(p / "ca.crt"),
                                   "--ssl-certfile", str(p / "server.pem"), "--ssl-keyfile", str(p / "server.key"),
                                   "--enable-supernode-auth", "--disable-runtime-dependency-installation",
-                                  "--host", "127.0.0.1", "--port", str(self.link_port),
-                                  "--database", str(self.root / "superlink.db")])
+                                  "--host", "127.0.0.1", "--port", str(self.link_port)])  # (in memory, as deploy's)
         self._up("superlink", self.link_port, "/health", timeout)
         self.start_gateway(timeout)
 
@@ -154,6 +153,15 @@ class LocalFederation:
 
     def logs_of(self, run_id: int) -> str:
         return self.flwr("log", str(run_id), "fedmosaic", "--show").stdout
+
+    def kill_all(self) -> None:
+        """kill -9 of every process group started here (SuperLink with its ServerApp, gateway, SuperNodes), at once."""
+        for p in self.procs.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+        for p in self.procs.values():
+            p.wait(10)
+        self.procs.clear()
 
     def stop(self, name: str | None = None) -> None:
         for key in [name] if name else list(self.procs):

@@ -23,7 +23,7 @@ from loopgrid import LoopGrid
 
 from fedmosaic.cli.main import main
 from fedmosaic.config import dump
-from fedmosaic.deploy.prepare import make_pki, node_config, node_key, prepare
+from fedmosaic.deploy.prepare import NODE_KEYS, make_pki, node_config, node_key, prepare, public_key_pem
 from fedmosaic.deploy.server import FlowerPool
 from fedmosaic.engine.runner import read_metrics, run
 
@@ -59,8 +59,12 @@ def link(tmp_path_factory):
     fed.stop()
 
 
-def deploy(cfg, where: Path) -> Path:
-    prepare(cfg, where, port=1)  # the app (its commands name another port; the tests' federation has its own)
+def deploy(cfg, where: Path, fed: LocalFederation) -> Path:
+    """The app of ``cfg`` (its commands name other ports: the tests' federation has its own), its clients bound to
+    the node keys of ``fed``'s PKI, as `fedmosaic deploy` binds them to the keys it makes."""
+    prepare(cfg, where, port=1, link_port=2, check=False)
+    keys = {str(k): public_key_pem(fed.pki / f"node-{k}.pub") for k in range(cfg.data.clients)}
+    (where / "app" / "fedmosaic_app" / NODE_KEYS).write_text(json.dumps(keys))
     return where / "app"
 
 
@@ -82,7 +86,7 @@ def completed(fed, app, run_config=None) -> dict:
 @pytest.mark.parametrize("family", ["ahf", "protofcl"])
 def test_a_deployed_run_equals_the_in_process_run(family, link, tmp_path):
     cfg = config(family, eval={"every": 2})
-    app = deploy(cfg, tmp_path / "dep")
+    app = deploy(cfg, tmp_path / "dep", link)
     completed(link, app)
     got = read_metrics(tmp_path / "dep" / "run")
     run(cfg, tmp_path / "sim", progress=False)
@@ -97,7 +101,7 @@ def test_a_poisoned_reply_is_rejected_and_the_round_is_still_right(link, tmp_pat
     """Client 2's node runs hostile code: a NaN upload in round 0, an oversized one in round 1. Both are rejected
     and logged; each round goes on with the others and equals the in-process run with the same replies."""
     cfg = config("fedavg", eval={"every": 2}, deploy={"min_clients": 2, "max_reply_mb": 1})
-    app = deploy(cfg, tmp_path / "dep")
+    app = deploy(cfg, tmp_path / "dep", link)
     (app / "fedmosaic_app" / "client_app.py").write_text(HOSTILE.format(tests=str(HERE)))
     st = completed(link, app)
     got = read_metrics(tmp_path / "dep" / "run")
@@ -147,12 +151,12 @@ def test_only_the_operator_controls_the_deployment(link, tmp_path):
     from harness import write_home
 
     cfg = config("fedavg", train={"rounds": 1})
-    app = deploy(cfg, tmp_path / "dep")
+    app = deploy(cfg, tmp_path / "dep", link)
     rid = link.submit(app)
     attacker = tmp_path / "attacker"
     write_home(attacker, f"127.0.0.1:{link.port}", link.pki / "ca.crt")  # the nodes' address, their CA
     node_key(attacker / "mine")
-    rogue = deploy(config("fedavg", train={"rounds": 1}), tmp_path / "rogue")
+    rogue = deploy(config("fedavg", train={"rounds": 1}), tmp_path / "rogue", link)
     tries = {"register": ["supernode", "register", str(attacker / "mine.pub"), "fedmosaic", "--format", "json"],
              "run": ["run", str(rogue), "fedmosaic", "--format", "json"],
              "stop": ["stop", str(rid), "fedmosaic", "--format", "json"],
@@ -203,7 +207,7 @@ def test_a_node_with_another_partition_is_refused_at_first_contact(tmp_path):
     fed = start(tmp_path / "fed", data={1: str(tmp_path / "other")})
     try:
         cfg = config("fedavg", data={"dataset": "usps"}, train={"rounds": 1})
-        st = finished(fed, deploy(cfg, tmp_path / "dep"))
+        st = finished(fed, deploy(cfg, tmp_path / "dep", fed))
     finally:
         fed.stop()
     assert st["status"] == "finished:failed"
@@ -218,7 +222,7 @@ def test_a_supernode_killed_mid_run(tmp_path):
     fed = start(tmp_path / "fed")
     try:
         cfg = config("ditto", eval={"every": 2}, deploy={"round_timeout_s": 20, "min_clients": 2})
-        app = deploy(cfg, tmp_path / "a")
+        app = deploy(cfg, tmp_path / "a", fed)
         rid = fed.submit(app)
         kill_after_round_0(fed, rid, tmp_path / "a" / "run")
         st = fed.wait(rid, 400)
@@ -231,7 +235,7 @@ def test_a_supernode_killed_mid_run(tmp_path):
         start_node(fed, 2)
         fed.wait_online(3)
         cfg = config("ditto", eval={"every": 2}, deploy={"round_timeout_s": 20})
-        app = deploy(cfg, tmp_path / "b")
+        app = deploy(cfg, tmp_path / "b", fed)
         rid = fed.submit(app)
         kill_after_round_0(fed, rid, tmp_path / "b" / "run")
         st = fed.wait(rid, 400)
@@ -247,7 +251,29 @@ def test_a_supernode_killed_mid_run(tmp_path):
     assert same_metrics(read_metrics(tmp_path / "b" / "run"), read_metrics(tmp_path / "sim")) == []
 
 
-def kill_after_round_0(fed: LocalFederation, run_id: int, run_dir: Path, timeout: float = 300) -> None:
+def test_everything_killed_mid_run_comes_back_in_the_documented_order_and_resumes_exactly(tmp_path):
+    """kill -9 of the SuperLink (with its ServerApp), the gateway and every SuperNode while round 1 runs; then the
+    order commands.sh documents — SuperLink, gateway, keys registered, SuperNodes (at once: no waiting for the old
+    ones to time out), `resume=true` — ends with the metrics of a run that was never interrupted."""
+    fed = start(tmp_path / "fed")
+    try:
+        cfg = config("ditto", eval={"every": 1}, train={"rounds": 3})
+        app = deploy(cfg, tmp_path / "a", fed)
+        rid = fed.submit(app)
+        kill_after_round_0(fed, rid, tmp_path / "a" / "run", kill=fed.kill_all)
+        fed.start_link()
+        for k in range(3):
+            fed.register(fed.pki / f"node-{k}.pub")
+            start_node(fed, k)
+        fed.wait_online(3)
+        completed(fed, app, "resume=true")
+    finally:
+        fed.stop()
+    run(cfg, tmp_path / "sim", progress=False)
+    assert same_metrics(read_metrics(tmp_path / "a" / "run"), read_metrics(tmp_path / "sim")) == []
+
+
+def kill_after_round_0(fed: LocalFederation, run_id: int, run_dir: Path, timeout: float = 300, kill=None) -> None:
     deadline, polls = time.monotonic() + timeout, 0
     while not (run_dir / "metrics.jsonl").is_file() or not read_metrics(run_dir):
         assert time.monotonic() < deadline, "round 0 did not finish"
@@ -256,4 +282,4 @@ def kill_after_round_0(fed: LocalFederation, run_id: int, run_dir: Path, timeout
             st = fed.status(run_id)
             assert not st["status"].startswith("finished"), f"{st['status-details']}\n{fed.logs_of(run_id)[-3000:]}"
         time.sleep(0.2)
-    fed.stop("node2")
+    kill() if kill else fed.stop("node2")

@@ -123,6 +123,32 @@ def test_too_few_answers_stop_the_run_in_one_line_with_a_resume_command(tmp_path
     assert "\n" not in msg and "round 1: 2 of 3 clients answered 'train'" in msg and "no reply from [0]" in msg
     assert msg.endswith("resume: RESUME-IT")
     assert len(read_metrics(tmp_path / "dep")) == 1  # round 0 is kept
+    # stopped in round 0, nothing is kept: no resume command that would find nothing
+    grid0 = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes0",
+                     tamper=lambda k, a, rec: None if (k, a) == (0, "train") else rec)
+    with pytest.raises(RunError) as e:
+        run(cfg, tmp_path / "dep0", progress=False, pool=lambda fed: FlowerPool(grid0, fed, "t0k3n", "RESUME-IT"))
+    assert "RESUME-IT" not in str(e.value) and "no round was kept: start the run again" in str(e.value)
+    assert not (tmp_path / "dep0").exists()
+
+
+def test_a_refusal_is_one_line_in_flowers_log_and_a_bug_keeps_its_traceback():
+    import logging
+
+    from fedmosaic.deploy.server import _one_line_refusals
+
+    def record(exc):
+        try:
+            raise exc
+        except Exception as e:
+            return logging.LogRecord("flwr", logging.ERROR, __file__, 1, "%s raised an exception", ("ServerApp",),
+                                     (type(e), e, e.__traceback__))
+    refusal = record(FedMosaicError("node 7 claims client 1, but its key is not the one made for client 1"))
+    assert _one_line_refusals(refusal)
+    text = logging.Formatter().format(refusal)
+    assert text == "fedmosaic: error: node 7 claims client 1, but its key is not the one made for client 1"
+    bug = record(ZeroDivisionError("division by zero"))
+    assert "Traceback" in logging.Formatter().format(bug) and _one_line_refusals(bug) and bug.exc_info
 
 
 def test_a_stopped_deployment_resumes_on_restarted_nodes_with_the_uninterrupted_numbers(tmp_path):

@@ -3,12 +3,15 @@ commands.sh brings up a TLS federation on localhost that finishes a run."""
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -52,7 +55,69 @@ def test_deploy_writes_the_app_the_pki_and_the_commands(tmp_path, capsys):
                  "partition-id=2", "flwr run", "resume=true"):
         assert flag in printed
     assert "--insecure" not in printed
-    assert 'root-certificates = "' in (out / "flwr" / "config.toml").read_text()
+    # the control plane: the SuperLink and the operator's CLI on loopback, the nodes at the gateway
+    home = (out / "flwr" / "config.toml").read_text()
+    assert 'address = "127.0.0.1:9092"' in home and 'root-certificates = "' in home
+    assert "--host 127.0.0.1 --port 9092" in printed and "fedmosaic gateway --listen 127.0.0.1:9093" in printed
+    assert "--superlink 127.0.0.1:9093" in printed  # the SuperNodes reach the gateway
+    keys = json.loads((out / "app" / "fedmosaic_app" / "node_keys.json").read_text())
+    assert sorted(keys) == ["0", "1", "2"] and all("BEGIN PUBLIC KEY" in v for v in keys.values())
+    assert len(set(keys.values())) == 3
+
+
+INJECTED = "127.0.0.1$(touch${IFS}pwned)"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--host", INJECTED], "--host: .* is neither an IP address nor a host name"),
+    (["--host", "h\"\nx = 1"], "--host: .* is neither"),
+    (["--host", "my host"], "--host: 'my host' is neither"),
+    (["--host", ""], "--host: '' is neither"),
+    (["--host", "[::1]"], "--host: .* is neither"),
+    (["--host", "a" * 70 + ".org"], "--host: .* is neither"),
+    (["--port", "70000"], "--port: 70000 is not a port"),
+    (["--port", "0"], "--port: 0 is not a port"),
+    (["--link-port", "-1"], "--link-port: -1 is not a port"),
+    (["--node-port", "65534"], "--node-port: 3 SuperNodes from 65534 need ports up to 65536"),
+    (["--port", "9092"], "--port and --link-port: both 9092"),
+    (["--port", "9095"], "--port: 9095 is among the SuperNodes' ports 9094-9096"),
+    (["--link-port", "9094"], "--link-port: 9094 is among the SuperNodes' ports"),
+    (["--set", "deploy.min_clients=99"], "deploy.min_clients: 99 is more than the 3 clients"),
+    (["--set", "model.name=resnet10", "--set", "model.options.width=-1"], "model"),
+    (["--set", "algorithm.name=fedrecon", "--set", "data.tasks.n_tasks=5", "--set", "data.tasks.rounds_per_task=1",
+      "--set", "train.rounds=5"], "fedrecon: encoder: first_task"),
+])
+def test_deploy_refuses_bad_arguments_in_one_line_and_writes_nothing(args, message, tmp_path, capsys):
+    """Hostile or mistyped arguments: each one line before anything is written (no commands.sh to run an injected
+    command, no TOML line to inject)."""
+    assert main(["deploy", "deploy-quickstart", "--out", str(tmp_path / "dep"), *args]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err), err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "dep").exists() and not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("host, listen, node", [("::1", "'[::1]:9093'", "[::1]:9093"),
+                                                ("node-7.example.org", "node-7.example.org:9093",
+                                                 "node-7.example.org:9093")])
+def test_deploy_writes_hosts_as_addresses_and_the_files_parse(host, listen, node, tmp_path):
+    import shlex
+    import tomllib
+
+    out = tmp_path / "dep"
+    assert main(["deploy", "deploy-quickstart", "--out", str(out), "--host", host]) == 0
+    text = (out / "commands.sh").read_text()
+    assert f"--listen {listen}" in text and f"flower-supernode --superlink {node}" in text.replace("'\"'\"'", "")
+    for line in text.splitlines():  # every command splits into words as written (nothing unquoted)
+        if line and not line.startswith("#"):
+            shlex.split(line)
+    tomllib.loads((out / "flwr" / "config.toml").read_text())
+    pyproject = tomllib.loads((out / "app" / "pyproject.toml").read_text())
+    assert pyproject["tool"]["flwr"]["app"]["config"]["resume"] is False
+    san = x509.load_pem_x509_certificate((out / "pki" / "server.pem").read_bytes()).extensions.get_extension_for_class(
+        x509.SubjectAlternativeName).value
+    names = [str(v) for v in san.get_values_for_type(x509.IPAddress)] + san.get_values_for_type(x509.DNSName)
+    assert host in names and "127.0.0.1" in names
 
 
 @pytest.mark.parametrize("args, message", [
@@ -104,3 +169,24 @@ def test_commands_sh_runs_a_tls_federation_on_localhost_to_the_end(tmp_path):
     assert p.returncode == 0, text[-4000:]
     assert '"status": "finished:completed"' in text, text[-4000:]
     assert json.loads((out / "run" / "summary.json").read_text())["rounds"] == 1
+    # the script stopped what it started, each component in its own session (no orphan left to PID 1)
+    import time
+
+    def leftovers():
+        mine = []
+        for proc in Path("/proc").iterdir():
+            if proc.name.isdigit():
+                try:
+                    if str(out).encode() in (proc / "cmdline").read_bytes():
+                        mine.append(proc.name)
+                except OSError:
+                    pass
+        return mine
+    deadline = time.monotonic() + 30
+    while leftovers() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = leftovers()
+    for pid in left:  # (the test stops them anyway, then fails)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signal.SIGKILL)
+    assert not left, f"left running: {left}"

@@ -145,7 +145,7 @@ def _run(args) -> None:
     reserved = not (args.resume or args.out)
     resume_cmd = f"fedmosaic run --resume {shlex.quote(str(out))}"
     # a run that stopped before its first round finished leaves nothing (runner.run): resume only what is there
-    started = lambda: any((out / f).exists() for f in ("config.yaml", "comparison.yaml"))  # noqa: E731
+    started = lambda: any((out / f).exists() for f in ("config.yaml", "comparison.yaml", "seeds.yaml"))  # noqa: E731
 
     def where() -> str:  # what the user can do with what is in `out`
         if any(p.is_file() and p.stat().st_size for p in out.rglob("metrics.jsonl")):

@@ -175,6 +175,12 @@ def check_ports(port: int, link_port: int, node_port: int, nodes: int) -> None:
             raise FedMosaicError(f"{name}: {value} is among the SuperNodes' ports {node_port}-{last} (--node-port)")
 
 
+def _retrying(command: str, k: int, tries: int = 24, wait_s: int = 5) -> str:
+    """``command`` run again while it fails, ``tries`` times ``wait_s`` s apart (a bash snippet)."""
+    return (f"for i in $(seq {tries}); do {command} && exit 0; echo 'fedmosaic: SuperNode {k} exited; trying "
+            f"again in {wait_s} s' >&2; sleep {wait_s}; done; exit 1")
+
+
 def check_model(cfg) -> None:
     """Build the run's server as the ServerApp will (data, partition, model, algorithm) — so a config a run would
     refuse is refused here, in one line, before anything is written."""
@@ -251,6 +257,11 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
     (app_pkg / NODE_KEYS).write_text(json.dumps({str(k): public_key_pem(pki / f"node-{k}.pub") for k in range(K)},
                                                 indent=1))
     public = address(host, port)
+
+    def node_cmd(k: int) -> str:
+        return (f"flower-supernode --superlink {q(public)} --root-certificates {q(str(pki / 'ca.crt'))} "
+                f"--auth-supernode-private-key {q(str(pki / f'node-{k}'))} --port {node_port + k} "
+                f"--node-config {q(node_config(k, out / 'nodes', data_dir))}")
     certs = (f"--ssl-ca-certfile {q(str(pki / 'ca.crt'))} --ssl-certfile {q(str(pki / 'server.pem'))} "
              f"--ssl-keyfile {q(str(pki / 'server.key'))}")
     lines = [
@@ -268,8 +279,10 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
         "trap stop EXIT",
         f"# 1. the SuperLink, on this machine's loopback only ({link}): TLS, only registered nodes, no installs at",
         "#    run time. Its Control API (register nodes, start, stop and list runs) is reachable from this machine alone.",
+        "#    It keeps what it knows in memory: nothing a run needs (the run's state is in its run directory and on",
+        "#    the nodes), so after any crash run steps 1-4 again as they are, then the resume command at the end.",
         f"setsid flower-superlink {certs} --enable-supernode-auth --disable-runtime-dependency-installation "
-        f"--host 127.0.0.1 --port {link_port} --database {q(str(out / 'superlink.db'))} & pids+=($!)",
+        f"--host 127.0.0.1 --port {link_port} & pids+=($!)",
         f"# 2. the fleet gateway on {public}, the one address nodes reach: TLS, the Fleet API's node calls alone",
         f"setsid fedmosaic gateway --listen {q(public)} --superlink {q(link)} --certfile {q(str(pki / 'server.pem'))} "
         f"--keyfile {q(str(pki / 'server.key'))} --ca {q(str(pki / 'ca.crt'))} & pids+=($!)",
@@ -277,11 +290,10 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
         f"for i in $(seq 60); do flwr supernode list {LINK} >/dev/null 2>&1 && break; sleep 1; done",
         *[f"flwr supernode register {q(str(pki / f'node-{k}.pub'))} {LINK}" for k in range(K)],
         "# 4. one SuperNode per client, on its own machine (or its own --port here), with its private key; it",
-        "#    reaches the gateway. If it exits with 'Failed to activate SuperNode' its key is not registered (or, right",
-        "#    after a crash, the SuperLink still lists it online: start it again after ~60 s)",
-        *[f"setsid flower-supernode --superlink {q(public)} --root-certificates {q(str(pki / 'ca.crt'))} "
-          f"--auth-supernode-private-key {q(str(pki / f'node-{k}'))} --port {node_port + k} "
-          f"--node-config {q(node_config(k, out / 'nodes', data_dir))} & pids+=($!)" for k in range(K)],
+        "#    reaches the gateway. 'Failed to activate SuperNode' means its key is not registered, or — a node",
+        "#    restarted right after it crashed — that the SuperLink still lists it online (for up to ~60 s): each",
+        "#    SuperNode here tries again every 5 s for 2 minutes",
+        *[f"setsid bash -c {q(_retrying(node_cmd(k), k))} & pids+=($!)" for k in range(K)],
         f"# 5. the run: its results land in {run_dir} (fedmosaic report reads it)",
         f"flwr run {q(str(app))} {LINK} --stream",
         "# 6. flwr run exits 0 even when the run failed: its status says (finished:completed or finished:failed)",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import secrets
 import time
 import warnings
@@ -35,7 +36,7 @@ import torch
 
 from ..engine.client import ids_of, order_parts
 from ..engine.pools import merge_evaluations, merge_logits, row, sub_request, upload_of
-from ..errors import CorruptDataError, FedMosaicError, RunError
+from ..errors import CorruptDataError, FedMosaicError, RunError, one_line
 from ..protocol import codec
 from ..protocol.tree import all_finite, layout, to
 from .common import FRESH, MESSAGE_TYPES, RECORD, check_deployable, flower, public_hash, rows_hash
@@ -237,7 +238,7 @@ class FlowerPool:
             why = "; ".join([*(f"client {k}: {w}" for k, w in sorted(rejected.items())),
                              *([f"no reply from {missing} within {self.opts.round_timeout_s:g} s"] if missing else [])])
             raise RunError(f"round {t}: {len(got)} of {len(bodies)} clients answered '{action}', fewer than "
-                           f"deploy.min_clients = {need} ({why}); resume: {self.resume}")
+                           f"deploy.min_clients = {need} ({why}); {self._after(t)}")
         return got
 
     def _accept(self, action: str, t: int, k: int, reply, reference) -> object:
@@ -366,7 +367,7 @@ class FlowerPool:
             if request.get(k) is not None and request.get(k) is not False)
         if request.get("continual") is not None and len(got) < len(subs):
             raise RunError(f"round {t}: the continual accuracy of personal models needs every client's answer; "
-                           f"{len(subs) - len(got)} missing; resume: {self.resume}")
+                           f"{len(subs) - len(got)} missing; {self._after(t)}")
         return merge_evaluations(request, [(got[k], subs[k]) for k in sorted(got)])
 
     def _check_counts(self, k: int, body: dict) -> None:
@@ -385,6 +386,13 @@ class FlowerPool:
                     raise Rejected(f"it reports impossible counts for {key}")
         if "continual" in body and not bool(((body["continual"] == 0) | (body["continual"] == 1)).all()):
             raise Rejected("its continual hits are not 0 or 1")
+
+    def _after(self, t: int) -> str:
+        """What the operator can do once the run stops in round ``t``: resume it, or — stopped in round 0, when
+        the runner keeps nothing — start it again."""
+        if t == 0:
+            return "no round was kept: start the run again as before (flwr run), after fixing its nodes"
+        return f"resume: {self.resume}"
 
     # ---- checkpoints and records --------------------------------------------------------------------
     def state(self) -> dict:
@@ -446,6 +454,7 @@ def server_app(config_path: str | Path):
     ``resume-command`` (said by the error that stops a run)."""
     fl = flower()
     app = fl.serverapp.ServerApp()
+    logging.getLogger("flwr").addFilter(_one_line_refusals)
 
     @app.main()
     def main(grid, context) -> None:
@@ -468,6 +477,16 @@ def server_app(config_path: str | Path):
         print(json.dumps({"run_dir": str(out), "summary": summary}), flush=True)
 
     return app
+
+
+def _one_line_refusals(record: logging.LogRecord) -> bool:
+    """Flower logs a failed ServerApp with its traceback (``flwr run --stream`` shows it): a refusal of ours is one
+    line, as everywhere else; anything else keeps its traceback (a bug must be reportable)."""
+    exc = record.exc_info[1] if record.exc_info else None
+    if isinstance(exc, FedMosaicError):
+        record.msg, record.args = f"fedmosaic: error: {one_line(str(exc), 2000)}", ()
+        record.exc_info = record.exc_text = None
+    return True
 
 
 def _token(out: Path) -> str:
