@@ -179,6 +179,22 @@ def test_only_the_operator_controls_the_deployment(link, tmp_path):
     assert len(nodes) == 3  # the operator's three; the attacker's key was never registered
 
 
+def test_a_registered_node_claiming_another_clients_partition_is_refused(link, tmp_path):
+    """The app binds client 0 to node 1's key and client 1 to node 0's (as if node 0 claimed client 1's partition
+    with its own registered key): the SuperLink's record of each node's key refuses the run at first contact."""
+    cfg = config("fedavg", train={"rounds": 1})
+    app = deploy(cfg, tmp_path / "dep", link)
+    keys_file = app / "fedmosaic_app" / NODE_KEYS
+    keys = json.loads(keys_file.read_text())
+    keys["0"], keys["1"] = keys["1"], keys["0"]
+    keys_file.write_text(json.dumps(keys))
+    st = finished(link, app)
+    assert st["status"] == "finished:failed"
+    assert "claims client" in st["status-details"] and "its key is not the one made for client" in st["status-details"]
+    assert "fedmosaic: error:" in st["log"] and "Traceback" not in st["log"]  # one line in the run's log, too
+    assert not (tmp_path / "dep" / "run" / "metrics.jsonl").exists()
+
+
 def test_an_unregistered_supernode_is_refused(link, tmp_path):
     node_key(tmp_path / "stranger")
     p = link.start_node("stranger", tmp_path / "stranger", node_config(0, tmp_path / "nodes"),
