@@ -200,3 +200,27 @@ def test_list_shows_every_algorithm_with_its_hyper_parameters(capsys):
     assert main(["list", "algorithm"]) == 2
     assert capsys.readouterr().err.strip() == ("fedmosaic: error: list: unknown section 'algorithm'; allowed: "
                                                "algorithms, models, presets, datasets")
+
+
+def test_compare_takes_the_configs_own_list_and_refuses_a_config_without_one(tmp_path, capsys):
+    """README: `fedmosaic compare quickstart --seeds 0 1 2` — the preset's compare: list, every seed."""
+    out = tmp_path / "cmp"
+    assert main(["compare", "quickstart", "--seeds", "0", "1", "--set", "train.rounds=1", "--no-progress",
+                 "--out", str(out)]) == 0
+    names = {s["name"] for s in json.loads((out / "comparison.json").read_text())}
+    assert names == {"fedavg", "fedprox(mu=0.1)"}
+    assert (out / "seed_0").is_dir() and (out / "seed_1").is_dir()
+    capsys.readouterr()
+    assert main(["compare", "quickstart", "--set", "compare=null", "--out", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "compare: name the algorithms (--algorithms" in err and err.count("\n") == 1
+    assert not (tmp_path / "none").exists()
+
+
+def test_a_plugin_that_exits_while_imported_is_an_error_not_a_silent_success(tmp_path, monkeypatch, capsys):
+    (tmp_path / "exiting_plugin.py").write_text("import sys\nsys.exit(0)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert main(["--plugin", "exiting_plugin", "run", "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "plugin 'exiting_plugin': it called sys.exit(0) while being imported" in err and err.count("\n") == 1
+    assert not (tmp_path / "run").exists()

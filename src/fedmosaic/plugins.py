@@ -64,6 +64,9 @@ def load(names: list[str] = ()) -> None:
 def _import(what: str, do) -> None:
     try:
         do()
+    except SystemExit as e:  # a module that exits while being imported would end fedmosaic with its code (0: "fine")
+        raise ConfigError(f"{what}: it called sys.exit({e.code!r}) while being imported; a plug-in registers "
+                          "datasets, models or algorithms and returns") from None
     except Exception as e:  # whatever the module raises while importing: it is the user's code, named in one line
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ConfigError(f"{what}: cannot import it: {type(e).__name__}: {first}") from None

@@ -139,6 +139,9 @@ def _run(args) -> None:
         cfg = load_config(saved[0], args.set, updates)
     else:
         cfg = load_config(_config_path(args.config or "quickstart"), args.set, updates)
+        if args.command == "compare" and not cfg.compare:
+            raise FedMosaicError("compare: name the algorithms (--algorithms fedavg fedprox:mu=0.1) or give a config "
+                                 "with a compare: list")
         advise(cfg, compare_given="compare" in updates)
     # a new directory is created (reserved) right away, so that runs started together never share one
     out = Path(args.resume or args.out or new_run_dir(args.runs_dir, cfg.name))
@@ -348,8 +351,8 @@ def build_parser() -> argparse.ArgumentParser:
                        help="run once per seed (each in <out>/seed_<s>); the table gives mean ± std, the curves a band")
         q.add_argument("--no-progress", action="store_true", help="no progress bar")
         q.set_defaults(fn=_run)
-    c.add_argument("--algorithms", nargs="+", required=True, metavar="NAME[:K=V,...]",
-                   help="e.g. fedavg fedprox:mu=0.1 fedntd:beta=1,tau=1")
+    c.add_argument("--algorithms", nargs="+", metavar="NAME[:K=V,...]",
+                   help="e.g. fedavg fedprox:mu=0.1 fedntd:beta=1,tau=1 (default: the config's compare: list)")
 
     dp = sub.add_parser("deploy", help="prepare a Flower deployment of a config: the app, TLS certificates, node "
                         "keys and the commands for a SuperLink and one SuperNode per client")
