@@ -405,3 +405,39 @@ def test_a_run_read_without_its_plugin_names_it(tmp_path, monkeypatch):
                                           r"script registered: move its register_dataset call into a module and pass "
                                           r"--plugin MODULE\)"):
         fedmosaic.run({"data": {"dataset": "api_absent"}}, tmp_path / "never", progress=False)
+
+
+# ---- the README's "Write your own algorithm": its code, executed as written ------------------------------------
+def _readme_section(title: str) -> list[tuple[str, str]]:
+    readme = (REPO / "README.md").read_text()
+    section = re.search(rf"^## {re.escape(title)}$(.*?)(?=^## |\Z)", readme, re.M | re.S)
+    assert section, f"README.md has no '## {title}' section"
+    return re.findall(r"```(\w*)\n(.*?)```", section.group(1), re.S)
+
+
+def test_the_readmes_own_algorithm_registers_reduces_to_fedavg_and_runs_from_the_cli(tmp_path, monkeypatch, capsys):
+    import importlib
+
+    from fedmosaic.cli.main import main
+    from fedmosaic.protocol.algorithm import ALGORITHMS
+
+    blocks = _readme_section("Write your own algorithm")
+    (code,) = [b for lang, b in blocks if lang == "python"]
+    (command,) = [b.strip() for lang, b in blocks if lang in ("sh", "bash")]
+    (tmp_path / "my_algorithm.py").write_text(code)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        importlib.import_module("my_algorithm")
+        small = {**SMALL, "train": {**SMALL["train"], "rounds": 2}}
+        mine = fedmosaic.compare(small, ["server_step", "fedavg", "server_step:eta_g=1.5,mu=0.1"], tmp_path / "c",
+                                 progress=False)
+        assert mine[0].metrics[-1]["global"] == mine[1].metrics[-1]["global"]  # eta_g 1, mu 0: FedAvg exactly
+        assert mine[2].metrics[-1]["global"] != mine[1].metrics[-1]["global"]
+        assert set(mine[2].metrics[-1]["terms"]) == {"task_loss", "prox"}
+        # the README's command line, with its rounds cut
+        argv = command.split()[1:] + ["--set", "train.rounds=1", "--no-progress", "--out", str(tmp_path / "cli")]
+        assert main(argv) == 0, capsys.readouterr().err
+        assert "server_step(eta_g=1.5)" in capsys.readouterr().out
+    finally:
+        ALGORITHMS.pop("server_step", None)
+        sys.modules.pop("my_algorithm", None)
