@@ -211,3 +211,28 @@ def test_a_model_whose_activations_cannot_be_measured_without_data_still_runs(re
 
     assert activation_bytes(ReadsItsData(), (4,), 8) == 0
     assert any("cannot be measured without data" in str(w.message) for w in recwarn)
+
+
+def test_a_model_too_big_to_train_is_refused_without_being_built(tmp_path):
+    """ResNet-34 at width 8 (1.36 billion parameters): measured on the meta device and refused in one line before
+    the data are laid out or the model exists — in seconds and under 1 GB, not after minutes and 12 GB."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import DATA_PATH, need_data
+
+    need_data("cifar100")
+    code = ("import json, resource, sys, time\nfrom fedmosaic.cli.main import main\nt = time.time()\n"
+            "rc = main(['run', '--out', sys.argv[1], '--no-progress', '--set', 'compare=null', '--set',"
+            " 'algorithm.name=fedavg', '--set', 'data.dataset=cifar100', '--set', 'model.name=resnet34', '--set',"
+            " 'model.options.width=8', '--set', 'engine.memory_mb=16000'])\n"
+            "print(json.dumps({'rc': rc, 's': time.time() - t,"
+            " 'mb': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))\n")
+    p = subprocess.run([sys.executable, "-c", code, str(tmp_path / "run")], capture_output=True, text=True,
+                       timeout=300, env={**__import__("os").environ, "FEDMOSAIC_DATA": DATA_PATH})
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["rc"] == 2 and "training model 'resnet34' (1,361,087,076 parameters" in p.stderr, p.stderr[-2000:]
+    assert p.stderr.count("\n") == 1 and not (tmp_path / "run").exists()
+    assert out["mb"] < 1024, out  # (the model alone would be 5.4 GB)
+    assert out["s"] < 30, out

@@ -120,10 +120,11 @@ def test_too_few_cpus_for_the_actors_is_one_line(ray_runtime):
 
 
 def test_a_shard_over_the_memory_budget_is_one_line_from_the_actor(ray_runtime):
-    # 3 personal models of 38k parameters and the training of 4 at once: more than 1 MiB
-    cfg = cfg_of("ditto", engine={"memory_mb": 1}, model={"options": {"hidden": 512}})
+    # one client's training of a 45k-parameter model fits in 2 MiB (the driver's check passes), 3 personal models
+    # and the training of 4 at once do not: the actor refuses its shard
+    cfg = cfg_of("ditto", engine={"memory_mb": 2}, model={"options": {"hidden": 600}})
     with pytest.raises(FedMosaicError, match=r"a Ray actor failed starting its clients: .*needs about .* more than "
-                                             r"the 1.0 MiB of memory on cpu") as e:
+                                             r"the 2.0 MiB of memory on cpu") as e:
         Federation(cfg, pool="ray")
     assert "\n" not in str(e.value)
 

@@ -11,12 +11,12 @@ from ..config import RunConfig
 from ..data.federated import PartitionSpec
 from ..data.public import public_images
 from ..errors import ConfigError
-from ..models import build_model, parameter_count
+from ..models import build_model, construct, parameter_count
 from ..protocol.tree import repeat, tmap
 from .execution import Execution
 from .local import LocalTrainer
 from .mapping import for_each_client
-from .preflight import check_fits
+from .preflight import activation_bytes, check_fits, gib
 from .seeding import INIT, PUBLIC, rng
 from .tensors import ClientTensors
 
@@ -54,6 +54,22 @@ def data_spec(cfg: RunConfig) -> PartitionSpec:
     d = cfg.data
     return PartitionSpec(d.dataset, d.clients, d.partition, d.pool, d.client_test, d.client_val,
                          cfg.seed if d.seed is None else d.seed, None if d.classes is None else tuple(d.classes))
+
+
+def check_models_fit(cfg: RunConfig, shape: tuple, C: int, memory: int | None, dev: torch.device,
+                     batch: int) -> None:
+    """Refuse, before any data are laid out or any model is built, an architecture whose training cannot fit even
+    one client at a time: its parameters with their gradients, optimiser state and copies (9x) and the activations
+    of one step of ``batch`` samples, all measured on the meta device (nothing allocated)."""
+    for spec in cfg.model.heterogeneous or [cfg.model]:
+        with torch.device("meta"):
+            ghost = construct(spec.name, shape, C, **spec.options)
+        n = sum(t.numel() for t in [*ghost.parameters(), *ghost.buffers()])
+        check_fits(4 * n, memory, dev, f"model {spec.name!r} ({n:,} parameters; model.options)")
+        acts = activation_bytes(ghost, shape, batch)
+        check_fits(4 * n * 9 + acts, memory, dev,
+                   f"training model {spec.name!r} ({n:,} parameters, {gib(acts)} of activations a step of {batch} "
+                   "samples, one client at a time; model.options, train.batch_size)")
 
 
 def build_groups(cfg: RunConfig, shape: tuple, C: int, num_clients: int, memory: int | None,

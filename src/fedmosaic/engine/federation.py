@@ -23,7 +23,16 @@ from ..protocol.program import Setting
 from ..protocol.tree import nbytes, take
 from . import evaluate as ev
 from .augment import black
-from .build import Group, build_extra, build_groups, build_public, client_store, data_spec, make_trainer
+from .build import (
+    Group,
+    build_extra,
+    build_groups,
+    build_public,
+    check_models_fit,
+    client_store,
+    data_spec,
+    make_trainer,
+)
 from .calendar import TaskCalendar
 from .client import ClientRuntime, Hosted, ids_of, order_parts
 from .execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
@@ -68,6 +77,9 @@ class Federation:
         self.device = dev = resolve_device(cfg.engine.device)  # before any data is read
         precision(cfg.engine.deterministic, cfg.engine.tf32, dev)
         self.fd = fd if fd is not None else build(data_spec(cfg))
+        budget = lambda: memory_bytes(dev) if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20  # noqa
+        check_models_fit(cfg, self.fd.dataset.input_shape, self.fd.num_classes, budget(), dev,
+                         int(max(1, min(cfg.train.batch_size, self.fd.sizes().max(initial=1)))))
         normalize = make_normalizer(cfg.data.normalize, self.fd.x["train"], dev)
         arrays = [self.fd.x[s] for s in ("train", "val", "test")]
         if self.fd.x_global is not None:
@@ -95,7 +107,7 @@ class Federation:
             self.global_test = (tensor(held[0]), torch.as_tensor(held[1], device=dev))
         self.num_clients = self.fd.num_clients
         self.label_counts = self.fd.summary()["counts"]  # [K, C] train labels per client
-        self.memory = memory_bytes(dev) if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20
+        self.memory = budget()  # (on a GPU: what is free once the data are there)
         self._check_data(cfg)
         self.pad_fill = black(normalize, self.fd.dataset.input_shape, dev) if cfg.data.augment.crop_padding else 0.0
 

@@ -134,6 +134,13 @@ def head_keys(model: FedModel) -> tuple[str, ...]:
     return tuple(k for k, g in zip(params, grads, strict=False) if g is not None)
 
 
+def construct(name: str, input_shape, num_classes: int, **options) -> FedModel:
+    """The model ``name`` as its factory makes it, unchecked (on the current default device: under
+    ``torch.device("meta")`` nothing is allocated) — for measuring it before building it for real."""
+    where = f"model {name!r}" + (f" with options {options}" if options else "")
+    return _construct(name, tuple(input_shape), num_classes, options, where)
+
+
 def parameter_count(name: str, input_shape, num_classes: int, **options) -> int:
     """Parameters and buffers of the model, counted on the meta device (nothing is allocated), so a request for a
     model that cannot fit in memory is refused before it is built."""
@@ -143,4 +150,4 @@ def parameter_count(name: str, input_shape, num_classes: int, **options) -> int:
     return sum(t.numel() for t in [*model.parameters(), *model.buffers()])
 
 
-__all__ = ["FedModel", "Wrapped", "MODELS", "register_model", "build_model", "head_keys", "parameter_count"]
+__all__ = ["FedModel", "Wrapped", "MODELS", "register_model", "build_model", "construct", "head_keys", "parameter_count"]
