@@ -147,3 +147,33 @@ def test_tensorboard_event_files_hold_the_rounds_and_a_resume_replaces_the_recom
     assert [s for s, _ in steps] == [s for s, _ in want]  # each round once, also those of the resumed part
     assert [v for _, v in steps] == pytest.approx([v for _, v in want])
     assert "train_loss" in acc.Tags()["scalars"]
+
+
+def test_a_variant_that_diverges_does_not_stop_its_comparison_and_the_table_says_so(tmp_path):
+    """A long comparison left running must not lose every later method to one that diverged: the diverged one keeps
+    its rounds before, the table and the seeds' table say in which round (or in how many seeds) it diverged."""
+    import warnings as w
+
+    from fedmosaic import api
+    from fedmosaic.reports.compare import table
+
+    cfg = {"name": "div", "seed": 0, "seeds": [0, 1],
+           "data": {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"},
+                    "tasks": {"n_tasks": 2, "rounds_per_task": 2}},
+           "model": {"name": "mlp", "options": {"hidden": 8}},
+           "train": {"rounds": 4, "clients_per_round": 4, "batch_size": 16, "optimizer": {"lr": 0.05}},
+           "eval": {"every": 1}, "checkpoint_every": 1}
+    with w.catch_warnings(record=True) as caught:
+        w.simplefilter("always")
+        # FedEWC's penalty starts with the second task: at this weight it diverges there, after rounds 0-1
+        results = api.compare(cfg, [{"name": "fedewc", "lam": 1e12}, "fedavg"], out=tmp_path / "c", progress=False)
+    assert any("fedewc(lam=1000000000000.0): " in str(c.message) and "the comparison goes on" in str(c.message)
+               for c in caught)
+    by = {r.name: r for r in results}
+    assert by["fedavg"].summary["rounds"] == 4 and "diverged_seeds" not in by["fedavg"].summary
+    diverged = by["fedewc(lam=1000000000000.0)"].summary
+    assert diverged["diverged_seeds"] == 2 and 2 <= diverged["rounds"] < 4  # its rounds before are kept
+    text = table([r.summary for r in results], "markdown")
+    assert "seeds diverged" in text
+    one = json.loads((tmp_path / "c" / "seed_0" / "comparison.json").read_text())
+    assert one[0]["diverged_round"] >= 2 and "diverged_round" not in one[1]

@@ -23,9 +23,10 @@ class RunError(FedMosaicError):
     """A run stopped by its environment (disk full, permissions) or by divergence. Its directory keeps every round
     finished before, and ``fedmosaic run --resume`` continues it; ``amend`` suggests a ``--set`` for that resume."""
 
-    def __init__(self, message: str, amend: str | None = None):
+    def __init__(self, message: str, amend: str | None = None, diverged: int | None = None):
         super().__init__(message)
         self.amend = amend
+        self.diverged = diverged  # the round whose loss or update was not finite, for a divergence
 
 
 class Stopped(FedMosaicError):

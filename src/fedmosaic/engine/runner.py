@@ -502,11 +502,30 @@ def _amend(out: Path, cfg: RunConfig, changes: dict, start: int, fed: Federation
             (out / "meta.json").rename(out / "meta.json.corrupt")
         warnings.warn(f"{out}/meta.json is missing or damaged; a new one records the amendment", stacklevel=2)
         meta = {}
+    meta.pop("diverged_round", None)  # (an amended run is not the one that diverged)
     meta.setdefault("amendments", []).append(
         {"from_round": start, "changes": changes, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
          "execution": _executions(fed)})
     atomic_write(out / "meta.json", json.dumps(meta, indent=2).encode())
     atomic_write(out / "config.yaml", dump(cfg).encode())
+
+
+def _note_divergence(out: Path, t: int) -> None:
+    """``meta.json`` records the round a run diverged in (``diverged_round``: tables say so)."""
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        return
+    atomic_write(out / "meta.json", json.dumps({**meta, "diverged_round": t}, indent=2).encode())
+
+
+def diverged_round(out: Path) -> int | None:
+    """The round the run in ``out`` diverged in, if it did (``meta.json``)."""
+    try:
+        value = json.loads((out / "meta.json").read_text()).get("diverged_round")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: list[dict], progress: bool,
@@ -529,8 +548,9 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
                 lr = cfg.train.optimizer.lr_at(t)
                 where = f"after round {t - 1}, whose state is saved" if last else "in the first round"
                 smaller = float(f"{cfg.train.optimizer.lr / 10:.3g}")
+                _note_divergence(out, t)
                 raise RunError(f"{e} (learning rate {lr:g}); stopped {where}",
-                               amend=f"train.optimizer.lr={yaml_scalar(smaller)}") from None
+                               amend=f"train.optimizer.lr={yaml_scalar(smaller)}", diverged=t) from None
             rec["time_round_s"] = time.perf_counter() - t0
             if (t + 1) % cfg.eval.every == 0 or t == rounds - 1 or fed.task_ends(t):
                 t1 = time.perf_counter()

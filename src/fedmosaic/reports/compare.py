@@ -12,8 +12,18 @@ import numpy as np
 from ..config import RunConfig, dump, load_config
 from ..data.federated import build
 from ..engine.federation import Federation, data_spec
-from ..engine.runner import check_out, claim, config_changes, read_metrics, run, run_hash, summarize, unclaimed
-from ..errors import FedMosaicError
+from ..engine.runner import (
+    check_out,
+    claim,
+    config_changes,
+    diverged_round,
+    read_metrics,
+    run,
+    run_hash,
+    summarize,
+    unclaimed,
+)
+from ..errors import FedMosaicError, RunError
 from ..files import atomic_write, remove_temp_files
 from .plots import accuracy_matrix, accuracy_per_task, cross_heatmap, diagnostics, learning_curves, method_colors
 
@@ -38,6 +48,8 @@ COLUMNS = (
     ("personal sparsity", "personal_sparsity_final", "{:.2%}"),
     ("intra (last 3)", "intra_last3", "{:.2%}"),
     ("inter (last 3)", "inter_last3", "{:.2%}"),
+    ("diverged in round", "diverged_round", "{:.0f}"),
+    ("seeds diverged", "diverged_seeds", "{:.0f}"),
     ("CIL avg", "continual_avg", "{:.2%}"),
     ("CIL last task", "continual_final", "{:.2%}"),
     ("BWT", "continual_bwt", "{:+.3f}"),
@@ -70,8 +82,17 @@ def run_all(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: boo
         try:
             for v in variants:
                 sub = out / dir_name(v.name)
-                summaries.append(run(v, sub, resume=resume and _variant_started(sub, v), amend=amend,
-                                     progress=progress, fd=fd))
+                try:
+                    summaries.append(run(v, sub, resume=resume and _variant_started(sub, v), amend=amend,
+                                         progress=progress, fd=fd))
+                except RunError as e:
+                    if e.diverged is None:
+                        raise
+                    # one method's divergence is a result of the comparison, not the end of it
+                    warnings.warn(f"{v.name}: {e}; the comparison goes on, its table shows the rounds before",
+                                  stacklevel=2)
+                    done = read_metrics(sub) if (sub / "metrics.jsonl").is_file() else []
+                    summaries.append({**summarize(done, v), "diverged_round": e.diverged})
                 curves[v.name] = read_metrics(sub)
         except FedMosaicError:
             _unclaim(out, "comparison.yaml", resume, created)
@@ -219,7 +240,10 @@ def from_runs(dirs: list[Path], upto: int | None = None
             key += "\0" + str(d)  # the same run twice is not a second seed
         if key not in names:
             names[key] = cfg.name if cfg.name not in names.values() else str(d)
-        groups.setdefault(key, []).append((cfg.seed, {**summarize(records, cfg), "name": names[key]}, records))
+        summary = {**summarize(records, cfg), "name": names[key]}
+        if diverged_round(d) is not None:
+            summary["diverged_round"] = diverged_round(d)
+        groups.setdefault(key, []).append((cfg.seed, summary, records))
         try:
             data_hash = json.loads((d / "meta.json").read_text()).get("data_hash")
         except (OSError, ValueError, AttributeError):
@@ -251,7 +275,9 @@ def over_seeds(groups: dict[str, list[dict]]) -> list[dict]:
         agg: dict = {"name": name, "algorithm": runs[0].get("algorithm"), "seeds": len(runs)}
         for key in dict.fromkeys(k for s in runs for k in s):
             vals = [s.get(key) for s in runs]
-            if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
+            if key == "diverged_round":  # seeds that diverged: how many (their rounds before are in the means)
+                agg["diverged_seeds"] = float(sum(v is not None for v in vals))
+            elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in vals):
                 agg[key] = float(np.mean(vals))
                 agg[f"{key}_std"] = float(np.std(vals, ddof=1)) if len(vals) > 1 else 0.0
             elif key == "continual_seen" and all(isinstance(v, list) and len(v) == len(vals[0]) for v in vals):
