@@ -242,3 +242,17 @@ def test_fedweits_retroactive_penalty_sums_over_every_earlier_task_as_the_author
     ctx = LocalContext(apply, params, st, {**payload, "own": told}, x[1:], y[1:], torch.ones(4))
     algo.loss(ctx)
     torch.testing.assert_close(ctx.terms["task_loss"], pycil_ce(apply(w, x[1:])[1], y[1:], [1, 2]))
+
+
+def test_fedewc_fisher_max_clips_each_new_entry_as_pycil():
+    import torch
+
+    from fedmosaic.algorithms.fedewc import FedEWC
+    from fedmosaic.protocol.program import Setting
+
+    state = {"anchor": {"w": torch.zeros(3)}, "fisher": {"w": torch.tensor([1e-5, 0.0, 0.0])}}
+    new = {"fisher": {"model": {"w": torch.tensor([2.0, 1e-6, 5e-4])}}}
+    clipped = FedEWC(FedEWC.Config(fisher_max=1e-4), Setting()).end_task(state, {"w": torch.ones(3)}, new, None, {})
+    torch.testing.assert_close(clipped["fisher"]["w"], torch.tensor([1e-5 + 1e-4, 1e-6, 1e-4]))
+    plain = FedEWC(setting=Setting()).end_task(state, {"w": torch.ones(3)}, new, None, {})
+    torch.testing.assert_close(plain["fisher"]["w"], torch.tensor([2.0 + 1e-5, 1e-6, 5e-4]))

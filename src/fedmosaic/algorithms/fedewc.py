@@ -22,6 +22,8 @@ class FedEWCConfig(AlgoConfig):
     lam: float = Field(10.0, ge=0, description="weight of the penalty; SGD stays stable while lam * max F * lr < 2 "
                        "(the FedAvg CNN's head reached F = 1.4 after one CIFAR-100 task: lam = 1000 diverged)")
     gamma: float = Field(1.0, ge=0, le=1, description="decay of the earlier tasks' importance (online EWC)")
+    fisher_max: float | None = Field(None, gt=0, description="clip every Fisher entry at this value (PyCIL: 1e-4, "
+                                     "which keeps its lam = 1000 stable); null: no clip")
     ce_classes: CE_CLASSES = ce_classes_field()
 
 
@@ -38,7 +40,10 @@ class FedEWC(Algorithm):
         return [Probe("fisher", kind="grad_sq", slots=("model",), objective=TaskLoss(classes="seen"))]
 
     def end_task(self, state, model, stats, seen, payload):
-        fisher = tmap(lambda f, new: self.cfg.gamma * f + new, state["fisher"], stats["fisher"]["model"])
+        new = stats["fisher"]["model"]
+        if self.cfg.fisher_max is not None:  # PyCIL's getFisherDiagonal: min(F, fisher_max)
+            new = tmap(lambda t: t.clamp(max=self.cfg.fisher_max), new)
+        fisher = tmap(lambda f, n: self.cfg.gamma * f + n, state["fisher"], new)
         return {"anchor": model, "fisher": fisher}
 
     def loss(self, ctx):

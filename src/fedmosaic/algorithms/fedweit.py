@@ -14,7 +14,8 @@ current task's classes (``ce_classes: task``), as the authors' per-task softmax 
 
 Simplified (docs/design.md): one KB entry per task (the mean of the clients' A's, not every client's, so the
 payload grows by one model per task rather than by one per client and task); past tasks' own A's are frozen in
-the KB, so their retroactive terms vanish; the anchor B_prev is the server's base, not each client's own; one head
+the KB, so the retroactive penalty is on the base's drift alone (above); the anchor B_prev is the server's base, not
+each client's own; one head
 and per-layer biases decomposed like the weights (no per-task heads: class-incremental testing has no task id);
 a fresh mask starts at a constant (the authors draw it around 0 with std 1/sqrt(units)); dense A and B on the wire;
 the knowledge base travels without its empty entries, and B_0 never travels (every side knows the run's initial
