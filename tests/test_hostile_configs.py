@@ -53,7 +53,9 @@ CASES = [
     ("public-stream-no-compared-algorithm-uses", {"data.public": NOISE, "compare": [
         {"name": "fedavg"}, {"name": "fedprox", "mu": 0.1}]}, 0, "data.public: no algorithm of this run uses"),
     ("algorithm-beside-compare", {"algorithm": {"name": "fedprox", "mu": 0.5}, "compare": [
-        {"name": "fedavg"}, {"name": "fedprox", "mu": 0.1}]}, 0, "algorithm: fedprox(mu=0.5) does not run"),
+        {"name": "fedavg"}, {"name": "fedprox", "mu": 0.1}]}, 2,
+     "algorithm: fedprox(mu=0.5) would not run: beside compare: only its entries run; to run it alone add --set "
+     "compare=null"),
     ("unquoted-yaml-boolean-key", {"algorithm": {"name": "fedavg", False: 0.01}}, 2,
      "algorithm: the key False is not text (YAML reads off, on, yes and no as booleans: quote the key"),
     # a comparison is refused before its first variant runs

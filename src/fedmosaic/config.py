@@ -508,7 +508,8 @@ def validate(raw: dict, where: str = "config") -> RunConfig:
 
 
 def advise(cfg: RunConfig, compare_given: bool = False) -> None:
-    """Warn about what a new run's config holds but will not use (not for the configs a run directory saved: a
+    """Warn about what a new run's config holds but will not use, and refuse an algorithm that would silently not
+    run (not for the configs a run directory saved: a
     comparison's variant keeps the comparison's data.public although it alone never uses it). ``compare_given``:
     the compare list came from the command line (``--algorithms``), which replaces the algorithm knowingly."""
     running = [registered()[a.name] for a in cfg.compare or [cfg.algorithm]]
@@ -518,8 +519,8 @@ def advise(cfg: RunConfig, compare_given: bool = False) -> None:
                       stacklevel=2)
     # the default section (which comparison.yaml files written before dump() left it out hold) says nothing
     if cfg.compare and not compare_given and cfg.algorithm != AlgorithmConfig() and cfg.algorithm not in cfg.compare:
-        warnings.warn(f"algorithm: {label(cfg.algorithm)} does not run: with compare, only its entries run; add it "
-                      "to compare or remove it", stacklevel=2)
+        raise ConfigError(f"algorithm: {label(cfg.algorithm)} would not run: beside compare: only its entries run; "
+                          "to run it alone add --set compare=null, to compare it add it to compare")
 
 
 def check_family(cfg: RunConfig, algo) -> None:
