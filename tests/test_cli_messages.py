@@ -79,3 +79,25 @@ def test_what_users_read_has_no_internal_references(capsys):
     assert len(text) > 10_000
     assert not re.search(r"METHODS\.md|§|paper 0\d\d|\(00\d|issue \d|our copy", text), \
         re.search(r".{0,60}(METHODS\.md|§|paper 0\d\d|\(00\d|issue \d|our copy).{0,60}", text)[0]
+
+
+def test_global_options_after_the_subcommand_a_folder_that_is_not_there_and_a_near_dataset_name(tmp_path, capsys):
+    """What the messages suggest works where users type it: --data-dir / --plugin after the subcommand; a data
+    folder that does not exist is named as such; a misspelt dataset gets a "did you mean"."""
+    from fedmosaic.cli.main import main
+
+    missing = tmp_path / "no-such-data"
+    assert main(["run", "--data-dir", str(missing), "--set", "data.dataset=mnist", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert f"{missing} [no such folder]" in err and err.count("\n") == 1
+    assert main(["run", "--set", "data.dataset=cifr10", "--out", str(tmp_path / "r")]) == 2
+    assert "did you mean 'cifar10'?" in capsys.readouterr().err
+    (tmp_path / "quiet_plugin.py").write_text("REGISTERED = True\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert main(["list", "presets", "--plugin", "quiet_plugin"]) == 0
+        assert sys.modules["quiet_plugin"].REGISTERED
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("quiet_plugin", None)
+    assert not (tmp_path / "r").exists()

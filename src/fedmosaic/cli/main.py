@@ -417,7 +417,21 @@ def build_parser() -> argparse.ArgumentParser:
     dd = dsub.add_parser("download", help="download a dataset from its canonical source (SHA-256 checked)")
     dd.add_argument("name")
     dd.set_defaults(fn=_data_download)
+    _global_options_anywhere(p)
     return p
+
+
+def _global_options_anywhere(parser: argparse.ArgumentParser) -> None:
+    """``--data-dir`` and ``--plugin`` are the command's, but messages suggest them where a user types them — after
+    the subcommand too (``fedmosaic run --plugin my_plugin ...``): every subcommand takes them as well."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sp in action.choices.values():
+                sp.add_argument("--data-dir", dest="data_dir_here", default=argparse.SUPPRESS,
+                                help="as fedmosaic --data-dir")
+                sp.add_argument("--plugin", dest="plugin_here", action="append", default=argparse.SUPPRESS,
+                                metavar="MODULE", help="as fedmosaic --plugin")
+                _global_options_anywhere(sp)
 
 
 def _load_plugins(args) -> None:
@@ -455,6 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:  # --help, --version, or a usage error (already printed in one line)
         return int(e.code or 0) if isinstance(e.code, int) else 2
     from ..paths import set_data_dirs
+
+    if getattr(args, "data_dir_here", None) is not None:  # given after the subcommand
+        args.data_dir = args.data_dir_here
+    args.plugin = [*args.plugin, *getattr(args, "plugin_here", [])]
 
     if args.data_dir is not None:
         if not args.data_dir.strip(os.pathsep + " "):

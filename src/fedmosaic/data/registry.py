@@ -70,8 +70,12 @@ def get_spec(name: str) -> DatasetSpec:
     try:
         return REGISTRY[name.lower()]
     except KeyError:
-        raise ConfigError(f"unknown dataset {name!r}{plugins.hint('dataset')}; allowed: {', '.join(dataset_names())}"
-                          ) from None
+        import difflib
+
+        near = difflib.get_close_matches(name.lower(), dataset_names(), n=1)
+        guess = f"; did you mean {near[0]!r}?" if near else ""
+        raise ConfigError(f"unknown dataset {name!r}{plugins.hint('dataset')}{guess}; allowed: "
+                          f"{', '.join(dataset_names())}") from None
 
 
 def register_dataset(name: str, x_train, y_train, x_test=None, y_test=None, *, classes: int | list[str] | None = None,
@@ -173,7 +177,8 @@ def missing_message(spec: DatasetSpec) -> str:
     options = "; or ".join(", ".join(layout.files) for layout in spec.layouts)
     return (
         f"dataset {spec.name!r} not found: put {options} in <data-dir>/{'' if spec.folder == '.' else spec.folder + '/'} "
-        f"(searched {', '.join(str(r) for r in roots)}; set FEDMOSAIC_DATA or --data-dir"
+        f"(searched {', '.join(str(r) + ('' if Path(r).is_dir() else ' [no such folder]') for r in roots)}; "
+        "set FEDMOSAIC_DATA or --data-dir"
         + (", or run `fedmosaic data download " + spec.name + "`" if spec.downloads else "")
         + ")"
     )
