@@ -441,3 +441,10 @@ def test_the_readmes_own_algorithm_registers_reduces_to_fedavg_and_runs_from_the
     finally:
         ALGORITHMS.pop("server_step", None)
         sys.modules.pop("my_algorithm", None)
+
+
+def test_result_accuracy_is_what_the_method_is_judged_by(tmp_path):
+    both = fedmosaic.compare(SMALL, ["fedavg", "ditto"], tmp_path / "c", progress=False)
+    fedavg, ditto = both
+    assert fedavg.accuracy == fedavg.summary["global_acc_final"]
+    assert ditto.accuracy == ditto.summary["personal_acc_final"] != ditto.summary["global_acc_final"]

@@ -48,9 +48,17 @@ class Result:
 
     @property
     def accuracy(self) -> float | None:
-        """The final test accuracy: the global model's (on the global test set, else on the clients' test splits),
-        or for methods without one the clients' own models'."""
-        keys = ("global_acc_final", "global_clients_acc_final", "personal_acc_final")
+        """The final test accuracy of what the method is judged by: on a task stream, the accuracy on every class
+        seen after the last task; for a personalized method, the clients' own models' (sample-weighted); else the
+        global model's (on the global test set, else on the clients' test splits). The others are in ``summary``."""
+        from .protocol.algorithm import registered
+
+        keys = ["global_acc_final", "global_clients_acc_final", "personal_acc_final"]
+        algo = registered().get(self.config.algorithm.name)
+        if algo is not None and algo.personalized:
+            keys.insert(0, "personal_acc_final")
+        if self.config.data.tasks is not None:
+            keys.insert(0, "continual_final")
         return next((self.summary[k] for k in keys if k in self.summary), None)
 
     def __repr__(self) -> str:
