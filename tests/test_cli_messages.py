@@ -101,3 +101,21 @@ def test_global_options_after_the_subcommand_a_folder_that_is_not_there_and_a_ne
         sys.path.remove(str(tmp_path))
         sys.modules.pop("quiet_plugin", None)
     assert not (tmp_path / "r").exists()
+
+
+def test_list_presets_never_cuts_a_description_mid_sentence(capsys):
+    """Each preset's description is its opening comment (up to its runtime line) whole, or that comment's first
+    sentence, or marked as cut (…) — never a line that stops mid-sentence (deploy-quickstart's did)."""
+    from fedmosaic.cli.main import main
+    from fedmosaic.presets import preset_path
+
+    assert main(["list", "presets"]) == 0
+    for row in capsys.readouterr().out.splitlines()[2:]:
+        name, about = row.split()[0], row.split("  ")[-1].strip()
+        block = []
+        for line in preset_path(name).read_text().splitlines():
+            if not line.startswith("#") or line.startswith("# runtime:"):
+                break
+            block.append(line.lstrip("# ").strip())
+        whole = " ".join(block)
+        assert about == whole or (whole.startswith(about[:-1]) and about.endswith((".", "…"))), (about, whole)

@@ -196,3 +196,9 @@ def test_diagnostics_draws_each_term_and_reported_measure_per_method_and_nothing
     assert len(lc.lines) == 2 and len(entropy.lines) == 1  # b has no teacher entropy
     assert list(inter.lines[0].get_xdata()) == [2, 4] and list(inter.lines[0].get_ydata()) == [3.0, 1.0]
     assert plots.diagnostics({"a": records(3)}, tmp_path / "none.png") is None and len(figures) == 1
+
+
+def test_the_accuracy_panels_share_one_y_range(figures, tmp_path):
+    plots.learning_curves({"a": records(6, cross=True, tasks=2)}, tmp_path / "c.png")
+    limits = {tuple(round(v, 6) for v in ax.get_ylim()) for ax in figures[0].axes if ax.get_visible()}
+    assert len(figures[0].axes) >= 2 and len(limits) == 1  # one scale: panels compare at a glance

@@ -85,10 +85,24 @@ def presets() -> list[str]:
            "`compare NAME` runs each method it lists)"]
     for name in preset_names():
         lines = preset_path(name).read_text().splitlines()
-        about = lines[0].lstrip("# ").strip() if lines and lines[0].startswith("#") else ""
+        about = _first_sentence(lines)
         runtime = next((m[1] for m in map(RUNTIME.match, lines) if m), "?")
         out.append(f"{name:28s} {runtime:>9s}  {about}")
     return out
+
+
+def _first_sentence(lines: list[str], limit: int = 200) -> str:
+    """The first sentence of a preset's opening comment, however many lines it takes; beyond ``limit`` characters
+    cut at a word, marked with an ellipsis (never silently mid-sentence)."""
+    words = []
+    for line in lines:
+        if not line.startswith("#") or RUNTIME.match(line):
+            break
+        words.append(line.lstrip("# ").strip())
+    text = " ".join(w for w in words if w)
+    end = re.search(r"(?<!e\.g)(?<!i\.e)(?<!Fig)(?<!Tab)(?<!Eq)(?<!al)(?<!vs)\.(\s|$)", text)
+    text = text[: end.start() + 1] if end else text
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " …"
 
 
 def datasets() -> list[str]:

@@ -101,7 +101,7 @@ def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | 
     seeds = {name: recs if recs and isinstance(recs[0], list) else [recs] for name, recs in runs.items()}
     colors = colors or method_colors(list(runs))
     kinds = [(k, label) for k, label in CURVE_KEYS if any(k in r for s in seeds.values() for rs in s for r in rs)]
-    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(5.2 * max(1, len(kinds)), 4.2), squeeze=False,
+    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(5.2 * max(1, len(kinds)), 4.2), squeeze=False, sharey=True,
                              layout="constrained")
     if not kinds:  # e.g. a run stopped before its first evaluation
         axes[0][0].text(0.5, 0.5, "no evaluated round", ha="center", va="center")
