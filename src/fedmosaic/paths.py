@@ -23,10 +23,13 @@ def default_cache_dir() -> Path:
     return Path(xdg) / "fedmosaic"
 
 
-def set_data_dirs(spec: str | os.PathLike | None) -> None:
-    """Override the data search path (the CLI's ``--data-dir``); ``None`` restores the default."""
+def set_data_dirs(spec: str | os.PathLike | list | None) -> list[Path] | None:
+    """Override the data search path (the CLI's ``--data-dir``); ``None`` restores the default. Returns the
+    override it replaced (to restore it with)."""
     global _override
-    _override = None if spec is None else _split(str(spec))
+    before, _override = _override, (None if spec is None else
+                                    list(spec) if isinstance(spec, list) else _split(str(spec)))
+    return before
 
 
 def _split(spec: str) -> list[Path]:

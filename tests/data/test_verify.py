@@ -28,7 +28,7 @@ def _only_given_data_dirs(monkeypatch):
     monkeypatch.setattr(fedmosaic.data.registry, "data_dirs", given)
     monkeypatch.setattr(fedmosaic.data.verify, "data_dirs", given)
     yield
-    set_data_dirs(None)  # main() keeps --data-dir for the process
+    set_data_dirs(None)  # (main() restores it itself; a test that sets it directly may not)
 
 
 def sha(path: Path) -> str:

@@ -474,11 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         args.data_dir = args.data_dir_here
     args.plugin = [*args.plugin, *getattr(args, "plugin_here", [])]
 
-    if args.data_dir is not None:
-        if not args.data_dir.strip(os.pathsep + " "):
-            print("fedmosaic: error: --data-dir: must name at least one folder", file=sys.stderr)
-            return 2
-        set_data_dirs(args.data_dir)
+    if args.data_dir is not None and not args.data_dir.strip(os.pathsep + " "):
+        print("fedmosaic: error: --data-dir: must name at least one folder", file=sys.stderr)
+        return 2
+    # --data-dir holds for this command only: main() called again in this process (tests, notebooks) starts afresh
+    data_dirs_before = set_data_dirs(args.data_dir) if args.data_dir is not None else None
     debug = bool(os.environ.get("FEDMOSAIC_TRACEBACK"))
     logging.getLogger("matplotlib").setLevel(logging.ERROR)  # e.g. an unwritable ~/.config: not the user's problem
     log, handler = logging.getLogger("fedmosaic"), _StderrLog(logging.WARNING)
@@ -516,6 +516,8 @@ def main(argv: list[str] | None = None) -> int:
             return 3
         finally:
             log.removeHandler(handler)
+            if args.data_dir is not None:
+                set_data_dirs(data_dirs_before)
     return status or 0
 
 

@@ -57,15 +57,20 @@ def data_spec(cfg: RunConfig) -> PartitionSpec:
 
 
 def check_models_fit(cfg: RunConfig, shape: tuple, C: int, memory: int | None, dev: torch.device,
-                     batch: int) -> None:
-    """Refuse, before any data are laid out or any model is built, an architecture whose training cannot fit even
-    one client at a time: its parameters with their gradients, optimiser state and copies (9x) and the activations
-    of one step of ``batch`` samples, all measured on the meta device (nothing allocated)."""
+                     batch: int | None) -> None:
+    """Refuse, before any model is built, an architecture whose training cannot fit even one client at a time: its
+    parameters with their gradients, optimiser state and copies (9x) and the activations of one step of ``batch``
+    samples, all measured on the meta device (nothing allocated). ``batch=None`` checks the parameters alone (what
+    can be known before the data are laid out, which fixes the largest client and so the step's size)."""
     for spec in cfg.model.heterogeneous or [cfg.model]:
         with torch.device("meta"):
             ghost = construct(spec.name, shape, C, **spec.options)
         n = sum(t.numel() for t in [*ghost.parameters(), *ghost.buffers()])
         check_fits(4 * n, memory, dev, f"model {spec.name!r} ({n:,} parameters; model.options)")
+        if batch is None:
+            check_fits(4 * n * 9, memory, dev, f"training model {spec.name!r} ({n:,} parameters with their "
+                       "gradients, optimiser state and copies, one client at a time; model.options)")
+            continue
         acts = activation_bytes(ghost, shape, batch)
         check_fits(4 * n * 9 + acts, memory, dev,
                    f"training model {spec.name!r} ({n:,} parameters, {gib(acts)} of activations a step of {batch} "

@@ -76,8 +76,14 @@ class Federation:
         torch.set_num_threads(self.threads.count)
         self.device = dev = resolve_device(cfg.engine.device)  # before any data is read
         precision(cfg.engine.deterministic, cfg.engine.tf32, dev)
-        self.fd = fd if fd is not None else build(data_spec(cfg))
         budget = lambda: memory_bytes(dev) if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20  # noqa
+        if fd is None:  # a model that cannot fit is refused before the data are laid out (a copy of the dataset)
+            spec = data_spec(cfg)
+            spec.canonical()  # a bad partition is named before any data are read
+            ds = spec.load()
+            check_models_fit(cfg, ds.input_shape, ds.num_classes, budget(), dev, None)
+            fd = build(spec, ds)
+        self.fd = fd
         check_models_fit(cfg, self.fd.dataset.input_shape, self.fd.num_classes, budget(), dev,
                          int(max(1, min(cfg.train.batch_size, self.fd.sizes().max(initial=1)))))
         normalize = make_normalizer(cfg.data.normalize, self.fd.x["train"], dev)
