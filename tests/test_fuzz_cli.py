@@ -28,7 +28,7 @@ from fedtest import HANG_S, TimeLimit
 
 CORPUS = Path(__file__).parent / "fuzz" / "corpus"
 SEED = int(os.environ.get("FEDMOSAIC_FUZZ_SEED", "0"))
-CASES = int(os.environ.get("FEDMOSAIC_FUZZ_CASES", "1100"))
+CASES = int(os.environ.get("FEDMOSAIC_FUZZ_CASES", "700"))
 # how long an accepted run (its run directory written) trains before the case moves on; nothing asserts on it
 RUN_BUDGET_S = 10
 MAX_FAILURES = int(os.environ.get("FEDMOSAIC_FUZZ_MAX_FAILURES", "15"))
@@ -144,6 +144,9 @@ def _case_guard(runs: Path):
 
     def check(signum, frame):
         if _started(runs) or time.monotonic() - t0 >= HANG_S:
+            # one asynchronous stop per case (a second, a second later, could land in the handling of the first);
+            # should code that cannot raise (a finalizer) swallow it, the next comes HANG_S later
+            signal.setitimer(signal.ITIMER_REAL, HANG_S)
             raise TimeLimit("case stopped")
 
     previous = signal.signal(signal.SIGALRM, check)
@@ -158,7 +161,7 @@ def _case_guard(runs: Path):
 @pytest.mark.slow
 def test_hostile_configs_and_set_lines(tmp_path, monkeypatch):
     cases = generate(CASES, SEED)
-    assert len(cases) >= 1000
+    assert len(cases) == CASES
     sandbox = tmp_path / "sandbox"
     cwd = sandbox / "a" / "b" / "cwd"
     runs = cwd / "runs"
@@ -221,4 +224,4 @@ def test_hostile_configs_and_set_lines(tmp_path, monkeypatch):
     assert not failures, "\n".join(failures)
     # the generator must exercise both sides: configs that are accepted and inputs that are refused (how many
     # accepted runs finish within the budget depends on the machine, so the two kinds are counted together)
-    assert outcomes["completed"] + outcomes["long run"] >= 50 and outcomes["refused"] >= 500, outcomes
+    assert outcomes["completed"] + outcomes["long run"] >= 50 and outcomes["refused"] >= 300, outcomes

@@ -28,7 +28,8 @@ FAMILIES = {
             "train": {"warmup_epochs": 1, "optimizer": {"name": "adam", "lr": 0.01}}},
     "protofcl": {"algorithm": {"name": "protofcl"},
                  "data": {"partition": {"scheme": "iid"}, "client_test": 0.0,
-                          "tasks": {"n_tasks": 5, "rounds_per_task": 1, "memory": {"per_class": 2}}},
+                          "tasks": {"n_tasks": 3, "classes_per_task": 3, "rounds_per_task": 1,
+                                    "memory": {"per_class": 2}}},
                  "eval": {"client_test": False}},
 }
 

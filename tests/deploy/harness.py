@@ -179,3 +179,69 @@ class LocalFederation:
             # the SuperExec a SuperNode or SuperLink spawned is in the same session: stop what is left of it
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(p.pid, signal.SIGKILL)
+
+
+# Helpers of the tests that run deployments (test_flower*.py)
+
+def start(root: Path, clients: int = 3, data: dict | None = None) -> LocalFederation:
+    """A SuperLink and ``clients`` registered SuperNodes (``data[k]``: node k's data-dir), all online."""
+    from conftest import DATA_PATH
+
+    from fedmosaic.deploy.prepare import make_pki
+
+    make_pki(root / "pki", ["127.0.0.1"], clients)
+    fed = LocalFederation(root, root / "pki", os.environ.get("FEDMOSAIC_TEST_DATA", DATA_PATH))
+    try:
+        fed.start_link()
+        for k in range(clients):
+            fed.register(root / "pki" / f"node-{k}.pub")
+            start_node(fed, k, (data or {}).get(k))
+        fed.wait_online(clients)
+    except BaseException:
+        fed.stop()
+        raise
+    return fed
+
+
+def start_node(fed: LocalFederation, k: int, data_dir: str | None = None):
+    from fedmosaic.deploy.prepare import node_config
+
+    return fed.start_node(f"node{k}", fed.pki / f"node-{k}", node_config(k, fed.root / "nodes", data_dir))
+
+
+def deploy(cfg, where: Path, fed: LocalFederation) -> Path:
+    """The app of ``cfg`` (its commands name other ports: the tests' federation has its own), its clients bound to
+    the node keys of ``fed``'s PKI, as `fedmosaic deploy` binds them to the keys it makes."""
+    from fedmosaic.deploy.prepare import NODE_KEYS, prepare, public_key_pem
+
+    prepare(cfg, where, port=1, link_port=2, check=False)
+    keys = {str(k): public_key_pem(fed.pki / f"node-{k}.pub") for k in range(cfg.data.clients)}
+    (where / "app" / "fedmosaic_app" / NODE_KEYS).write_text(json.dumps(keys))
+    return where / "app"
+
+
+def finished(fed: LocalFederation, app: Path, run_config: str | None = None, timeout: float = 400) -> dict:
+    st = fed.wait(fed.submit(app, run_config), timeout)
+    st["log"] = fed.logs_of(int(st["run-id"]))
+    return st
+
+
+def completed(fed, app, run_config=None) -> dict:
+    st = finished(fed, app, run_config)
+    assert st["status"] == "finished:completed", f"{st['status-details']}\n{st['log'][-4000:]}"
+    return st
+
+
+def kill_after_round_0(fed: LocalFederation, run_id: int, run_dir: Path, timeout: float = 300, kill=None) -> None:
+    """Wait until round 0 of ``run_id`` is in ``run_dir``'s metrics, then ``kill()`` (default: stop node 2)."""
+    from fedmosaic.engine.runner import read_metrics
+
+    deadline, polls = time.monotonic() + timeout, 0
+    while not (run_dir / "metrics.jsonl").is_file() or not read_metrics(run_dir):
+        assert time.monotonic() < deadline, "round 0 did not finish"
+        polls += 1
+        if polls % 25 == 0:  # a run that ended before its first round: say why
+            st = fed.status(run_id)
+            assert not st["status"].startswith("finished"), f"{st['status-details']}\n{fed.logs_of(run_id)[-3000:]}"
+        time.sleep(0.2)
+    kill() if kill else fed.stop("node2")
