@@ -143,10 +143,13 @@ def test_curvature_penalty_uses_the_other_clients_sums():
     payload = {"U": {"w": torch.tensor([3.0, 5.0])}, "V": {"w": torch.tensor([0.5, 1.0])}}
     ctx = LocalContext(None, {"model": {"w": w}}, state, payload, None, None, None)
     loss = CurvaturePenalty(2.0)(ctx)
-    # P = U - u = [2, 4], Q = V - v = [0.25, 0.5]: 2 * (2*1 + 4*4 - 2 * (0.25*1 + 0.5*2)) = 31
-    assert loss.item() == pytest.approx(31.0)
+    # P = U - u = [2, 4], Q = V - v = [0.25, 0.5]: lam <P, (w - Q/P)^2> = 2 * (2 * 0.875^2 + 4 * 1.875^2) = 31.1875
+    # (the paper's 2 * (2*1 + 4*4 - 2 * (0.25*1 + 0.5*2)) = 31 plus its minimum's depth 2 * (0.25^2/2 + 0.5^2/4))
+    assert loss.item() == pytest.approx(31.1875)
     (g,) = torch.autograd.grad(loss, w)  # 2 lam (P w - Q)
     torch.testing.assert_close(g, torch.tensor([7.0, 30.0]))
+    at_min = {"model": {"w": torch.tensor([0.125, 0.125])}}  # Q / P: the penalty's minimum is 0, not negative
+    assert CurvaturePenalty(2.0)(LocalContext(None, at_min, state, payload, None, None, None)).item() == 0
 
 
 def test_control_variate_gradient_is_c_minus_ci():

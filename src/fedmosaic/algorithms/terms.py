@@ -114,7 +114,10 @@ class CurvaturePenalty:
 
     ``U``/``V`` (payload) are the server's sums of every client's latest u_k = E[g^2] and v_k = u_k * w_k; ``u``/``v``
     (the client's persistent state) are its own last ones, so P and Q cover the other clients only. Up to a constant
-    this is lam * sum_{k != i} (w - w_k)^T diag(u_k) (w - w_k).
+    this is lam * sum_{k != i} (w - w_k)^T diag(u_k) (w - w_k). That constant (sum_k <u_k, w_k^2>) cannot be had from
+    the sums, so the value reported adds <Q^2 / P, 1> (detached) instead: lam * <P, (w - Q/P)^2>, never negative and 0
+    at the curvature-weighted mean of the other clients' models (the penalty measured from its minimum; the gradient
+    is the paper's).
     """
 
     lam: float
@@ -126,10 +129,11 @@ class CurvaturePenalty:
         w = leaves(ctx.params[self.slot])
         U, V = leaves(ctx.payload["U"]), leaves(ctx.payload["V"])
         u, v = leaves(ctx.state["u"]), leaves(ctx.state["v"])
-        total = sum(
-            ((Ui - ui).detach() * wi * wi).sum() - 2 * ((Vi - vi).detach() * wi).sum()
-            for wi, Ui, ui, Vi, vi in zip(w, U, u, V, v, strict=True)
-        )
+        total = 0
+        for wi, Ui, ui, Vi, vi in zip(w, U, u, V, v, strict=True):
+            P, Q = (Ui - ui).detach(), (Vi - vi).detach()
+            floor = torch.where(P > 0, Q * Q / torch.where(P > 0, P, 1.0), 0.0).sum()  # -min_w of the two terms
+            total = total + (P * wi * wi).sum() - 2 * (Q * wi).sum() + floor
         return self.lam * total
 
 
