@@ -33,7 +33,7 @@ COLUMNS = (
     ("global acc", "global_acc_final", "{:.2%}"),
     ("mean over rounds", "global_acc_mean", "{:.2%}"),
     ("best-by-val", "global_acc_best_by_val", "{:.2%}"),
-    ("F", "forgetting", "{:.3f}"),
+    ("F (classes, FedNTD)", "forgetting", "{:+.3f}"),
     ("global on clients (weighted)", "global_clients_acc_final", "{:.2%}"),
     ("its mean over rounds", "global_clients_acc_mean", "{:.2%}"),
     ("its best-by-val", "global_clients_acc_best_by_val", "{:.2%}"),
@@ -53,7 +53,7 @@ COLUMNS = (
     ("CIL avg", "continual_avg", "{:.2%}"),
     ("CIL last task", "continual_final", "{:.2%}"),
     ("BWT", "continual_bwt", "{:+.3f}"),
-    ("forgetting", "continual_forgetting", "{:.3f}"),
+    ("forgetting (tasks)", "continual_forgetting", "{:+.3f}"),
     ("bytes/round", "bytes_per_round", "{:,.0f}"),
     ("wall s", "wall_time_s", "{:.1f}"),
 )

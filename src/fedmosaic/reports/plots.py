@@ -124,7 +124,7 @@ def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | 
             for x in sorted({r["round"] + 1 for s in seeds.values() for rs in s for r in rs
                              if r.get("continual", {}).get("task_end")}):
                 ax.axvline(x, color="grey", lw=0.6, alpha=0.5)
-        ax.set(xlabel="round", ylabel="accuracy (%)", title=label)
+        ax.set(xlabel="rounds completed", ylabel="accuracy (%)", title=label)
         _integer_ticks(ax.xaxis)
         ax.grid(alpha=0.3)
     extra = [Line2D([], [], color="k", ls=ls, label=text) for key, _ in kinds for ls, text in STYLES.get(key, ())]
@@ -196,7 +196,7 @@ def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path
                 x, mean, sd = _mean_std(per_seed)
                 _line(ax, x, mean, sd, colors[name], "-", len(x) <= SHORT_RUN, len(s) > 1)
                 drawn[name] = (len(x) <= SHORT_RUN, len(s))
-        ax.set(xlabel="round", title=key + (" (per round)" if kind == "terms" else " (per evaluation)"))
+        ax.set(xlabel="rounds completed", title=key + (" (per round)" if kind == "terms" else " (per evaluation)"))
         ax.title.set_fontsize(9)
         _integer_ticks(ax.xaxis)
         ax.grid(alpha=0.3)
