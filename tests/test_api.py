@@ -434,6 +434,15 @@ def test_the_readmes_own_algorithm_registers_reduces_to_fedavg_and_runs_from_the
         assert mine[0].metrics[-1]["global"] == mine[1].metrics[-1]["global"]  # eta_g 1, mu 0: FedAvg exactly
         assert mine[2].metrics[-1]["global"] != mine[1].metrics[-1]["global"]
         assert set(mine[2].metrics[-1]["terms"]) == {"task_loss", "prox"}
+        assert json.loads((mine[0].dir / "meta.json").read_text())["plugins"] == ["my_algorithm"]
+        # read back where the plug-in is not imported: an error naming it, then with it
+        ALGORITHMS.pop("server_step")
+        sys.modules.pop("my_algorithm")
+        with pytest.raises(ConfigError, match=r"unknown 'server_step' \(the run was made with plugin my_algorithm: "
+                                              r"pass plugins=\['my_algorithm'\]\)"):
+            fedmosaic.api.Result.load(mine[0].dir)
+        again = fedmosaic.api.Result.load(mine[0].dir, plugins=["my_algorithm"])
+        assert again.summary == mine[0].summary and again.accuracy == mine[0].accuracy
         # the README's command line, with its rounds cut
         argv = command.split()[1:] + ["--set", "train.rounds=1", "--no-progress", "--out", str(tmp_path / "cli")]
         assert main(argv) == 0, capsys.readouterr().err
@@ -441,6 +450,8 @@ def test_the_readmes_own_algorithm_registers_reduces_to_fedavg_and_runs_from_the
     finally:
         ALGORITHMS.pop("server_step", None)
         sys.modules.pop("my_algorithm", None)
+        plugins.ORIGINS.pop(("algorithm", "server_step"), None)
+        plugins.RECORDED.clear()
 
 
 def test_result_accuracy_is_what_the_method_is_judged_by(tmp_path):

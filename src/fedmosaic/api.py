@@ -37,12 +37,22 @@ class Result:
     seeds: tuple[Result, ...] = ()
 
     @classmethod
-    def load(cls, run_dir: str | Path) -> Result:
-        """The result of a run directory, finished or not (a comparison's variants are its sub-directories)."""
+    def load(cls, run_dir: str | Path, plugins: list[str] = ()) -> Result:
+        """The result of a run directory, finished or not (a comparison's variants are its sub-directories).
+        ``plugins``: the modules that registered its dataset, models or algorithm (as ``--plugin``); without them an
+        unknown name is an error that names the modules the run recorded."""
+        from . import plugins as plug
+
         d = Path(run_dir)
         if not (d / "config.yaml").is_file():
             raise FedMosaicError(f"{d} is not a run directory (no config.yaml)")
-        cfg = load_config(d / "config.yaml")
+        plug.load(list(plugins))
+        plug.expect([d])
+        plug._passing.append("python")
+        try:
+            cfg = load_config(d / "config.yaml")
+        finally:
+            plug._passing.pop()
         metrics = read_metrics(d)
         return cls(cfg.name, summarize(metrics, cfg), metrics, d, cfg)
 

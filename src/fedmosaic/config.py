@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from .data.partition.tasks import count_range
 from .engine.augment import AugmentConfig
 from .engine.optim import OptimizerConfig
+from . import plugins
 from .errors import ConfigError
 from .protocol.algorithm import registered
 from .schema import MAX_COUNT, MAX_SEED, Schema
@@ -494,7 +495,8 @@ def validate(raw: dict, where: str = "config") -> RunConfig:
         if algo is None:
             near = difflib.get_close_matches(a.name, list(algorithms), n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            raise ConfigError(f"{where_}.name: unknown {short_repr(a.name)}; {hint}"
+            plug = "" if near and not plugins.RECORDED else plugins.hint("algorithm")  # a typo, or a plug-in's
+            raise ConfigError(f"{where_}.name: unknown {short_repr(a.name)}{plug}; {hint}"
                               f"allowed: {', '.join(sorted(algorithms))}")
         try:
             algo.Config.model_validate(a.params())

@@ -1,5 +1,5 @@
-"""Plug-ins: modules that register datasets and models (``register_dataset``, ``register_model``) when imported, so
-that the command line sees what a Python script registered.
+"""Plug-ins: modules that register datasets, models and algorithms (``register_dataset``, ``register_model``,
+``register_algorithm``) when imported, so that the command line sees what a Python script registered.
 
 A plug-in is loaded by ``fedmosaic --plugin MODULE`` (repeatable), by ``$FEDMOSAIC_PLUGINS`` (module names separated
 by commas or ``os.pathsep``) and by the entry-point group ``fedmosaic.plugins`` of installed packages. Every
@@ -73,9 +73,10 @@ def _import(what: str, do) -> None:
 
 
 def used_by(cfg) -> list[str]:
-    """The modules that registered the datasets and models ``cfg`` uses (for the run's meta.json)."""
+    """The modules that registered the datasets, models and algorithms ``cfg`` uses (for the run's meta.json)."""
     names = [("dataset", cfg.data.dataset.lower()), ("model", cfg.model.name),
-             *(("model", a.name) for a in cfg.model.heterogeneous or [])]
+             *(("model", a.name) for a in cfg.model.heterogeneous or []),
+             *(("algorithm", a.name) for a in [cfg.algorithm, *(cfg.compare or [])])]
     if cfg.data.public is not None:
         names.append(("dataset", cfg.data.public.source.lower()))
     return sorted({ORIGINS[n] for n in names if n in ORIGINS})
@@ -93,12 +94,19 @@ def expect(dirs: list[Path]) -> None:
                 RECORDED.update(dict.fromkeys(m for m in found if isinstance(m, str)))
 
 
+#: how the caller passes a plug-in: the CLI's option, or ``Result.load``'s argument (``api``)
+PASS = {"cli": "--plugin {}", "python": "plugins=[{}]"}
+_passing = ["cli"]
+
+
 def hint(kind: str) -> str:
-    """What to add to "unknown dataset/model": the plug-in the run was made with, or how to pass one."""
+    """What to add to "unknown dataset/model/algorithm": the plug-in the run was made with, or how to pass one."""
+    how = PASS[_passing[-1]]
     missing = [m for m in RECORDED if m == "__main__" or m not in sys.modules]
     if "__main__" in missing:
         return (f" (the run was made with a {kind} that a script registered: move its register_{kind} call into a "
-                "module and pass --plugin MODULE)")
+                f"module and pass {how.format('MODULE')})")
     if missing:
-        return f" (the run was made with plugin {', '.join(missing)}: pass --plugin {' --plugin '.join(missing)})"
-    return " (registered in Python? pass its module: --plugin MODULE)"
+        listed = ", ".join(map(repr, missing)) if _passing[-1] == "python" else " --plugin ".join(missing)
+        return f" (the run was made with plugin {', '.join(missing)}: pass {how.format(listed)})"
+    return f" (registered in Python? pass its module: {how.format('MODULE')})"

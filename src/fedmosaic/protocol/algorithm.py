@@ -259,6 +259,10 @@ def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
                             f"the client and sees what was sent: {hook}({wanted})")
     if cls.name in ALGORITHMS:
         raise ValueError(f"algorithm {cls.name!r} registered twice")
+    if not cls.__module__.startswith("fedmosaic."):  # a plug-in's: runs record its module (plugins.used_by)
+        from .. import plugins
+
+        plugins.ORIGINS[("algorithm", cls.name)] = cls.__module__
     ALGORITHMS[cls.name] = cls
     return cls
 
