@@ -119,6 +119,28 @@ def test_too_few_cpus_for_the_actors_is_one_line(ray_runtime):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("ray_over, engine, says", [
+    ({"actors": 3, "cpus_per_actor": 1.0}, {}, r"3 Ray actors of 1 CPU: it has 2 CPU"),
+    ({"cpus_per_actor": 1000.0}, {}, r"2 Ray actors of 1000 CPU: it has 2 CPU"),
+    ({"gpus_per_actor": 1.0}, {}, r"2 Ray actors of 0.5 CPU, 1 GPU"),
+    ({}, {"memory_mb": 10**8}, r"2 Ray actors of 0.5 CPU, 100,000,000 MiB memory: it has 2 CPU, [\d,]+ MiB"),
+])
+def test_an_impossible_placement_on_this_machines_runtime_is_refused_at_once(ray_runtime, monkeypatch, ray_over,
+                                                                             engine, says):
+    """A runtime of this machine's (one fedmosaic started, engine.ray.address: none) cannot grow: a placement it
+    cannot hold is refused before any reservation, not after start_timeout_s."""
+    from fedmosaic.engine import raypool
+
+    monkeypatch.setattr(raypool, "OWN_RUNTIME", [ray_runtime.get_runtime_context().gcs_address])
+    cfg = cfg_of("fedavg", ray=ray_over, engine=engine)
+    t0 = time.monotonic()
+    with pytest.raises(FedMosaicError, match=r"this machine cannot place " + says) as e:
+        Federation(cfg, pool="ray")
+    assert "\n" not in str(e.value) and time.monotonic() - t0 < 10
+    assert not ray_runtime.util.placement_group_table() or all(
+        g["state"] == "REMOVED" for g in ray_runtime.util.placement_group_table().values())
+
+
 def test_a_shard_over_the_memory_budget_is_one_line_from_the_actor(ray_runtime):
     # one client's training of a 45k-parameter model fits in 2 MiB (the driver's check passes), 3 personal models
     # and the training of 4 at once do not: the actor refuses its shard

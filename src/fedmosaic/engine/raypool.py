@@ -34,6 +34,25 @@ from .pools import InProcessPool, merge_evaluations, merge_logits, row, rows_of,
 MINE = object()
 #: Ray's defaults changed here: no usage statistics sent home (Ray's own default is on)
 ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
+#: the runtimes this process started itself (engine.ray.address: none): their resources are fixed
+OWN_RUNTIME: list[str] = []
+#: Ray's sockets live under $RAY_TMPDIR (else $TMPDIR, else /tmp)/ray/session_<time>_<pid>/sockets/: a Unix socket's
+#: path holds at most 107 bytes
+SOCKET_PATH_MAX = 107
+SESSION_NAME = "session_2026-01-01_00-00-00_000000_1234567"
+
+
+def _check_socket_path() -> None:
+    import tempfile
+
+    base = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
+    longest = os.path.join(base, "ray", SESSION_NAME, "sockets", "plasma_store")
+    if len(longest.encode()) > SOCKET_PATH_MAX:
+        room = SOCKET_PATH_MAX - (len(longest.encode()) - len(base.encode()))
+        raise FedMosaicError(f"the temporary folder {base} is too long for Ray's sockets ({len(base.encode())} "
+                             f"bytes; at most {room}): set RAY_TMPDIR to a shorter folder, e.g. RAY_TMPDIR=/tmp")
+
+
 #: connecting to a cluster address: fail in seconds, not after Ray's ~15 minutes of retries
 CONNECT_ENV = {"RAY_gcs_server_port_wait_time_s": "1", "RAY_py_gcs_connect_timeout_s": "5",
                "RAY_gcs_rpc_server_connect_timeout_s": "3"}
@@ -158,6 +177,15 @@ class RayPool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.actors: list = []
+        if self.address == "local" or self.address in OWN_RUNTIME:  # a runtime of this machine's: it cannot grow
+            total = ray.cluster_resources()
+            short = [k for k, v in bundle.items() if v * len(parts) > total.get(k, 0) + 1e-9]
+            if short:
+                have = {k: total[k] for k in ("CPU", "GPU", "memory") if k in total}
+                raise FedMosaicError(
+                    f"this machine cannot place {len(parts)} Ray actors of {_resources(bundle)}: it has "
+                    f"{_resources(have)} in all; lower engine.ray.actors, cpus_per_actor, gpus_per_actor or "
+                    "engine.memory_mb, or run on a cluster (engine.ray.address)")
         self.group = placement_group([bundle] * len(parts), strategy="SPREAD")
         self._remove_group = remove_placement_group
         if not self.group.wait(timeout_seconds=o.start_timeout_s):
@@ -200,7 +228,12 @@ class RayPool:
         if ray.is_initialized():
             return ray.get_runtime_context().gcs_address
         if o.address is None:
-            ray.init(include_dashboard=False, log_to_driver=False, object_store_memory=o.object_store_mb * 2**20)
+            _check_socket_path()
+            try:
+                ray.init(include_dashboard=False, log_to_driver=False, object_store_memory=o.object_store_mb * 2**20)
+            except ValueError as e:  # e.g. an object store larger than the machine's memory
+                raise FedMosaicError(f"engine.ray.object_store_mb: {one_line(str(e), 300)}") from None
+            OWN_RUNTIME.append(ray.get_runtime_context().gcs_address)
             return "local"
         if o.address != "auto":
             host, _, port = o.address.rpartition(":")
