@@ -297,6 +297,44 @@ def test_signals_name_the_real_run_directory(sig, code, tmp_path):
     assert rc == 0 and len(read_metrics(out)) == done + 1
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("sig, code, changes", [
+    (signal.SIGTERM, 143, {"algorithm": {"name": "fedpac", "head_epochs": 10000}}),
+    (signal.SIGINT, 130, {"algorithm": {"name": "ahf", "public_epochs": 1000},
+                          "data__public": {"source": "noise", "size": 2000}}),
+    (signal.SIGTERM, 143, {"train__local_epochs": 100000}),
+])
+def test_one_signal_stops_a_long_round_within_a_step_after_its_grace(sig, code, changes, tmp_path):
+    """A round of hours (10,000 head epochs, 1,000 epochs on the public stream, 100,000 local epochs) is not
+    waited for: a single signal lets it go on for stopping.GRACE_S seconds, then it stops at its next step,
+    unfinished, with the one-line interruption (no second signal, no SIGKILL)."""
+    from fedmosaic.engine.stopping import GRACE_S
+
+    cfg = write_cfg(tmp_path, **changes)
+    runs = tmp_path / "runs"
+    proc = subprocess.Popen([sys.executable, "-m", "fedmosaic.cli.main", "run", str(cfg), "--no-progress",
+                             "--runs-dir", str(runs)], stderr=subprocess.PIPE, stdout=subprocess.PIPE,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.monotonic() + 120
+        while not list(runs.glob("*/meta.json")) and time.monotonic() < deadline:  # round 0 has begun
+            assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
+            time.sleep(0.1)
+        time.sleep(1.0)
+        proc.send_signal(sig)
+        t0 = time.monotonic()
+        _, err = proc.communicate(timeout=GRACE_S + 60)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    err = err.decode()
+    assert proc.returncode == code, err[-2000:]
+    assert f"if it takes more than {GRACE_S:g} s, at its next step" in err
+    assert f"fedmosaic: error: interrupted by {sig.name}" in error_line(err)
+    assert GRACE_S <= took < GRACE_S + 30, took  # (30 s: a busy machine's step, never the round's hours)
+    assert not any(runs.iterdir())  # a new run stopped in round 0 leaves nothing behind (README)
+
+
 def test_amend_with_a_damaged_meta_json_and_report_of_it(tmp_path):
     out = _cut(tmp_path, 1)
     (out / "meta.json").write_text('{"truncated": ')

@@ -34,7 +34,7 @@ from ..protocol.algorithm import Algorithm
 from ..protocol.context import TaskLoss
 from ..protocol.program import Phase, Probe, Step
 from ..protocol.tree import leaves, put, take, tmap
-from . import augment, optim
+from . import augment, optim, stopping
 from .augment import AugmentConfig
 from .looped import LOOP_ALWAYS, LoopedSteps
 from .mapping import for_each_client
@@ -412,6 +412,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
         block0 = fused_until = 0  # steps block0..fused_until-1 run in fused blocks of ``self.fuse``
         s0 = 0  # plan tensors start at step s0
         for s in range(S):
+            stopping.check()  # a signal's grace is over: stop at this step, the round unfinished
             if s in finish_at or (s == 0 and fast and n & (n - 1)):
                 now = np.flatnonzero(steps > s)
                 if packed.params is not params:  # write the finished clients' rows back

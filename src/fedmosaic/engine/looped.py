@@ -11,6 +11,7 @@ import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
 from ..protocol.tree import tmap
+from . import stopping
 
 #: Looped clients' batches are gathered this many steps at a time.
 LOOP_BLOCK = 64
@@ -80,6 +81,7 @@ class LoopedSteps:
             cut, full = self._cuts(m, x.shape[1])
             cut2 = self._cuts(pair[2], pair[0].shape[1])[0] if pair else None
             for k in range(hi - lo):
+                stopping.check()  # a signal's grace is over: stop at this step, the round unfinished
                 xk, yk, mk = (x[k], y[k], m[k]) if cut[k] is None else (x[k, : cut[k]], y[k, : cut[k]],
                                                                           m[k, : cut[k]])
                 pk = tuple(t[k] if cut2[k] is None else t[k, : cut2[k]] for t in pair)

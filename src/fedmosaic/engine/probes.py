@@ -11,6 +11,7 @@ import torch
 
 from ..protocol.program import Probe, Step
 from ..protocol.tree import tmap
+from . import stopping
 from .objective import _sub
 
 
@@ -33,6 +34,7 @@ class Probes:
         fn = self._grad_fn(Step(probe.slots), probe.objective or self.algo.post_grad_loss, with_acc=False)
         total, count = None, torch.zeros(len(plan["steps"]), device=data.x.device)
         for r, mk in zip(plan["rows"][:m], masks):
+            stopping.check()
             # on copies of the buffers: these extra forward passes must not move the running statistics
             grads, _, _ = fn(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
                              tmap(torch.clone, buffers))
@@ -51,6 +53,7 @@ class Probes:
         mapped = self._each(partial(self._client_sums, fn=fn), (0, 0, None, 0, 0, 0, 0, 0, 0))
         total = None
         for r, mk in zip(rows, masks):
+            stopping.check()
             part = mapped(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
                           tmap(torch.clone, buffers))  # (copies: these passes must not move running statistics)
             total = part if total is None else tmap(torch.add, total, part)

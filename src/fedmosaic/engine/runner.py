@@ -30,6 +30,7 @@ from ..errors import ClientsLost, FedMosaicError, RunError
 from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
 from ..protocol.tree import layout
 from .client import NonFiniteLoss
+from . import stopping
 from .continual import continual_summary
 from .federation import Federation
 
@@ -634,7 +635,8 @@ def _raise_as(handler, signum: int) -> None:
 @contextlib.contextmanager
 def _stop_between_rounds():
     """Ctrl-C or SIGTERM during a round lets the round finish and be saved (checkpoint included), then stops, so a
-    resume continues from there; a second one stops at once (a resume then repeats the rounds since the last
+    resume continues from there; a round not done ``stopping.GRACE_S`` seconds later stops at its next training
+    step, unfinished, and so does a second signal at once (a resume then repeats the rounds since the last
     checkpoint). Outside the main thread signals are left alone."""
     stop = _Stop()
 
@@ -642,8 +644,10 @@ def _stop_between_rounds():
         if stop.asked is not None:
             _raise_as(stop.handlers[signum], signum)
         stop.asked = signum
-        print(f"\nfedmosaic: note: {signal.Signals(signum).name}: stopping after this round, once it is saved "
-              "(again to stop now)", file=sys.stderr, flush=True)
+        stopping.arm(lambda: _raise_as(stop.handlers[signum], signum))
+        print(f"\nfedmosaic: note: {signal.Signals(signum).name}: stopping after this round, once it is saved; "
+              f"if it takes more than {stopping.GRACE_S:g} s, at its next step, unfinished (again to stop now)",
+              file=sys.stderr, flush=True)
 
     try:
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -653,6 +657,7 @@ def _stop_between_rounds():
     try:
         yield stop
     finally:
+        stopping.disarm()
         for sig, previous in stop.handlers.items():
             signal.signal(sig, previous)
 
