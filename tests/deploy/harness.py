@@ -25,6 +25,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def patient(seconds: float) -> float:
+    """``seconds`` stretched by how busy this machine is now (its 1-minute load per core, from 1x up to 6x): a
+    deadline that a quiet machine meets easily and a loaded one (four test workers, a Flower ClientApp process per
+    message) still meets."""
+    load = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return round(seconds * min(6.0, max(1.0, load)), 1)
+
+
 def write_home(home: Path, address: str, ca: Path) -> None:
     """A flwr CLI home whose connection ``fedmosaic`` is ``address`` trusting ``ca``."""
     import tomli_w

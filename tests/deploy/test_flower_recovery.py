@@ -12,7 +12,7 @@ pytest.importorskip("flwr")
 pytestmark = pytest.mark.slow
 
 from cases import config, same_metrics
-from harness import completed, deploy, finished, kill_after_round_0, start, start_node
+from harness import completed, deploy, finished, kill_after_round_0, patient, start, start_node
 
 from fedmosaic.engine.runner import read_metrics, run
 
@@ -47,7 +47,7 @@ def test_a_supernode_killed_mid_run(tmp_path):
     with the numbers of an uninterrupted one, nodes restarted from their state files, is the next test's.)"""
     fed = start(tmp_path / "fed")
     try:
-        cfg = config("ditto", eval={"every": 2}, deploy={"round_timeout_s": 20, "min_clients": 2})
+        cfg = config("ditto", eval={"every": 2}, deploy={"round_timeout_s": patient(20), "min_clients": 2})
         app = deploy(cfg, tmp_path / "a", fed)
         rid = fed.submit(app)
         kill_after_round_0(fed, rid, tmp_path / "a" / "run")
@@ -60,7 +60,7 @@ def test_a_supernode_killed_mid_run(tmp_path):
 
         start_node(fed, 2)
         fed.wait_online(3)
-        cfg = config("ditto", eval={"every": 2}, deploy={"round_timeout_s": 20})
+        cfg = config("ditto", eval={"every": 2}, deploy={"round_timeout_s": patient(20)})
         app = deploy(cfg, tmp_path / "b", fed)
         rid = fed.submit(app)
         kill_after_round_0(fed, rid, tmp_path / "b" / "run")
