@@ -302,6 +302,34 @@ def test_protofcl_paper_loss_by_hand_own_prototypes_classify_and_global_ones_onl
     torch.testing.assert_close(z.grad, zz.grad)
 
 
+def test_protofcl_new_classes_at_the_rounds_start_are_fixed_points_not_the_batchs_moving_mean():
+    """new_classes: start — a class the client has no prototype of yet takes its mean over the client's data at the
+    round's start (the probe at the received model, ctx.payload["own"]["received"]), not the batch's own mean: fixed
+    points cap every logit margin (triangle inequality), so pushing the features outwards no longer pays."""
+    algo = ProtoFCL(ProtoFCL.Config(alpha=0.0, beta=0.0, new_classes="start"),
+                    Setting(num_classes=3, feature_dim=2, head_keys=HEAD))
+    assert [p.at for p in algo.probes(0, {})] == ["received", "final"]
+    z, _, ctx = _protofcl_batch()
+    own = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    start = {"sum": torch.tensor([[9.0, 9.0], [6.0, 2.0], [0.0, 0.0]]), "count": torch.tensor([3.0, 2.0, 0.0])}
+    state = {"protos": own, "has": torch.tensor([1.0, 0.0, 0.0]), "known": torch.zeros(3)}
+    payload = {"own": {"received": {"start": start}}}
+    # class 0: its own prototype; class 1: its mean at the round's start (3, 1); class 2 (none at the start
+    # either): the batch's mean
+    protos = torch.stack([own[0], torch.tensor([3.0, 1.0]), z[2].detach()])
+    lc = torch.nn.functional.cross_entropy(-torch.cdist(z, protos) / algo.cfg.T, torch.tensor([0, 1, 2]))
+    torch.testing.assert_close(algo.loss(ctx(state, payload)), lc)
+    # features scaled outwards: with the batch's mean L_C goes to 0, with fixed prototypes it keeps a floor
+    batch = ProtoFCL(ProtoFCL.Config(alpha=0.0, beta=0.0), Setting(num_classes=3, feature_dim=2, head_keys=HEAD))
+    losses = {"start": [], "batch": []}
+    for _ in range(3):
+        with torch.no_grad():
+            z.mul_(10)
+        losses["start"].append(algo.loss(ctx(state, payload)).item())
+        losses["batch"].append(batch.loss(ctx(state, {})).item())
+    assert losses["batch"][-1] < 1e-6 < 0.1 < min(losses["start"]), losses
+
+
 def test_protofcl_local_pulls_to_its_own_prototypes_and_sends_nothing():
     algo = ProtoFCL(ProtoFCL.Config(prototypes="local", alpha=0.0, beta=1.0), Setting(num_classes=3, feature_dim=2, head_keys=HEAD))
     z, _, ctx = _protofcl_batch()
@@ -355,6 +383,7 @@ def test_protofcl_report_measures_the_prototype_geometry():
 # ---- every method: vectorized == sequential, resume mid-task ------------------------------------------------
 FAMILY = [{"name": "protofcl"}, {"name": "protofcl", "prototypes": "global"},
           {"name": "protofcl", "prototypes": "local", "distance": "squared"},
+          {"name": "protofcl", "new_classes": "start"},
           {"name": "fedlwf"}, {"name": "fedewc", "lam": 50.0}, {"name": "fedavg"}, {"name": "glfc"},
           {"name": "glfc", "loss": "bce"}, {"name": "cfed", "review_steps": 3}, {"name": "fedweit", "lam1": 1e-3},
           {"name": "fedsi", "c": 1.0}, {"name": "fedpmr"}, {"name": "fedrecon"}]

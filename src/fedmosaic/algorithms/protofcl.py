@@ -11,7 +11,9 @@ Local loss L = L_C + alpha L_D + beta L_R:
 
 - L_C: cross-entropy of the distance softmax p(k|x) = softmax_k(-d(f(x), p_k) / T) over every class the client
   knows — its own prototypes from the end of its previous round (detached), plus the batch's own classes it has
-  none of yet (their batch mean, detached);
+  none of yet (``new_classes``: their batch mean, detached — which moves with the features, so it caps no logit
+  margin and can let a new task's features run away — or their mean over the client's data at the round's
+  start, fixed for the round);
 - L_D: cross-entropy between the previous task's model's distance softmax (the teacher, kept at the end of each
   task with the prototypes it predicted with) and the current one's, at temperature T, over the classes the
   teacher knew (none in the first task);
@@ -50,7 +52,7 @@ from pydantic import Field
 from ..errors import ConfigError
 from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
 from ..protocol.context import LocalContext, onehot, only
-from ..protocol.program import Probe
+from ..protocol.program import RECEIVED, Probe
 from ..protocol.tree import clone
 from .continual import UNKNOWN, KeepsTeacher, soft_ce
 from .fedproto import PrototypeServer
@@ -67,6 +69,10 @@ class ProtoFCLConfig(AlgoConfig):
                                                       "Euclidean; squared: its square)")
     lr_sum: bool = Field(True, description="L_R as the paper's sum over classes of the distances (false: their "
                                            "mean over the batch's samples)")
+    new_classes: Literal["batch", "start"] = Field(
+        "batch", description="the prototype L_C and L_D use for a class the client has none of yet (the first round "
+        "it meets it; the paper does not say): the batch's own class mean (detached), or the class mean over the "
+        "client's data at the round's start, fixed for the round like the others (one more pass over the data)")
     prototypes: Literal["paper", "global", "local"] = Field(
         "paper", description="paper: each client classifies with its own prototypes, the server's library only "
         "in L_R; global: the server's library classifies too; local: nothing exchanged, L_R pulls to its own")
@@ -160,7 +166,11 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         count = hot.sum(0)
         local = hot.T @ z / count.clamp(min=1)[:, None]  # [C, d] the batch's class means (differentiable)
         in_batch = (count > 0).to(z.dtype)
-        protos = torch.where(has[:, None] > 0, lib, local.detach())
+        fill = local.detach()
+        if cfg.new_classes == "start":  # the class means at the round's start (a probe at the received model)
+            start = ctx.payload["own"][RECEIVED]["start"]
+            fill = torch.where(start["count"][:, None] > 0, start["sum"] / start["count"].clamp(min=1)[:, None], fill)
+        protos = torch.where(has[:, None] > 0, lib, fill)
         known = torch.maximum(has, in_batch)
         logits = torch.where(known > 0, -distances(z, protos, cfg.distance) / cfg.T, UNKNOWN)
         loss = ctx.term("l_c", ctx.mean(-logits.log_softmax(-1).gather(1, ctx.y[:, None])[:, 0]))
@@ -181,7 +191,9 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         return loss
 
     def probes(self, round_idx, payload):
-        return [Probe("protos", kind="sums", objective=self._class_sums)]
+        start = [Probe("start", at="received", kind="sums", objective=self._class_sums)] \
+            if self.cfg.new_classes == "start" else []
+        return [*start, Probe("protos", kind="sums", objective=self._class_sums)]
 
     def _class_sums(self, ctx):
         return class_sums(ctx, self.num_classes)

@@ -32,7 +32,7 @@ import torch
 from ..errors import ConfigError
 from ..protocol.algorithm import Algorithm
 from ..protocol.context import TaskLoss
-from ..protocol.program import Phase, Probe, Step
+from ..protocol.program import RECEIVED, Phase, Probe, Step
 from ..protocol.tree import leaves, put, take, tmap
 from . import augment, optim, stopping
 from .augment import AugmentConfig
@@ -57,7 +57,8 @@ class Trained(NamedTuple):
 
 class PhaseResult(NamedTuple):
     """A phase of a cohort's round: the trained trees and states, its batch plan, and per client the sum of its
-    first update's losses, its steps and its accumulated statistics."""
+    first update's losses, its steps and its accumulated statistics; ``own`` the per-client payload the later
+    phases see (with the probes at the received parameters under ``RECEIVED``)."""
 
     params: dict
     states: dict
@@ -65,6 +66,8 @@ class PhaseResult(NamedTuple):
     loss: torch.Tensor
     steps: np.ndarray
     acc: dict
+    own: dict
+
 
 
 class Packed(NamedTuple):
@@ -298,7 +301,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
         loss_sum, step_sum, acc_sum = torch.zeros(n, device=dev), np.zeros(n, dtype=np.int64), {}
         stats, first, terms = {}, None, {}
         for p, phase in enumerate(program):
-            params, states, plan, loss, steps, acc = self._phase(
+            params, states, plan, loss, steps, acc, own = self._phase(
                 data, clients, params, states, payload, own, buffers, phase, p, lr, seed, round_idx, keys,
                 probes=[pr for pr in probes if pr.at == "received"] if p == 0 else [], stats=stats)
             first = first or (None if phase.view.part == "public" else plan)  # (probes read the client's data)
@@ -342,6 +345,8 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
         plan = self._plan(data, clients, phase, p, seed, round_idx, keys)
         for pr in probes:
             stats[pr.name] = self._probe(data, plan, params, states, payload, own, buffers, pr)
+        if probes:  # the phases' objectives see them too (ctx.payload["own"][RECEIVED])
+            own = {**own, RECEIVED: {pr.name: stats[pr.name] for pr in probes}}
         last = None if phase.until is None else torch.zeros(len(clients), device=data.x.device)
         loss, acc = self._run_phase(data, plan, params, states, payload, own, buffers, phase, lr, last)
         steps = plan["steps"]
@@ -349,7 +354,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
             steps = self._repeat(data, plan, params, states, payload, own, buffers, phase, lr, loss, acc, last)
         if phase.after is not None:
             params, states = self._hook(phase.after)(params, states, payload, own)
-        return PhaseResult(params, states, plan, loss, steps, acc)
+        return PhaseResult(params, states, plan, loss, steps, acc, own)
 
     def _repeat(self, data, plan, params, states, payload, own, buffers, phase: Phase, lr, loss, acc, last):
         """``Phase.until``: the plan's batches run again, lockstep, by the clients not yet done (their rows taken

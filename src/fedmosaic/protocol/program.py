@@ -100,12 +100,18 @@ class Phase:
         return self.pair is None and self.updates == (Step(),) and self.view == ALL and self.until is None
 
 
+#: where the probes at the received parameters reach the objectives: ``ctx.payload["own"][RECEIVED][name]``
+RECEIVED = "received"
+
+
 @dataclass(frozen=True)
 class Probe:
     """Gradients of ``objective`` (None: the algorithm's ``post_grad_loss``) with respect to ``slots`` (None: all)
     over the client's data, reaching ``finish`` as ``stats[name]`` (a tree by slot).
 
-    ``at``: the parameters the client received (after ``local_init``) or its final ones. ``kind``: ``grad_sq`` the
+    ``at``: the parameters the client received (after ``local_init``) or its final ones; a probe at the received
+    ones also reaches the round's objectives, as ``ctx.payload["own"]["received"][name]`` (ProtoFCL's class means at
+    the round's start). ``kind``: ``grad_sq`` the
     mean over minibatches of the squared minibatch gradient (a diagonal Fisher estimate), ``grad`` the gradient of the
     mean loss over the samples, ``sums`` no gradient: the sums over the samples of ``objective(ctx)`` — a dict of
     per-batch sums, default the algorithm's ``accumulate`` — (features per class, logits, counts: FedPAC's
