@@ -141,6 +141,18 @@ def test_an_impossible_placement_on_this_machines_runtime_is_refused_at_once(ray
         g["state"] == "REMOVED" for g in ray_runtime.util.placement_group_table().values())
 
 
+def test_a_temporary_folder_too_long_for_rays_sockets_is_one_line_before_ray_starts(monkeypatch, tmp_path):
+    from fedmosaic.engine.raypool import _check_socket_path
+
+    monkeypatch.setenv("RAY_TMPDIR", "/tmp")
+    _check_socket_path()  # /tmp: fine
+    deep = tmp_path / ("d" * 60)
+    monkeypatch.setenv("RAY_TMPDIR", str(deep))
+    with pytest.raises(FedMosaicError, match=r"the temporary folder .* is too long for Ray's sockets \(\d+ bytes; "
+                                             r"at most \d+\): set RAY_TMPDIR to a shorter folder"):
+        _check_socket_path()
+
+
 def test_a_shard_over_the_memory_budget_is_one_line_from_the_actor(ray_runtime):
     # one client's training of a 45k-parameter model fits in 2 MiB (the driver's check passes), 3 personal models
     # and the training of 4 at once do not: the actor refuses its shard
