@@ -48,11 +48,8 @@ class Result:
             raise FedMosaicError(f"{d} is not a run directory (no config.yaml)")
         plug.load(list(plugins))
         plug.expect([d])
-        plug._passing.append("python")
-        try:
+        with plug.in_python():
             cfg = load_config(d / "config.yaml")
-        finally:
-            plug._passing.pop()
         metrics = read_metrics(d)
         return cls(cfg.name, summarize(metrics, cfg), metrics, d, cfg)
 

@@ -12,10 +12,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from . import plugins
 from .data.partition.tasks import count_range
 from .engine.augment import AugmentConfig
 from .engine.optim import OptimizerConfig
-from . import plugins
 from .errors import ConfigError
 from .protocol.algorithm import registered
 from .schema import MAX_COUNT, MAX_SEED, Schema

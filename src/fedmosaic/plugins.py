@@ -9,6 +9,7 @@ registration remembers the module whose code made it; a run records the modules 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import os
@@ -94,19 +95,28 @@ def expect(dirs: list[Path]) -> None:
                 RECORDED.update(dict.fromkeys(m for m in found if isinstance(m, str)))
 
 
-#: how the caller passes a plug-in: the CLI's option, or ``Result.load``'s argument (``api``)
-PASS = {"cli": "--plugin {}", "python": "plugins=[{}]"}
-_passing = ["cli"]
+_in_python = False  # the hints name Result.load's plugins=[...] instead of the CLI's --plugin (``in_python``)
+
+
+@contextlib.contextmanager
+def in_python():
+    """Within it, :func:`hint` says how to pass a plug-in to ``Result.load`` rather than on the command line."""
+    global _in_python
+    before, _in_python = _in_python, True
+    try:
+        yield
+    finally:
+        _in_python = before
 
 
 def hint(kind: str) -> str:
     """What to add to "unknown dataset/model/algorithm": the plug-in the run was made with, or how to pass one."""
-    how = PASS[_passing[-1]]
+    how = (lambda m: f"plugins=[{m}]") if _in_python else (lambda m: f"--plugin {m}")  # noqa: E731
     missing = [m for m in RECORDED if m == "__main__" or m not in sys.modules]
     if "__main__" in missing:
         return (f" (the run was made with a {kind} that a script registered: move its register_{kind} call into a "
-                f"module and pass {how.format('MODULE')})")
+                f"module and pass {how('MODULE')})")
     if missing:
-        listed = ", ".join(map(repr, missing)) if _passing[-1] == "python" else " --plugin ".join(missing)
-        return f" (the run was made with plugin {', '.join(missing)}: pass {how.format(listed)})"
-    return f" (registered in Python? pass its module: {how.format('MODULE')})"
+        listed = ", ".join(map(repr, missing)) if _in_python else " --plugin ".join(missing)
+        return f" (the run was made with plugin {', '.join(missing)}: pass {how(listed)})"
+    return f" (registered in Python? pass its module: {how('MODULE')})"

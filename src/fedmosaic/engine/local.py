@@ -69,7 +69,6 @@ class PhaseResult(NamedTuple):
     own: dict
 
 
-
 class Packed(NamedTuple):
     """The active clients' rows of everything the step runner indexes by client (optimiser state per update)."""
 

@@ -177,20 +177,17 @@ class RayPool:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         self.actors: list = []
-        if self.address == "local" or self.address in OWN_RUNTIME:  # a runtime of this machine's: it cannot grow
+        if ray.get_runtime_context().gcs_address in OWN_RUNTIME:  # a runtime of this machine's: it cannot grow
             total = ray.cluster_resources()
-            short = [k for k, v in bundle.items() if v * len(parts) > total.get(k, 0) + 1e-9]
-            if short:
-                have = {k: total[k] for k in ("CPU", "GPU", "memory") if k in total}
+            if any(v * len(parts) > total.get(k, 0) + 1e-9 for k, v in bundle.items()):
                 raise FedMosaicError(
                     f"this machine cannot place {len(parts)} Ray actors of {_resources(bundle)}: it has "
-                    f"{_resources(have)} in all; lower engine.ray.actors, cpus_per_actor, gpus_per_actor or "
+                    f"{_resources(_totals(total))} in all; lower engine.ray.actors, cpus_per_actor, gpus_per_actor or "
                     "engine.memory_mb, or run on a cluster (engine.ray.address)")
         self.group = placement_group([bundle] * len(parts), strategy="SPREAD")
         self._remove_group = remove_placement_group
         if not self.group.wait(timeout_seconds=o.start_timeout_s):
-            total = ray.cluster_resources()
-            have = {k: total[k] for k in ("CPU", "GPU", "memory") if k in total}
+            have = _totals(ray.cluster_resources())
             self.close()
             raise FedMosaicError(
                 f"the Ray cluster cannot place {len(parts)} actors of {_resources(bundle)} within "
@@ -342,6 +339,11 @@ class RayPool:
     def peak_rss_mb(self) -> list[float]:
         """Each actor's peak resident memory, MiB."""
         return self.ray.get([a.peak_rss_mb.remote() for a in self.actors])
+
+
+def _totals(resources: dict) -> dict:
+    """The CPUs, GPUs and memory among a Ray cluster's resources (``ray.cluster_resources()``)."""
+    return {k: resources[k] for k in ("CPU", "GPU", "memory") if k in resources}
 
 
 def _resources(res: dict) -> str:

@@ -29,8 +29,8 @@ from ..data.federated import FederatedData
 from ..errors import ClientsLost, FedMosaicError, RunError
 from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
 from ..protocol.tree import layout
-from .client import NonFiniteLoss
 from . import stopping
+from .client import NonFiniteLoss
 from .continual import continual_summary
 from .federation import Federation
 

@@ -29,7 +29,7 @@ def disarm() -> None:
 
 def check() -> None:
     """Called before every training step."""
-    if time.monotonic() >= _deadline and _stop is not None:
+    if _stop is not None and time.monotonic() >= _deadline:
         stop = _stop
         disarm()
         stop()
