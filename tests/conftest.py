@@ -32,10 +32,14 @@ os.environ["FEDMOSAIC_DEVICE"] = os.environ.get("FEDMOSAIC_TEST_DEVICE", "cpu")
 
 
 @pytest.fixture(autouse=True)
-def _isolated(monkeypatch, tmp_path_factory):
-    """Every test sees the shared data and a private cache, never the user's."""
+def _isolated(request, monkeypatch, tmp_path_factory):
+    """Every test sees the shared data and a private cache, never the user's; a test marked ``cpu`` (a formula
+    checked by hand on host tensors, or the CPU's own execution choices) runs on the CPU whatever
+    FEDMOSAIC_TEST_DEVICE says."""
     monkeypatch.setenv("FEDMOSAIC_DATA", os.environ.get("FEDMOSAIC_TEST_DATA", DATA_PATH))
     monkeypatch.setenv("FEDMOSAIC_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+    if request.node.get_closest_marker("cpu"):
+        monkeypatch.setenv("FEDMOSAIC_DEVICE", "cpu")
 
 
 def need_data(name: str) -> None:

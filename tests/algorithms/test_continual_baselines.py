@@ -20,6 +20,7 @@ from fedmosaic.protocol.tree import leaves
 
 
 # ---- FedRecon --------------------------------------------------------------------------------------------------
+@pytest.mark.cpu
 @pytest.mark.parametrize("clients", [1, 4])
 def test_fedrecon_merged_prototypes_are_the_centralised_class_means_of_every_embedding_seen(clients):
     """Four clients (and one: a local continual prototypical network), all in every round, five tasks: after every

@@ -64,7 +64,7 @@ def test_batches_come_only_from_the_current_task_and_the_memory():
         for clients, rows, mask in seen:
             for i, k in enumerate(clients):
                 _, classes, task = fed.tasks[k][t // R]
-                drawn = rows[:, i][mask[:, i] > 0].numpy() - tr.ptr[k]
+                drawn = rows[:, i][mask[:, i] > 0].cpu().numpy() - tr.ptr[k]
                 assert sorted(drawn) == sorted(np.concatenate([task, kept[k]]))  # one epoch: each sample once
                 old = set(tr.y[torch.as_tensor(kept[k] + tr.ptr[k])].tolist())
                 assert set(tr.y[torch.as_tensor(drawn + tr.ptr[k])].tolist()) <= set(classes.tolist()) | old
@@ -137,8 +137,8 @@ def test_the_memory_holds_the_samples_nearest_to_each_class_prototype_under_the_
         with torch.no_grad():
             z = g.apply(params, fed.transform(tr.x[rows]))[0]
         for c in classes.tolist():
-            zc, oc = z[tr.y[rows] == c], task[(tr.y[rows] == c).numpy()]
-            nearest = oc[np.argsort((zc - zc.mean(0)).norm(dim=1).numpy(), kind="stable")[:3]]
+            zc, oc = z[tr.y[rows] == c], task[(tr.y[rows] == c).cpu().numpy()]
+            nearest = oc[np.argsort((zc - zc.mean(0)).norm(dim=1).cpu().numpy(), kind="stable")[:3]]
             assert fed.exemplars[k][c].tolist() == nearest.tolist()
 
 
@@ -149,7 +149,7 @@ def test_every_client_keeps_the_model_it_predicted_with_at_the_end_of_each_task(
     for k in range(4):
         assert_trees_close({n: v[k] for n, v in fed.groups[0].store["teacher"].items()}, fed.server["model"],
                            exact=True)
-        np.testing.assert_array_equal(fed.groups[0].store["known"][k].numpy(), seen)
+        np.testing.assert_array_equal(fed.groups[0].store["known"][k].cpu().numpy(), seen)
     # ProtoFCL: each client its own model, and the library it predicted with then — the server's (global) or its
     # own (the paper's: its model's features, the nearest of its own prototypes as the head)
     fed = train(make_cfg(algorithm={"name": "protofcl", "prototypes": "global"}), None, rounds=R)
@@ -171,6 +171,7 @@ def test_fedlwf_and_fedewc_with_weight_0_are_fine_tuning(algo):
     assert not torch.equal(leaves(on.server["model"])[0], leaves(ft.server["model"])[0])
 
 
+@pytest.mark.cpu
 def test_fedewc_anchors_at_the_global_model_with_the_fisher_of_the_task():
     fed = train(make_cfg(algorithm={"name": "fedewc"}), None, rounds=R)
     store = fed.groups[0].store
@@ -197,6 +198,7 @@ def test_fedewc_anchors_at_the_global_model_with_the_fisher_of_the_task():
 
 
 # ---- ProtoFCL -----------------------------------------------------------------------------------------------
+@pytest.mark.cpu
 def test_protofcls_teacher_knows_the_classes_its_library_holds():
     fed = Federation(make_cfg(train__clients_per_round=1, data__tasks__order="random",
                               algorithm={"name": "protofcl", "prototypes": "global"}))
@@ -450,6 +452,7 @@ def test_the_learning_rate_falls_on_plateaus_and_starts_again_with_each_task():
 
 
 # ---- continual evaluation -----------------------------------------------------------------------------------
+@pytest.mark.cpu
 def test_continual_accuracy_is_the_global_model_on_the_seen_classes_without_task_id():
     fed = train(make_cfg(algorithm={"name": "fedavg"}), None, rounds=2 * R)
     out = fed.evaluate(2 * R - 1)["continual"]

@@ -115,6 +115,7 @@ def test_fedala_weights_stay_one_where_their_gradient_is_zero_under_momentum_and
     assert leaves(fed.groups[0].store["A"]) and all(bool((t == 1).all()) for t in leaves(fed.groups[0].store["A"]))
 
 
+@pytest.mark.cpu
 def test_fedala_start_phase_trains_a_until_the_loss_std_settles(fd):
     """Three clients in one cohort, ALA alone, every tensor mixed (p = 0), the run's optimiser with momentum and
     weight decay. Client 0 (never trained: w_loc = w_glob) takes one pass and A stays 1; client 1 (trained once:
@@ -157,6 +158,7 @@ def test_fedala_start_phase_trains_a_until_the_loss_std_settles(fd):
     assert [int(s) for s in new["seen"]] == [1, 2, 2]
 
 
+@pytest.mark.cpu
 def test_fedala_start_phase_is_capped(fd):
     """A threshold no pass can reach: the start phase stops after max_start_passes passes."""
     cfg = make_cfg(algorithm={"name": "fedala", "threshold": 1e-30, "max_start_passes": 4, "sample": 0.5})

@@ -78,6 +78,7 @@ def test_collaboration_weights_reach_the_qp_optimum_when_badly_conditioned():
                                rtol=0)
 
 
+@pytest.mark.cpu
 def test_fedpac_heads_combine_by_the_authors_variance_and_bias(fd):
     """Three clients' features given per sample; V_k, h_k and the weights computed as the authors' loops do
     (V_k = [sum_c p_c tr(F_c^T F_c) / n_c − sum_c p_c^2 ||mu_c||^2] / n_k); each new head = those weights applied to
@@ -140,6 +141,7 @@ def test_fedpac_statistics_are_taken_at_the_received_model(fd):
         assert not torch.allclose(z0, z1, atol=1e-3)  # training moved the features: the two passes differ
 
 
+@pytest.mark.cpu
 def test_fedpac_a_class_absent_from_the_cohort_keeps_no_stale_centroid(fd):
     """The server's centroids are this round's cohort's: a class nobody in it has loses its centroid (the
     authors' server replaces its centroid dict every round), so the next round aligns no sample of it."""

@@ -179,6 +179,7 @@ def test_rhfl_public_loss_weighs_each_peer_by_its_share_of_the_softmax_over_all(
     assert float(got) == pytest.approx(want, rel=1e-9)
 
 
+@pytest.mark.cpu
 def test_rhfl_reweights_from_round_one_with_the_drop_of_the_symmetric_ce_over_the_round(fd):
     cfg = make_cfg(algorithm={"name": "rhfl"}, train__clients_per_round=6, engine={"backend": "sequential"})
     fed = Federation(cfg, fd)

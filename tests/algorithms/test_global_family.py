@@ -255,6 +255,7 @@ def test_fednova_ccvr_off_is_unchanged_and_on_differs(fd):
     assert not torch.allclose(leaves(a.server["model"])[0], leaves(c.server["model"])[0], atol=1e-6)
 
 
+@pytest.mark.cpu
 def test_fednova_aggregation_matches_formula(fd):
     """Ragged step counts and momentum: w^{t+1} = w^t - (sum p_i a_i) sum p_i (w^t - w_i) / a_i, by hand."""
     fed = Federation(make_cfg({"name": "fednova"}, rounds=1), fd)

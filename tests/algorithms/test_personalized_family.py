@@ -217,6 +217,7 @@ def _ctx(fed, params, x, y, m, pair):
     return LocalContext(g.apply, {"model": params}, {}, {}, x, y, m, "ce", pair)
 
 
+@pytest.mark.cpu
 @pytest.mark.parametrize("name", ["perfedavg", "fedmeta"])
 def test_meta_gradient_matches_hand_computed_maml(fd, name):
     """Per-FedAvg: grad f(w - a * stopgrad(grad f(w; D)); D'). FedMeta: the same without stopgrad (second order)."""
@@ -234,6 +235,7 @@ def test_meta_gradient_matches_hand_computed_maml(fd, name):
     assert_trees_close(got, dict(zip(p, outer)), atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.cpu
 def test_first_order_and_second_order_meta_gradients_differ(fd):
     fed = Federation(make_cfg(algorithm={"name": "fedmeta", "alpha": 0.3}), fd)
     tr = fed.split["train"]
@@ -367,6 +369,7 @@ def test_fedala_first_round_trains_exactly_as_fedavg(fd):
     assert_trees_close(a.server["model"], b.server["model"], exact=True)
 
 
+@pytest.mark.cpu
 def test_fedala_weights_follow_the_projected_gradient_on_a_hand_example(fd):
     """One ALA step: A <- clip(A - eta * dL/dmix * (w_glob - w_loc), 0, 1), from A = 1."""
     cfg = make_cfg(algorithm={"name": "fedala", "p": 2, "eta": 50.0, "sample": 1.0}, train__batch_size=500)
@@ -412,6 +415,7 @@ def test_fedpac_collaboration_weights_on_hand_examples():
                                torch.tensor([t, t, 1 - 2 * t]), atol=1e-5, rtol=0)
 
 
+@pytest.mark.cpu
 def test_fedpac_server_centroids_heads_and_statistics(fd):
     """aggregate: centroids = count-weighted mean of the class means; each cohort client's new head = its
     collaboration weights (from h = prior x class mean and V = (mean squared norm - sum_c prior^2 ||mean||^2) / n)

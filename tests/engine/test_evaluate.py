@@ -127,6 +127,7 @@ def test_a_continual_evaluation_whose_budget_covers_every_prediction_is_the_full
     assert with_budget(fed, n * seen - 1) != full  # one prediction less: sampled
 
 
+@pytest.mark.cpu
 def test_a_sampled_continual_evaluation_judges_the_dealt_samples_with_each_clients_own_model():
     """Every client's own model on every seen sample, by hand; the sampled evaluation must be these hits at the
     dealt (model, sample) pairs, each class weighted by its test size."""
@@ -160,6 +161,7 @@ def test_a_sampled_continual_evaluation_resumed_equals_uninterrupted(tmp_path):
 
 
 # ---- eval.split: val — choosing hyper-parameters without the test data ------------------------------------------------
+@pytest.mark.cpu
 def test_eval_split_val_judges_the_clients_pooled_validation_splits_not_the_test_split():
     from fedmosaic.engine.federation import Federation
     raw = {"seed": 1, "data": {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"}, "client_val": 0.2,

@@ -241,6 +241,7 @@ def test_mixed_looped_and_mapped_steps_equal_pure_vmap(fd, algo, optimizer):
         assert_trees_close(ref.groups[0].store, fed.groups[0].store)
 
 
+@pytest.mark.cpu
 def test_auto_run_equals_vectorized_and_sequential(fd):
     auto = train(make_cfg(), fd)
     assert auto.groups[0].execution.auto == ("backend", "compile")
@@ -250,6 +251,7 @@ def test_auto_run_equals_vectorized_and_sequential(fd):
         assert_trees_close(auto.server, other.server)
 
 
+@pytest.mark.cpu
 def test_a_convolutional_model_runs_sequential_on_the_cpu_with_the_mapped_numbers(fd):
     from fedmosaic.models import MODELS, Wrapped, register_model
 
@@ -289,6 +291,7 @@ def test_the_finished_client_stays_put_on_the_looped_path(fd):
 
 
 # ---- printed and recorded ------------------------------------------------------------------------------------------
+@pytest.mark.cpu
 def test_the_run_prints_and_records_its_execution(fd, tmp_path, capsys):
     run(make_cfg(), tmp_path / "r", progress=False, fd=fd)
     line = capsys.readouterr().out.splitlines()[0]

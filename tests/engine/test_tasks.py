@@ -37,7 +37,7 @@ def test_a_clients_batches_in_a_task_come_only_from_that_tasks_classes(order):
         for clients, rows, mask in seen:
             for i, k in enumerate(clients):
                 task_id, classes, offsets = fed.tasks[k][t // 2]
-                labels = y[rows[:, i][mask[:, i] > 0]].numpy()
+                labels = y[rows[:, i][mask[:, i] > 0]].cpu().numpy()
                 assert set(labels) <= set(classes.tolist())
                 assert len(labels) == len(offsets)  # one epoch: every sample of the task once
     ids = [[task for task, *_ in st] for st in fed.tasks]

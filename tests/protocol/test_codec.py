@@ -16,8 +16,10 @@ from fedmosaic.protocol.tree import leaves
 
 
 def same(a, b) -> bool:
-    """Equal in structure, types and bits (NaN payloads and signed zeros included)."""
+    """Equal in structure, types and bits (NaN payloads and signed zeros included); ``b`` decoded on the CPU,
+    ``a`` wherever the run keeps it."""
     if isinstance(a, torch.Tensor):
+        a = a.cpu()
         return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and b.is_contiguous()
                 and torch.equal(a.contiguous().reshape(-1).view(torch.uint8) if a.dtype != torch.bool else a,
                                 b.reshape(-1).view(torch.uint8) if b.dtype != torch.bool else b))
@@ -80,7 +82,9 @@ def test_every_familys_payloads_and_state_travel_exactly(algo, over):
 
 
 # ---- malformed messages ---------------------------------------------------------------------------------------------
-MESSAGE = codec.encode("upload", {"model": {"w": torch.randn(2, 3)}, "n": torch.tensor([5]), "ok": torch.ones(2) > 0})
+# seeded: xdist's workers must collect the same parameters (a GPU image's plugins seed torch's global generator)
+W = torch.randn(2, 3, generator=torch.Generator().manual_seed(0))
+MESSAGE = codec.encode("upload", {"model": {"w": W}, "n": torch.tensor([5]), "ok": torch.ones(2) > 0})
 
 
 @pytest.mark.parametrize("data, why", [

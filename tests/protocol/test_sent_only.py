@@ -9,6 +9,7 @@ from fedtest import BLOBS6, assert_trees_close, with_overrides
 
 from fedmosaic.engine.federation import Federation
 from fedmosaic.protocol import codec
+from fedmosaic.protocol.tree import to
 
 CONTINUAL = {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"}, "client_test": 0.0,
              "tasks": {"n_tasks": 5, "rounds_per_task": 1, "memory": {"per_class": 2}}}
@@ -24,7 +25,8 @@ def federation(algo: dict, data: dict | None, wire: bool) -> Federation:
     fed = Federation(with_overrides(raw))
     if wire:  # every broadcast crosses as bytes
         live = fed.algo.broadcast
-        fed.algo.broadcast = lambda server, t: codec.decode(codec.encode("broadcast", live(server, t)))[1]
+        fed.algo.broadcast = lambda server, t: to(codec.decode(codec.encode("broadcast", live(server, t)))[1],
+                                                  fed.device)  # as a pool puts what it receives
     return fed
 
 

@@ -466,9 +466,9 @@ class Federation:
         for key, split in (("global_clients", "test"), ("global_val", "val"), ("personal", "test"),
                            ("personal_val", "val")):
             if key in reply:
-                out[key] = ev.client_summary(reply[key].numpy(), reply["sizes"][split].numpy())
+                out[key] = ev.client_summary(reply[key].cpu().numpy(), reply["sizes"][split].cpu().numpy())
         if "cross" in reply and int(reply["sizes"]["test"].sum()):
-            out["cross"] = ev.cross_summary(reply["cross"].numpy(), reply["sizes"]["test"].numpy())
+            out["cross"] = ev.cross_summary(reply["cross"].cpu().numpy(), reply["sizes"]["test"].cpu().numpy())
             names = self.fd.dataset.group_names
             if self.cfg.data.partition.get("scheme") in ("natural", "domains") and names \
                     and len(names) == self.num_clients:
@@ -516,7 +516,7 @@ class Federation:
             hits = self.pool.evaluate({
                 "round": t, "payload": sent, "assignment": self._assign(self.everyone),
                 "continual": {"ids": torch.as_tensor(order), "rows": torch.as_tensor(rows),
-                              "unseen": unseen}})["continual"].numpy()
+                              "unseen": unseen}})["continual"].cpu().numpy()
         acc = ev.judged_class_accuracy(rows, hits, labels, C)
         size = np.bincount(labels, minlength=C) * ~np.isnan(acc)  # classes by their test sizes (judged ones)
         acc = np.nan_to_num(acc)

@@ -91,7 +91,7 @@ class ServerRuntime:
             if self.algo.global_model and g.global_buffers:
                 g.global_buffers = average_buffers(p["buffers"], p["n"])
         return (np.concatenate([ids_of(p) for p in parts]), self._cat_uploads([p["upload"] for p in parts]),
-                torch.cat([p["loss"] for p in parts]), torch.cat([p["steps"] for p in parts]).numpy(),
+                torch.cat([p["loss"] for p in parts]), torch.cat([p["steps"] for p in parts]).cpu().numpy(),
                 torch.cat([p["n"] for p in parts]))
 
     def _cat_uploads(self, uploads: list) -> dict:

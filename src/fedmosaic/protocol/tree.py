@@ -37,8 +37,9 @@ def repeat(tree, n: int):
 
 
 def take(tree, idx: torch.Tensor):
-    """Rows ``idx`` of every leaf (a copy)."""
-    return tmap(lambda t: t.index_select(0, idx), tree)
+    """Rows ``idx`` of every leaf (a copy; ``idx`` may be on another device, e.g. a checkpoint's rows picked
+    on the host from the tensors of a GPU run)."""
+    return tmap(lambda t: t.index_select(0, idx.to(t.device)), tree)
 
 
 def put(tree, idx: torch.Tensor, values) -> None:
