@@ -15,7 +15,7 @@ torch.optim.SGD per client, a DataLoader per client, clients trained one after a
 split evaluated one after another. The ceiling is the same model trained as ONE model on big batches of the same
 total size (cohort size x B), i.e. what the hardware does when there is no per-client structure at all.
 
-Usage:  FEDMOSAIC_DATA=../shared/data python benchmarks/engine_speed.py [--quick] [--only a|b|e2e] [--json out.json]
+Usage:  FEDMOSAIC_DATA=../shared/data python benchmarks/engine_speed.py [--quick] [--only a|b|e2e|precision] [--json out.json]
 """
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ E2E_PRESET = "apfl-mnist"
 E2E_SET = ["algorithm={name: fedavg}", "compare=null"]
 
 
-def config(setting: str, per_round: int, evaluate: bool, backend="auto", compile="auto") -> dict:
+def config(setting: str, per_round: int, evaluate: bool, backend="auto", compile="auto", global_test=False,
+           **engine) -> dict:
     if setting == "a":
         data = {"dataset": "mnist", "clients": None, "partition": {"scheme": "apfl_mnist"}, "pool": "all",
                 "client_test": 0.1, "normalize": "pixel"}
@@ -60,8 +61,8 @@ def config(setting: str, per_round: int, evaluate: bool, backend="auto", compile
         "seed": 0, "data": data, "model": model,
         "train": {**train, "rounds": 150 if setting == "a" else 100, "clients_per_round": per_round},
         # (a) is dominated by a few large clients' long runs of tiny steps: fuse 16 steps per compiled call
-        "engine": {"backend": backend, "compile": compile, "fuse_steps": 16 if setting == "a" else 1},
-        "eval": {"global_test": False, "client_test": evaluate},
+        "engine": {"backend": backend, "compile": compile, "fuse_steps": 16 if setting == "a" else 1, **engine},
+        "eval": {"global_test": global_test, "client_test": evaluate},
     })
 
 
@@ -119,6 +120,14 @@ class PlainLoop:
             self.evaluate()
 
     @torch.no_grad()
+    def accuracy(self, x: torch.Tensor, y: torch.Tensor, batch: int = 1000) -> float:
+        self.model.eval()
+        hits = sum(int((self.model(self.transform(x[i : i + batch])).argmax(1) == y[i : i + batch]).sum())
+                   for i in range(0, len(y), batch))
+        self.model.train()
+        return hits / len(y)
+
+    @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
         correct = total = 0
@@ -160,6 +169,48 @@ def time_ceiling(fed: Federation, steps: int = 30) -> dict:
         torch.nn.functional.cross_entropy(model(x), tr.y[idx]).backward()
         opt.step()
     return {"samples_per_s": steps * bs / (time.perf_counter() - t0)}
+
+
+# ---- precision: (b)'s CIFAR CNN trained for the same rounds in each precision ---------------------------------
+#: (name, engine settings) of the precision rows; on CUDA also TF32 and the compiled steps
+PRECISIONS = [("fp32", {}), ("bf16", {"precision": "bf16"})]
+CUDA_PRECISIONS = [("tf32", {"tf32": True}), ("fp32 compiled", {"backend": "vectorized", "compile": True}),
+                   ("bf16 compiled", {"backend": "vectorized", "compile": True, "precision": "bf16"})]
+
+
+def time_precisions(rounds: int, device: str) -> dict:
+    """(b)'s setting (CIFAR-10, FedAvg CNN, 100 clients Dir(0.1), 10 per round, E = 1, B = 50) trained for
+    ``rounds`` rounds from the same initial model, cohorts and batches by the plain loop (float32) and by
+    fedmosaic's default execution in each precision: seconds per round (the first round, with any compiling, not
+    counted) and accuracy on the global test set after the last round."""
+    fd = build(data_spec(config("b", 10, False)))
+    rows = {}
+    variants = PRECISIONS + (CUDA_PRECISIONS if device.startswith("cuda") else [])
+    for name, engine in [("plain", {}), *variants]:
+        fed = Federation(config("b", 10, False, global_test=True, **{"device": device, **engine}), fd)
+        plain = PlainLoop(fed) if name == "plain" else None
+        times = []
+        for t in range(rounds):
+            t0 = time.perf_counter()
+            plain.round(t, False) if plain else fed.round(t)
+            if fed.device.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        acc = plain.accuracy(*fed.global_test) if plain else fed.evaluate()["global"]["acc"]
+        rows[name] = {"s_per_round": float(np.mean(times[1:])), "first_round_s": times[0], "acc": acc,
+                      "execution": "plain loop" if plain else fed.execution}
+        print(json.dumps({name: rows[name]}), flush=True)
+    return {"rounds": rounds, "device": str(fed.device), "gpu": torch.cuda.get_device_name(fed.device)
+            if fed.device.type == "cuda" else None, "rows": rows}
+
+
+def print_precisions(res: dict) -> None:
+    print(f"\n| {res['device']}, {res['rounds']} rounds | s/round | vs plain | accuracy | execution |")
+    print("|---|---|---|---|---|")
+    plain = res["rows"]["plain"]
+    for name, r in res["rows"].items():
+        print(f"| {name} | {r['s_per_round']:.3f} | {plain['s_per_round'] / r['s_per_round']:.2f}x | "
+              f"{r['acc']:.4f} ({100 * (r['acc'] - plain['acc']):+.2f} pp) | {r['execution']} |")
 
 
 # ---- end to end ----------------------------------------------------------------------------------------------
@@ -286,7 +337,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="fewer rounds (a smoke run, not for the table)")
     ap.add_argument("--json", help="write the raw numbers here")
-    ap.add_argument("--only", choices=("a", "b", "e2e"))
+    ap.add_argument("--only", choices=("a", "b", "e2e", "precision"))
+    ap.add_argument("--precision-rounds", type=int, default=50, help="rounds each precision trains (--only precision)")
+    ap.add_argument("--device", default="cpu", help="the precision rows' device (cpu, cuda)")
     ap.add_argument("--compile-b", action="store_true", help="also torch.compile the CNN (minutes of compiling)")
     ap.add_argument("--e2e-rounds", type=int, default=150)
     ap.add_argument("--e2e-repeat", type=int, default=1, help="alternate plain and variants this many times")
@@ -297,6 +350,15 @@ def main() -> None:
     load_at_start = os.getloadavg()
     if args.plain_run:
         print(json.dumps(plain_run(args.plain_run)))
+        return
+    if args.only == "precision":
+        res = time_precisions(args.precision_rounds, args.device)
+        print_precisions(res)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"machine": platform.platform(), "torch": torch.__version__, "cpus": os.cpu_count(),
+                           "threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M"),
+                           "load_at_start": load_at_start, "load_at_end": os.getloadavg(), **res}, f, indent=2)
         return
     R = 3 if args.quick else 20
     rows = []

@@ -16,7 +16,7 @@ from ..protocol.tree import repeat, tmap
 from .execution import Execution
 from .local import LocalTrainer
 from .mapping import for_each_client
-from .preflight import activation_bytes, check_fits, gib
+from .preflight import AUTOCAST, activation_bytes, check_fits, gib
 from .seeding import INIT, PUBLIC, rng
 from .tensors import ClientTensors
 
@@ -138,6 +138,7 @@ def make_trainer(cfg: RunConfig, algo, module: torch.nn.Module, ex: Execution, t
                            cfg.data.augment, pad_fill, cfg.train.local_epochs, batch, loop_below=ex.loop_below,
                            threads=ex.threads, channels_last=ex.channels_last, extra=extra)
     trainer.public = public
+    trainer.autocast = AUTOCAST[cfg.engine.precision]
     return trainer
 
 

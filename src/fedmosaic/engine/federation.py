@@ -42,6 +42,7 @@ from .preflight import (
     check_evaluation,
     check_memory_total,
     check_plans,
+    check_precision,
     check_slots,
     check_training_memory,
     memory_bytes,
@@ -76,6 +77,7 @@ class Federation:
         torch.set_num_threads(self.threads.count)
         self.device = dev = resolve_device(cfg.engine.device)  # before any data is read
         precision(cfg.engine.deterministic, cfg.engine.tf32, dev)
+        check_precision(cfg.engine.precision, dev)
         budget = lambda: memory_bytes(dev) if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20  # noqa
         if fd is None:  # a model that cannot fit is refused before the data are laid out (a copy of the dataset)
             spec = data_spec(cfg)

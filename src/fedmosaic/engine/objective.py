@@ -26,9 +26,22 @@ class Objective:
     """The forward pass and gradient functions of :class:`~.local.LocalTrainer` (a part of it: it reads the
     trainer's module, algorithm, mapping and cache)."""
 
+    #: ``engine.precision``'s autocast dtype (None: float32, no autocast)
+    autocast: torch.dtype | None = None
+
     def apply(self, params, x, buffers=None, slot=None):
         """(features, logits); ``buffers`` (BatchNorm running statistics) are the client's, updated in place.
-        ``slot``: a slot with an architecture of its own (``extra``) runs that module (it has no buffers)."""
+        ``slot``: a slot with an architecture of its own (``extra``) runs that module (it has no buffers).
+        Under ``engine.precision`` the forward pass runs in autocast and its outputs come back as float32: every
+        loss, softmax, distance and norm an objective computes from them is float32 (the forward's matrix
+        products and convolutions are where lower precision pays; a loss over logits costs little)."""
+        if self.autocast is None:
+            return self._forward(params, x, buffers, slot)
+        with torch.autocast(x.device.type, dtype=self.autocast):
+            out = self._forward(params, x, buffers, slot)
+        return tmap(lambda t: t.float() if t.is_floating_point() else t, out)
+
+    def _forward(self, params, x, buffers, slot):
         if slot in self.extra:
             return functional_call(self.extra[slot], params, (x,), {"with_features": True})
         if params is self._bound:  # a looped client's parameters, already in the module (:meth:`_bound_to`)

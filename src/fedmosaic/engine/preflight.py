@@ -18,7 +18,6 @@ from ..protocol.algorithm import Algorithm
 from ..protocol.program import Phase, View
 from ..protocol.tree import nbytes, tmap
 
-
 #: ``FEDMOSAIC_DEVICE=cpu|cuda|cuda:1|mps``: the device ``engine.device: auto`` means in this environment (a GPU
 #: machine's test suite on the CPU, or on CUDA: tests/conftest.py's ``FEDMOSAIC_TEST_DEVICE``)
 DEVICE_ENV = "FEDMOSAIC_DEVICE"
@@ -61,6 +60,22 @@ def precision(deterministic: bool, tf32: bool, device: torch.device) -> None:
     # in a warning naming it, rather than stopping a run that has only lost bit-exactness
     torch.use_deterministic_algorithms(deterministic, warn_only=True)
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, not deterministic
+
+
+#: ``engine.precision`` -> the dtype the forward passes autocast to (None: none, float32)
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+
+
+def check_precision(precision: str, device: torch.device) -> None:
+    """``engine.precision`` where ``device`` can do it, else one line."""
+    if precision == "fp16":
+        raise ConfigError("engine.precision: 'fp16' needs a dynamic loss scale, which fedmosaic does not have yet; "
+                          "use 'bf16' (as fast on Ampere and later GPUs, and it needs no loss scale)")
+    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+        raise ConfigError(f"engine.precision: 'bf16' needs a GPU with bfloat16 units (Ampere or later); "
+                          f"{torch.cuda.get_device_name(device)} has none (use 'fp32')")
+    if precision == "bf16" and device.type == "mps":
+        raise ConfigError("engine.precision: 'bf16' is not supported on 'mps' here (use 'fp32')")
 
 
 def memory_bytes(device: torch.device) -> int | None:
