@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# The prepared GPU check (docs/design.md "GPU"): one command on a lent GPU machine, in the repository root, with
+# .gpu/ (benchmarks/gpu/prepare.sh, run here first) carried. Every section is bounded and writes under $OUT:
+#
+#   env     the GPU, driver, torch; what the run will use
+#   tests   the test suite's device-relevant part (engine, algorithms, models, protocol, API) on $DEVICE
+#   speed   benchmarks/engine_speed.py --only precision: the plain loop, fp32, bf16 (and on CUDA: TF32, compiled)
+#   diff    one FedAvg CNN run (CIFAR-10 shards, $DIFF_ROUNDS rounds) on the CPU and on $DEVICE: the difference
+#   paper   $PAPER for $PAPER_ROUNDS rounds, each of $ALGOS (default FedAvg, FedNTD) one after the other (each
+#           bounded by T_PAPER), then fedmosaic report (metrics and curves in paper.tar.gz)
+#
+# Usage there:  bash benchmarks/gpu/check.sh [SECTION ...]        (default: env tests speed diff)
+# Rehearsal here: DEVICE=cpu NPROC=2 T_TESTS=60 ROUNDS=2 DIFF_ROUNDS=1 PAPER_ROUNDS=1 OUT=/tmp/gpu-out \
+#                 bash benchmarks/gpu/check.sh env tests speed diff paper
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT=${OUT:-/tmp/gpu-check}
+DEVICE=${DEVICE:-cuda} NPROC=${NPROC:-8} ROUNDS=${ROUNDS:-30} DIFF_ROUNDS=${DIFF_ROUNDS:-3}
+T_TESTS=${T_TESTS:-150} T_SPEED=${T_SPEED:-170} T_DIFF=${T_DIFF:-100} T_PAPER=${T_PAPER:-400}
+PAPER=${PAPER:-fedntd-cifar10-shards2} PAPER_ROUNDS=${PAPER_ROUNDS:-200} ALGOS=${ALGOS:-fedavg fedntd}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FEDMOSAIC_CACHE=/tmp/fedmosaic-cache
+if [ -d .gpu/data ]; then export FEDMOSAIC_DATA=$PWD/.gpu/data FEDMOSAIC_TEST_DATA=$PWD/.gpu/data; fi
+say() { echo "== $(date +%T) $*" | tee -a "$OUT/summary.txt"; }
+
+# what the image lacks: the carried wheels on the path, fedmosaic itself installed (its console script)
+if [ -d .gpu/whl ] && ! python3 -c "import pydantic" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .gpu/whl/*.whl \
+    || { say "wheels: install failed"; exit 1; }
+  export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+if ! python3 -c "import fedmosaic.config" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/tmp/install.log 2>&1 \
+    || { say "fedmosaic: install failed: $(tail -3 /tmp/install.log)"; exit 1; }
+fi
+BIN=$(python3 -c 'import os, sys; print(os.path.dirname(sys.executable))')
+
+section_env() {
+  { nvidia-smi 2>&1 | head -15; python3 - <<'PY'
+import sys, torch, fedmosaic
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| cudnn", torch.backends.cudnn.version(), "| fedmosaic", fedmosaic.__file__)
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print(p.name, f"{p.total_memory / 2**30:.0f} GiB", p.multi_processor_count, "SMs", "bf16:",
+          torch.cuda.is_bf16_supported(including_emulation=False))
+PY
+  } >"$OUT/env.txt" 2>&1
+  say "env: $(tail -1 "$OUT/env.txt")"
+}
+
+section_tests() {
+  FEDMOSAIC_TEST_DEVICE=$DEVICE timeout -k 10 "$T_TESTS" python3 -m pytest -v -n "$NPROC" -m "not slow" \
+    -p no:cacheprovider tests/engine tests/algorithms tests/models tests/protocol tests/test_api.py \
+    >"$OUT/tests.log" 2>&1
+  local rc=$?
+  say "tests on $DEVICE: rc $rc ($([ $rc = 124 ] && echo "cut at ${T_TESTS}s; ")$(tail -1 "$OUT/tests.log"))"
+  grep -E "^(FAILED|ERROR) " "$OUT/tests.log" | head -40 | tee -a "$OUT/summary.txt"
+}
+
+section_speed() {
+  timeout -k 10 "$T_SPEED" python3 benchmarks/engine_speed.py --only precision --device "$DEVICE" \
+    --precision-rounds "$ROUNDS" --json "$OUT/precision.json" >"$OUT/precision.log" 2>&1
+  say "speed on $DEVICE: rc $?"
+  sed -n '1,/^$/p' "$OUT/paper.log" | tee -a "$OUT/summary.txt"   # the report's table
+}
+
+section_diff() {
+  local d=/tmp/gpu-diff-$$
+  for run in a-cpu "b-$DEVICE"; do
+    local dev=${run#*-}
+    timeout -k 10 "$T_DIFF" "$BIN/fedmosaic" run fedntd-cifar10-shards2 --no-progress --out "$d/$run" \
+      --set "algorithm={name: fedavg}" --set train.rounds="$DIFF_ROUNDS" --set engine.device="$dev" \
+      >>"$OUT/diff.log" 2>&1
+    say "diff: run on $dev: rc $?"
+  done
+  python3 - "$d/a-cpu" "$d/b-$DEVICE" <<'PY' 2>&1 | tee -a "$OUT/summary.txt"
+import json, sys
+runs = [[json.loads(l) for l in open(f"{d}/metrics.jsonl")] for d in sys.argv[1:]]
+for a, b in zip(*runs):
+    ga, gb = a.get("global", {}), b.get("global", {})
+    print(f"round {a['round']}: global acc cpu {ga.get('acc')} vs {sys.argv[2].rsplit('-', 1)[1]} {gb.get('acc')}, "
+          f"loss {ga.get('loss')} vs {gb.get('loss')} (|diff| {abs(ga.get('loss', 0) - gb.get('loss', 0)):.2e})")
+PY
+}
+
+section_paper() {
+  # one algorithm after the other (two at once oversubscribed the CPU threads that launch the kernels: each ran
+  # 2.5x slower), each its own run, so a cut window still leaves every finished run and the rounds of the last
+  local d=/tmp/gpu-paper-$$ a
+  mkdir -p "$d"
+  for a in $ALGOS; do
+    timeout -k 20 "$T_PAPER" "$BIN/fedmosaic" run "$PAPER" --no-progress --out "$d/$a" --set name="$a" \
+      --set "algorithm={name: $a}" --set train.rounds="$PAPER_ROUNDS" --set engine.device="$DEVICE" \
+      >"$d/$a.log" 2>&1
+    say "paper $PAPER ($PAPER_ROUNDS rounds) on $DEVICE: $a ended with rc $?"
+  done
+  "$BIN/fedmosaic" report "$d"/*/ --plot "$d/learning_curves.png" --title "$PAPER on $DEVICE" >"$OUT/paper.log" 2>&1
+  cat "$d"/*.log >>"$OUT/paper.log"
+  sed -n '1,/^$/p' "$OUT/paper.log" | tee -a "$OUT/summary.txt"   # the report's table
+  tar -czf "$OUT/paper.tar.gz" -C "$d" --exclude='checkpoint*' --exclude='*.pt' . 2>/dev/null
+}
+
+for s in "${@:-env tests speed diff}"; do
+  for one in $s; do
+    say "start $one"
+    "section_$one"
+  done
+done
+say "done"
