@@ -31,7 +31,7 @@ def test_the_forward_runs_in_bf16_and_the_objective_sees_float32():
     hook = next(m for m in g.module.modules() if isinstance(m, torch.nn.Linear)).register_forward_hook(
         lambda m, i, out: inside.append(out.dtype))
     try:
-        z, logits = g.apply(g.init, torch.randn(3, *fed.split["train"].x.shape[1:]))
+        z, logits = g.apply(g.init, torch.randn(3, *fed.split["train"].x.shape[1:], device=fed.device))
     finally:
         hook.remove()
     assert inside == [torch.bfloat16] * len(inside) and inside  # the layers computed in bfloat16
