@@ -15,16 +15,16 @@ def test_quickstart_preset_runs_and_writes_table_and_curves(tmp_path, capsys):
     out = tmp_path / "qs"
     assert main(["run", "--no-progress", "--out", str(out), "--set", "train.rounds=3"]) == 0
     text = capsys.readouterr().out
-    assert "fedavg" in text and "fedprox(mu=0.1)" in text and "global acc" in text
+    assert "fedavg" in text and "local" in text and "ditto" in text and "global acc" in text
     assert (out / "learning_curves.png").read_bytes()[:4] == b"\x89PNG"
-    for sub in ("fedavg", "fedprox_mu=0.1"):
+    for sub in ("fedavg", "local", "ditto"):
         lines = (out / sub / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(l)["round"] for l in lines] == [0, 1, 2]
         assert (out / sub / "summary.json").exists() and (out / sub / "meta.json").exists()
     summaries = json.loads((out / "comparison.json").read_text())
-    assert {s["algorithm"] for s in summaries} == {"fedavg", "fedprox"}
+    assert {s["algorithm"] for s in summaries} == {"fedavg", "local", "ditto"}
     # both algorithms saw the same partition
-    hashes = {json.loads((out / s / "meta.json").read_text())["data_hash"] for s in ("fedavg", "fedprox_mu=0.1")}
+    hashes = {json.loads((out / s / "meta.json").read_text())["data_hash"] for s in ("fedavg", "local", "ditto")}
     assert len(hashes) == 1
 
 
@@ -208,7 +208,7 @@ def test_compare_takes_the_configs_own_list_and_refuses_a_config_without_one(tmp
     assert main(["compare", "quickstart", "--seeds", "0", "1", "--set", "train.rounds=1", "--no-progress",
                  "--out", str(out)]) == 0
     names = {s["name"] for s in json.loads((out / "comparison.json").read_text())}
-    assert names == {"fedavg", "fedprox(mu=0.1)"}
+    assert names == {"fedavg", "local", "ditto"}
     assert (out / "seed_0").is_dir() and (out / "seed_1").is_dir()
     capsys.readouterr()
     assert main(["compare", "quickstart", "--set", "compare=null", "--out", str(tmp_path / "none")]) == 2
