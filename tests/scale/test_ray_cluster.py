@@ -118,3 +118,30 @@ def test_a_cluster_that_is_not_there_is_one_line_in_seconds(tmp_path):
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and f"cannot reach the Ray cluster at 127.0.0.2:{port} (engine.ray.address)" in lines[0]
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.slow
+def test_another_runs_private_runtime_is_not_joined(tmp_path):
+    """engine.ray.address: auto joins any Ray runtime on the machine, also one that a running fedmosaic run started
+    for itself (and stops with it): that one is refused in one line. The address is given explicitly here (what
+    `auto` would find depends on the other runtimes of the machine, e.g. other tests' at the same time)."""
+    env = {**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
+    first = subprocess.Popen([*CLI, "run", "quickstart", "--out", str(tmp_path / "first"), "--no-progress",
+                              "--set", "compare=null", "--set", "train.rounds=100000", "--set", "engine.pool=ray",
+                              "--set", "engine.ray.actors=1"], env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        meta, deadline = tmp_path / "first" / "meta.json", time.monotonic() + 150
+        while not meta.exists():  # written once its runtime and actors are up
+            assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
+            time.sleep(0.5)
+        gcs = json.loads(meta.read_text())["ray"]["gcs"]
+        done = cli("run", "quickstart", "--out", str(tmp_path / "second"), "--no-progress", "--set", "compare=null",
+                   "--set", "engine.pool=ray", "--set", f"engine.ray.address={gcs}", env=env, timeout=120)
+        assert done.returncode == 2, done.stderr[-2000:]
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and "the private Ray runtime of another fedmosaic run" in lines[0], lines
+        assert first.poll() is None  # the first run goes on
+    finally:
+        kill(session_pids(first.pid))
+        shutil.rmtree(env["RAY_TMPDIR"], ignore_errors=True)

@@ -16,6 +16,7 @@ from its last checkpoint on new actors (``runner.run``), and the run ends with t
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import os
 import re
@@ -36,6 +37,9 @@ MINE = object()
 ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 #: the runtimes this process started itself (engine.ray.address: none): their resources are fixed
 OWN_RUNTIME: list[str] = []
+#: a custom resource every runtime fedmosaic starts for one run carries: it belongs to that run (and dies with it),
+#: so another run that finds it (engine.ray.address: auto finds any Ray runtime on the machine) refuses to join
+PRIVATE = "fedmosaic_private_runtime"
 #: Ray's sockets live under $RAY_TMPDIR (else $TMPDIR, else /tmp)/ray/session_<time>_<pid>/sockets/: a Unix socket's
 #: path holds at most 107 bytes
 SOCKET_PATH_MAX = 107
@@ -166,6 +170,7 @@ class RayPool:
         self.ray = ray = ray_module()
         self.opts, self.device, self.algo = fed.cfg.engine.ray, fed.device, fed.algo
         self.address = self._connect()
+        self.gcs = self.ray.get_runtime_context().gcs_address  # where the runtime's GCS listens (meta.json)
         register_tensors(ray)
         o, cfg = self.opts, fed.cfg
         threads = cfg.engine.threads or max(1, math.ceil(o.cpus_per_actor))
@@ -227,7 +232,8 @@ class RayPool:
         if o.address is None:
             _check_socket_path()
             try:
-                ray.init(include_dashboard=False, log_to_driver=False, object_store_memory=o.object_store_mb * 2**20)
+                ray.init(include_dashboard=False, log_to_driver=False, object_store_memory=o.object_store_mb * 2**20,
+                         resources={PRIVATE: 1.0})
             except ValueError as e:  # e.g. an object store larger than the machine's memory
                 raise FedMosaicError(f"engine.ray.object_store_mb: {one_line(str(e), 300)}") from None
             OWN_RUNTIME.append(ray.get_runtime_context().gcs_address)
@@ -245,10 +251,17 @@ class RayPool:
         for k, v in CONNECT_ENV.items():
             os.environ.setdefault(k, v)
         try:
-            ray.init(address=o.address, log_to_driver=False)
+            ray.init(address=o.address, log_to_driver=False, logging_level=logging.WARNING)  # errors: one line
         except ConnectionError as e:
             raise FedMosaicError(f"cannot join the Ray cluster at {o.address} (engine.ray.address): "
                                  f"{one_line(str(e), 300)}") from None
+        if PRIVATE in ray.cluster_resources():
+            found = ray.get_runtime_context().gcs_address
+            ray.shutdown()
+            raise FedMosaicError(
+                f"engine.ray.address: {o.address!r} found {found}, the private Ray runtime of another fedmosaic run "
+                "(it ends with that run); start a cluster of your own with `ray start --head` and give its address, "
+                "or leave engine.ray.address unset for a private runtime of this run's")
         return o.address
 
     def close(self) -> None:
@@ -303,7 +316,8 @@ class RayPool:
     notes = InProcessPool.notes
 
     def meta(self) -> dict:
-        return {"ray": {"address": self.address, "version": self.ray.__version__, "actors": self.where}}
+        return {"ray": {"address": self.address, "gcs": self.gcs, "version": self.ray.__version__,
+                        "actors": self.where}}
 
     def hosted(self) -> list:
         return list(self._hosted)
