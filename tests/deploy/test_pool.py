@@ -305,3 +305,15 @@ def test_a_node_listed_online_but_dead_is_skipped_not_waited_for(tmp_path, capsy
     assert time.monotonic() - t0 < 60  # not the 300 s of deploy.connect_timeout_s
     assert "node 999 is listed online but did not answer the first contact: skipped" in capsys.readouterr().out
     assert same_metrics(read_metrics(tmp_path / "dep"), simulated(cfg, tmp_path), tol=0) == []
+
+
+def test_a_nodes_data_folder_holds_for_its_federation_only(tmp_path):
+    """A node's `data-dir` (its node config) is where its federation reads its data; the process's search path
+    is as it was afterwards (a node process that hosts the next run, or a test process, is not left with it)."""
+    from fedmosaic.paths import data_dirs
+
+    before = data_dirs()
+    mine = tmp_path / "node-data"  # (the case's data are scikit-learn's, built in: any folder serves)
+    mine.mkdir()
+    got, _ = deployed(config(), tmp_path, node_config={k: {"data-dir": str(mine)} for k in range(3)})
+    assert got and data_dirs() == before

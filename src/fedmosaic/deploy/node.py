@@ -81,11 +81,15 @@ def _node(config_path: Path, context):
     client = nc["partition-id"]
     if not isinstance(client, int) or client < 0:
         raise ValueError(f"partition-id must be a client id >= 0 (got {client!r})")
-    if nc.get("data-dir"):
-        set_data_dirs(str(nc["data-dir"]))
-    plugins.load()  # the node's own datasets and models: $FEDMOSAIC_PLUGINS, installed entry points
-    cfg = load_config(config_path)
-    fed = Federation(cfg, pool="none")  # builds no client state: the node's one client's below
+    # the node's data folder holds while its federation is built (the data are read then), not for the process
+    before = set_data_dirs(str(nc["data-dir"])) if nc.get("data-dir") else False
+    try:
+        plugins.load()  # the node's own datasets and models: $FEDMOSAIC_PLUGINS, installed entry points
+        cfg = load_config(config_path)
+        fed = Federation(cfg, pool="none")  # builds no client state: the node's one client's below
+    finally:
+        if before is not False:
+            set_data_dirs(before)
     if client >= fed.num_clients:
         raise ValueError(f"partition-id {client}: the config's partition has {fed.num_clients} clients (0-"
                          f"{fed.num_clients - 1})")

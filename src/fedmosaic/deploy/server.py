@@ -464,16 +464,19 @@ def server_app(config_path: str | Path):
         from ..paths import set_data_dirs
 
         rc = context.run_config
-        if rc.get("data-dir"):
-            set_data_dirs(str(rc["data-dir"]))
-        plugins.load()  # datasets and models of $FEDMOSAIC_PLUGINS and installed entry points
-        cfg = load_config(Path(config_path))
-        out, resume = Path(str(rc["run-dir"])), bool(rc.get("resume", False))
-        token = _token(out) if resume else secrets.token_hex(12)
-        hint = str(rc.get("resume-command") or "flwr run APP SUPERLINK --run-config 'resume=true'")
-        keys = read_keys(Path(config_path).with_name("node_keys.json"), cfg.data.clients or 0)
-        summary = run(cfg, out, resume=resume, progress=False,
-                      pool=lambda fed: FlowerPool(grid, fed, token, hint, keys))
+        before = set_data_dirs(str(rc["data-dir"])) if rc.get("data-dir") else False  # for this run only
+        try:
+            plugins.load()  # datasets and models of $FEDMOSAIC_PLUGINS and installed entry points
+            cfg = load_config(Path(config_path))
+            out, resume = Path(str(rc["run-dir"])), bool(rc.get("resume", False))
+            token = _token(out) if resume else secrets.token_hex(12)
+            hint = str(rc.get("resume-command") or "flwr run APP SUPERLINK --run-config 'resume=true'")
+            keys = read_keys(Path(config_path).with_name("node_keys.json"), cfg.data.clients or 0)
+            summary = run(cfg, out, resume=resume, progress=False,
+                          pool=lambda fed: FlowerPool(grid, fed, token, hint, keys))
+        finally:
+            if before is not False:
+                set_data_dirs(before)
         print(json.dumps({"run_dir": str(out), "summary": summary}), flush=True)
 
     return app
