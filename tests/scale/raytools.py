@@ -31,6 +31,18 @@ def descendants(pid: int) -> list[int]:
     return out
 
 
+def session_pids(sid: int) -> list[int]:
+    """The processes of session ``sid`` (a process started in a session of its own and everything it started,
+    also what outlived it: a `ray start --block`'s raylet, a driver's Ray workers)."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                if os.getsid(int(d.name)) == sid:
+                    out.append(int(d.name))
+    return out
+
+
 def kill(pids) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError, PermissionError):

@@ -20,24 +20,13 @@ import pytest
 import yaml
 from deploy.cases import same_metrics
 from deploy.harness import free_port
-from scale.raytools import RAY_ENV, cfg_of, kill
+from scale.raytools import RAY_ENV, cfg_of, kill, session_pids
 
 from fedmosaic.config import dump
 from fedmosaic.engine.runner import read_metrics, run
 
 CLI = [sys.executable, "-m", "fedmosaic.cli.main"]
 pytestmark = pytest.mark.usefixtures("bounded")
-
-
-def session_pids(sid: int) -> list[int]:
-    """The processes of session ``sid`` (a `ray start --block` and everything it started: raylet, workers)."""
-    out = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            with contextlib.suppress(OSError):
-                if os.getsid(int(d.name)) == sid:
-                    out.append(int(d.name))
-    return out
 
 
 class Cluster:
