@@ -178,7 +178,7 @@ CUDA_PRECISIONS = [("tf32", {"tf32": True}), ("fp32 compiled", {"backend": "vect
                    ("bf16 compiled", {"backend": "vectorized", "compile": True, "precision": "bf16"})]
 
 
-def time_precisions(rounds: int, device: str) -> dict:
+def time_precisions(rounds: int, device: str, model: str = "fedavg_cnn") -> dict:
     """(b)'s setting (CIFAR-10, FedAvg CNN, 100 clients Dir(0.1), 10 per round, E = 1, B = 50) trained for
     ``rounds`` rounds from the same initial model, cohorts and batches by the plain loop (float32) and by
     fedmosaic's default execution in each precision: seconds per round (the first round, with any compiling, not
@@ -187,7 +187,8 @@ def time_precisions(rounds: int, device: str) -> dict:
     rows = {}
     variants = PRECISIONS + (CUDA_PRECISIONS if device.startswith("cuda") else [])
     for name, engine in [("plain", {}), *variants]:
-        fed = Federation(config("b", 10, False, global_test=True, **{"device": device, **engine}), fd)
+        cfg = config("b", 10, False, global_test=True, **{"device": device, **engine})
+        fed = Federation(cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": model})}), fd)
         plain = PlainLoop(fed) if name == "plain" else None
         times = []
         for t in range(rounds):
@@ -200,12 +201,12 @@ def time_precisions(rounds: int, device: str) -> dict:
         rows[name] = {"s_per_round": float(np.mean(times[1:])), "first_round_s": times[0], "acc": acc,
                       "execution": "plain loop" if plain else fed.execution}
         print(json.dumps({name: rows[name]}), flush=True)
-    return {"rounds": rounds, "device": str(fed.device), "gpu": torch.cuda.get_device_name(fed.device)
+    return {"rounds": rounds, "model": model, "device": str(fed.device), "gpu": torch.cuda.get_device_name(fed.device)
             if fed.device.type == "cuda" else None, "rows": rows}
 
 
 def print_precisions(res: dict) -> None:
-    print(f"\n| {res['device']}, {res['rounds']} rounds | s/round | vs plain | accuracy | execution |")
+    print(f"\n| {res['model']}, {res['device']}, {res['rounds']} rounds | s/round | vs plain | accuracy | execution |")
     print("|---|---|---|---|---|")
     plain = res["rows"]["plain"]
     for name, r in res["rows"].items():
@@ -340,6 +341,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("a", "b", "e2e", "precision"))
     ap.add_argument("--precision-rounds", type=int, default=50, help="rounds each precision trains (--only precision)")
     ap.add_argument("--device", default="cpu", help="the precision rows' device (cpu, cuda)")
+    ap.add_argument("--model", default="fedavg_cnn", help="the precision rows' model (e.g. resnet10, resnet18)")
     ap.add_argument("--compile-b", action="store_true", help="also torch.compile the CNN (minutes of compiling)")
     ap.add_argument("--e2e-rounds", type=int, default=150)
     ap.add_argument("--e2e-repeat", type=int, default=1, help="alternate plain and variants this many times")
@@ -352,7 +354,7 @@ def main() -> None:
         print(json.dumps(plain_run(args.plain_run)))
         return
     if args.only == "precision":
-        res = time_precisions(args.precision_rounds, args.device)
+        res = time_precisions(args.precision_rounds, args.device, args.model)
         print_precisions(res)
         if args.json:
             with open(args.json, "w") as f:

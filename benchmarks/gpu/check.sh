@@ -4,18 +4,20 @@
 #
 #   env     the GPU, driver, torch; what the run will use
 #   tests   the test suite's device-relevant part (engine, algorithms, models, protocol, API) on $DEVICE
-#   speed   benchmarks/engine_speed.py --only precision: the plain loop, fp32, bf16 (and on CUDA: TF32, compiled)
+#   speed   benchmarks/engine_speed.py --only precision for each of $MODELS (default the CIFAR CNN and ResNet-10):
+#           the plain loop, fp32, bf16 (and on CUDA: TF32, compiled), each bounded by T_SPEED (speed.tar.gz)
 #   diff    one FedAvg CNN run (CIFAR-10 shards, $DIFF_ROUNDS rounds) on the CPU and on $DEVICE: the difference
 #   paper   $PAPER for $PAPER_ROUNDS rounds, each of $ALGOS (default FedAvg, FedNTD) one after the other (each
 #           bounded by T_PAPER), then fedmosaic report (metrics and curves in paper.tar.gz)
 #
 # Usage there:  bash benchmarks/gpu/check.sh [SECTION ...]        (default: env tests speed diff)
-# Rehearsal here: DEVICE=cpu NPROC=2 T_TESTS=60 ROUNDS=2 DIFF_ROUNDS=1 PAPER_ROUNDS=1 OUT=/tmp/gpu-out \
+# Rehearsal here: DEVICE=cpu NPROC=2 T_TESTS=60 ROUNDS=2 MODELS=fedavg_cnn DIFF_ROUNDS=1 PAPER_ROUNDS=1 OUT=/tmp/gpu-out \
 #                 bash benchmarks/gpu/check.sh env tests speed diff paper
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu-check}
 DEVICE=${DEVICE:-cuda} NPROC=${NPROC:-8} ROUNDS=${ROUNDS:-30} DIFF_ROUNDS=${DIFF_ROUNDS:-3}
+MODELS=${MODELS:-fedavg_cnn resnet10}
 T_TESTS=${T_TESTS:-150} T_SPEED=${T_SPEED:-170} T_DIFF=${T_DIFF:-100} T_PAPER=${T_PAPER:-400}
 PAPER=${PAPER:-fedntd-cifar10-shards2} PAPER_ROUNDS=${PAPER_ROUNDS:-200} ALGOS=${ALGOS:-fedavg fedntd}
 mkdir -p "$OUT"
@@ -59,10 +61,15 @@ section_tests() {
 }
 
 section_speed() {
-  timeout -k 10 "$T_SPEED" python3 benchmarks/engine_speed.py --only precision --device "$DEVICE" \
-    --precision-rounds "$ROUNDS" --json "$OUT/precision.json" >"$OUT/precision.log" 2>&1
-  say "speed on $DEVICE: rc $?"
-  sed -n '1,/^$/p' "$OUT/paper.log" | tee -a "$OUT/summary.txt"   # the report's table
+  local d=/tmp/gpu-speed-$$ m
+  mkdir -p "$d"
+  for m in $MODELS; do
+    timeout -k 10 "$T_SPEED" python3 benchmarks/engine_speed.py --only precision --device "$DEVICE" --model "$m" \
+      --precision-rounds "$ROUNDS" --json "$d/precision-$m.json" >"$d/precision-$m.log" 2>&1
+    say "speed of $m on $DEVICE: rc $?"
+    grep "^|" "$d/precision-$m.log" | tee -a "$OUT/summary.txt"
+  done
+  tar -czf "$OUT/speed.tar.gz" -C "$d" .
 }
 
 section_diff() {
