@@ -98,3 +98,16 @@ def test_a_resume_in_another_precision_needs_amend(tmp_path):
         run(bf16, out, resume=True, progress=False)
     run(bf16, out, resume=True, amend=True, progress=False)  # from the next round on, recorded in meta.json
     assert (out / "meta.json").read_text().count("engine.precision") == 1
+
+
+def test_bf16_is_refused_on_a_gpu_without_bfloat16_units(monkeypatch):
+    """A Turing GPU (compute capability 7.5) emulates bfloat16: refused, naming the GPU; an Ampere one is not."""
+    from fedmosaic.engine.preflight import check_precision
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    with pytest.raises(ConfigError, match=r"^engine\.precision: 'bf16' needs a GPU with bfloat16 units .*Tesla T4"):
+        check_precision("bf16", torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    check_precision("bf16", torch.device("cuda"))
+    check_precision("fp32", torch.device("cuda"))

@@ -39,7 +39,7 @@ class Objective:
             return self._forward(params, x, buffers, slot)
         with torch.autocast(x.device.type, dtype=self.autocast):
             out = self._forward(params, x, buffers, slot)
-        return tmap(lambda t: t.float() if t.is_floating_point() else t, out)
+        return tmap(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
 
     def _forward(self, params, x, buffers, slot):
         if slot in self.extra:

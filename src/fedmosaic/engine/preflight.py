@@ -66,12 +66,17 @@ def precision(deterministic: bool, tf32: bool, device: torch.device) -> None:
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
 
 
+def _bf16_units(device: torch.device) -> bool:
+    """Whether the GPU computes bfloat16 natively (Ampere, compute capability 8, or later), not by emulation."""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
+
+
 def check_precision(precision: str, device: torch.device) -> None:
     """``engine.precision`` where ``device`` can do it, else one line."""
     if precision == "fp16":
         raise ConfigError("engine.precision: 'fp16' needs a dynamic loss scale, which fedmosaic does not have yet; "
                           "use 'bf16' (as fast on Ampere and later GPUs, and it needs no loss scale)")
-    if precision == "bf16" and device.type == "cuda" and not torch.cuda.is_bf16_supported(including_emulation=False):
+    if precision == "bf16" and device.type == "cuda" and not _bf16_units(device):
         raise ConfigError(f"engine.precision: 'bf16' needs a GPU with bfloat16 units (Ampere or later); "
                           f"{torch.cuda.get_device_name(device)} has none (use 'fp32')")
     if precision == "bf16" and device.type == "mps":
