@@ -115,12 +115,12 @@ def test_another_runs_private_runtime_is_not_joined(tmp_path):
     for itself (and stops with it): that one is refused in one line. The address is given explicitly here (what
     `auto` would find depends on the other runtimes of the machine, e.g. other tests' at the same time)."""
     env = {**os.environ, **RAY_ENV, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": tempfile.mkdtemp(prefix="ray", dir="/tmp")}
-    first = subprocess.Popen([*CLI, "run", "quickstart", "--out", str(tmp_path / "first"), "--no-progress",
-                              "--set", "compare=null", "--set", "train.rounds=100000", "--set", "engine.pool=ray",
-                              "--set", "engine.ray.actors=1"], env=env, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
+    # the README's Ray command (test_readme_commands.py leaves it to this test), its first run made long
+    first = subprocess.Popen([*CLI, "run", "quickstart", "--set", "engine.pool=ray", "--set", "engine.ray.actors=2",
+                              "--out", str(tmp_path / "first"), "--no-progress", "--set", "train.rounds=100000"],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        meta, deadline = tmp_path / "first" / "meta.json", time.monotonic() + 150
+        meta, deadline = tmp_path / "first" / "fedavg" / "meta.json", time.monotonic() + 150
         while not meta.exists():  # written once its runtime and actors are up
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start"
             time.sleep(0.5)
