@@ -111,3 +111,22 @@ def test_bf16_is_refused_on_a_gpu_without_bfloat16_units(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     check_precision("bf16", torch.device("cuda"))
     check_precision("fp32", torch.device("cuda"))
+
+
+@pytest.mark.parametrize("other", [{"pool": "wire"}, {"backend": "vectorized"}], ids=["wire-pool", "vectorized"])
+def test_every_path_honours_bf16(other):
+    """bf16 reaches the clients of a wire pool (each its own runtime, every message as bytes) with the numbers of
+    the local pool, and the vectorized backend runs it like the sequential one (within bf16 rounding of the
+    batched products: 1e-2)."""
+    raw = merged(BLOBS6, {"algorithm": {"name": "ditto"}, "engine": {"precision": "bf16", "backend": "sequential"}})
+    base = Federation(with_overrides(raw))
+    pool = other.pop("pool", None)
+    alt = Federation(with_overrides(merged(raw, {"engine": other})), **({"pool": pool} if pool else {}))
+    for t in range(3):
+        a, b = base.round(t), alt.round(t)
+        tol = 0 if pool else 1e-2
+        assert abs(float(a["train_loss"]) - float(b["train_loss"])) <= tol * abs(float(a["train_loss"]))
+    fp32 = Federation(with_overrides(merged(raw, {"engine": {"precision": "fp32"}})))
+    for t in range(3):
+        ref = fp32.round(t)
+    assert float(ref["train_loss"]) not in (float(a["train_loss"]), float(b["train_loss"]))  # bf16 ran on both
