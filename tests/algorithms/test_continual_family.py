@@ -372,6 +372,41 @@ def test_protofcl_paper_predicts_with_the_nearest_own_prototype():
     assert pred.tolist() == [0, 1, 1]  # class 2 (no own prototype) is never chosen, the server's never used
 
 
+def test_protofcl_cosine_is_the_paper_loss_on_unit_features_and_cannot_be_lowered_by_scale():
+    """distance: cosine (not the paper's): prototypes are means of unit features, every distance (L_C, L_D, L_R) is
+    between unit vectors, so scaling the features changes no loss term; prediction is the nearest unit prototype."""
+    algo = ProtoFCL(ProtoFCL.Config(alpha=0.5, beta=0.25, T=0.1, distance="cosine"),
+                    Setting(num_classes=3, feature_dim=2, head_keys=HEAD))
+    z, old, ctx = _protofcl_batch()
+    with torch.no_grad():
+        z[0] = torch.tensor([3.0, 4.0])  # no zero feature: its direction is undefined
+    own = torch.tensor([[1.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    glob = torch.tensor([[0.0, 1.0], [2.0, 0.0], [5.0, 5.0]])
+    payload = {"protos": glob, "has": torch.tensor([0.0, 1.0, 1.0])}
+    tp = torch.tensor([[1.0, 0.0], [0.0, 3.0], [0.0, 0.0]])
+    state = {"protos": own, "has": torch.tensor([1.0, 0.0, 0.0]), "known": torch.tensor([1.0, 1.0, 0.0]),
+             "teacher_protos": tp}
+    unit = lambda v: v / v.norm(dim=-1, keepdim=True)
+    u = unit(z)
+    protos = torch.stack([unit(own[0]), u[1].detach(), u[2].detach()])
+    d = torch.cdist(u, protos)
+    lc = torch.nn.functional.cross_entropy(-d / 0.1, torch.tensor([0, 1, 2]))
+    ld = _soft_ce(torch.cdist(unit(old), unit(tp[:2])), d[:, :2], 0.1)
+    lr = (u[1] - unit(glob[1])).norm() + (u[2] - unit(glob[2])).norm()
+    loss = algo.loss(ctx(state, payload))
+    torch.testing.assert_close(loss, lc + 0.5 * ld + 0.25 * lr, atol=1e-4, rtol=1e-4)  # (|a|^2+|b|^2-2ab in fp32)
+    with torch.no_grad():
+        z.mul_(1000)
+    torch.testing.assert_close(algo.loss(ctx(state, payload)), loss, atol=1e-4, rtol=1e-4)
+    # prediction through the linear head: the nearest unit prototype, whatever the features' scale
+    state = {"model": {"head.weight": torch.zeros(3, 2), "head.bias": torch.zeros(3)},
+             "protos": torch.tensor([[1.0, 0.0], [0.0, 0.1], [1.0, 1.0]]), "has": torch.tensor([1.0, 1.0, 0.0])}
+    p = algo.personal_params(state, {})
+    x = torch.tensor([[5.0, 1.0], [0.1, 0.3], [30.0, 40.0]])
+    assert (x @ p["head.weight"].T + p["head.bias"]).argmax(1).tolist() == [0, 1, 1]  # Euclidean: [0, 1, 0]
+    assert torch.cdist(unit(x), unit(state["protos"][:2])).argmin(1).tolist() == [0, 1, 1]
+
+
 def test_protofcl_report_measures_the_prototype_geometry():
     algo = ProtoFCL(setting=Setting(num_classes=2, feature_dim=2, head_keys=HEAD))
     protos = torch.tensor([[[0.0, 0.0], [4.0, 0.0]], [[0.0, 1.0], [4.0, 3.0]]])  # two clients, two classes
@@ -385,7 +420,7 @@ def test_protofcl_report_measures_the_prototype_geometry():
 # ---- every method: vectorized == sequential, resume mid-task ------------------------------------------------
 FAMILY = [{"name": "protofcl"}, {"name": "protofcl", "prototypes": "global"},
           {"name": "protofcl", "prototypes": "local", "distance": "squared"},
-          {"name": "protofcl", "new_classes": "start"},
+          {"name": "protofcl", "new_classes": "start"}, {"name": "protofcl", "distance": "cosine", "T": 0.1},
           {"name": "fedlwf"}, {"name": "fedewc", "lam": 50.0}, {"name": "fedavg"}, {"name": "glfc"},
           {"name": "glfc", "loss": "bce"}, {"name": "cfed", "review_steps": 3}, {"name": "fedweit", "lam1": 1e-3},
           {"name": "fedsi", "c": 1.0}, {"name": "fedpmr"}, {"name": "fedrecon"}]

@@ -40,13 +40,20 @@ nothing to distil; 0 while there is no teacher).
 Other readings, as options: ``prototypes: global`` — the server's library classifies (L_C, L_D, prediction) and L_R
 pulls to it (an earlier reading of the paper, fedmosaic's default before); ``prototypes: local`` — nothing is
 exchanged and L_R pulls the batch's means to the client's own prototypes. ``distance: euclidean | squared`` (in the
-softmaxes and L_R). The paper's ablations: without memory (no ``data.tasks.memory``), without L_D (``alpha: 0``),
+softmaxes and L_R), or ``cosine``, a scale-free distance that is not the paper's: features are L2-normalised before
+the class means (prototypes are means of unit features) and every distance is the Euclidean one between unit
+vectors, ||f/|f| - p/|p||| = sqrt(2 - 2 cos) — so neither L_C nor L_D can be lowered by growing the features (the
+un-normalised distance softmax rewards scale: on CIFAR-100's CNN the prototypes grew until the loss was not finite,
+docs/results.md) and L_R cannot be lowered by shrinking them. Distances lie in [0, 2]: T must be small (0.05-0.2).
+Prediction stays the nearest own prototype (argmax of f.p/|p|); exemplar selection stays the nearest to the class
+mean of the raw features. The paper's ablations: without memory (no ``data.tasks.memory``), without L_D (``alpha: 0``),
 without L_R (``beta: 0``: nothing exchanged).
 """
 
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from pydantic import Field
 
 from ..errors import ConfigError
@@ -65,8 +72,9 @@ class ProtoFCLConfig(AlgoConfig):
                         "0.1 was best on validation splits (docs/results.md), 1 collapses the features")
     T: float = Field(2.0, gt=0, description="temperature of the distance softmax, in L_C and L_D (the paper's "
                      "sweep: 2; on validation splits here 0.5 was better, the presets use it)")
-    distance: Literal["euclidean", "squared"] = Field("euclidean", description="prototype distance (the paper's: "
-                                                      "Euclidean; squared: its square)")
+    distance: Literal["euclidean", "squared", "cosine"] = Field(
+        "euclidean", description="prototype distance: the paper's Euclidean, its square, or cosine (not the paper's: "
+        "features L2-normalised, distances between unit vectors, scale-free; in [0, 2], so T small)")
     lr_sum: bool = Field(True, description="L_R as the paper's sum over classes of the distances (false: their "
                                            "mean over the batch's samples)")
     new_classes: Literal["batch", "start"] = Field(
@@ -79,9 +87,12 @@ class ProtoFCLConfig(AlgoConfig):
 
 
 def distances(z: torch.Tensor, protos: torch.Tensor, kind: str = "euclidean") -> torch.Tensor:
-    """[B, C] Euclidean (or squared Euclidean) distances (the gradient at distance 0 kept finite)."""
+    """[B, C] Euclidean distances, their squares (``squared``), or Euclidean distances between the unit vectors
+    along the rows (``cosine``: sqrt(2 - 2 cos)); the gradient at distance 0 kept finite."""
+    if kind == "cosine":
+        z, protos = F.normalize(z, dim=-1), F.normalize(protos, dim=-1)
     sq = ((z * z).sum(1, keepdim=True) + (protos * protos).sum(1) - 2 * z @ protos.T).clamp(min=1e-8)
-    return sq.sqrt() if kind == "euclidean" else sq
+    return sq if kind == "squared" else sq.sqrt()
 
 
 def entropy_ratio(scores: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
@@ -161,6 +172,7 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
     def loss(self, ctx: LocalContext) -> torch.Tensor:
         z, _ = ctx.forward()
         cfg = self.cfg
+        z = F.normalize(z, dim=-1) if cfg.distance == "cosine" else z  # prototypes are means of unit features
         lib, has = self.library(ctx.payload, ctx.state)
         hot = onehot(ctx.y, self.num_classes, ctx.mask)
         count = hot.sum(0)
@@ -183,8 +195,10 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
             ctx.term("teacher_entropy", ctx.mean(entropy_ratio(teacher / cfg.T, old)))
         if cfg.beta:
             glob, has_glob = self.target(ctx.payload, ctx.state)
+            if cfg.distance == "cosine":
+                local, glob = F.normalize(local, dim=-1), F.normalize(glob, dim=-1)
             gap = ((local - glob) ** 2).sum(1).clamp(min=1e-8)
-            gap = gap.sqrt() if cfg.distance == "euclidean" else gap
+            gap = gap if cfg.distance == "squared" else gap.sqrt()
             l_r = (gap * in_batch * has_glob).sum() if cfg.lr_sum else \
                 (gap * count * has_glob).sum() / count.sum().clamp(min=1)
             loss = loss + cfg.beta * ctx.term("l_r", l_r)
@@ -196,7 +210,7 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         return [*start, Probe("protos", kind="sums", objective=self._class_sums)]
 
     def _class_sums(self, ctx):
-        return class_sums(ctx, self.num_classes)
+        return class_sums(ctx, self.num_classes, unit=self.cfg.distance == "cosine")
 
     def finish(self, params, state, payload, stats):
         count = stats["protos"]["count"]
@@ -213,15 +227,18 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         if not self.own:
             return state["model"]
         # nearest of the client's own prototypes through the model's linear head: argmin ||z - p_k|| is
-        # argmax 2 z.p_k - ||p_k||^2, so weight 2P and bias -||P||^2 (classes without one: never chosen)
+        # argmax 2 z.p_k - ||p_k||^2, so weight 2P and bias -||P||^2 (classes without one: never chosen); cosine:
+        # argmin ||z/|z| - p_k/|p_k||| is argmax z.p_k/|p_k|, so weight P/|P| and bias 0
         model, p, has = state["model"], state["protos"], state["has"]
         w, b = sorted(self.setting.head_keys, key=lambda k: -model[k].dim())  # the [C, d] weight, the [C] bias
+        if self.cfg.distance == "cosine":
+            return {**model, w: F.normalize(p, dim=-1), b: torch.where(has > 0, 0.0, UNKNOWN)}
         return {**model, w: 2 * p, b: torch.where(has > 0, -(p * p).sum(1), UNKNOWN)}
 
     def eval_logits(self, z, logits, payload):
         if self.own:
             return logits
-        return torch.where(payload["has"] > 0, -distances(z, payload["protos"]), float("-inf"))
+        return torch.where(payload["has"] > 0, -distances(z, payload["protos"], self.cfg.distance), float("-inf"))
 
     # ---- the prototype geometry, with every evaluation ----------------------------------------------------
     def client_report(self, state):

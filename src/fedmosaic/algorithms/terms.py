@@ -16,10 +16,11 @@ from ..protocol.context import LocalContext, onehot
 from ..protocol.tree import leaves
 
 
-def class_sums(ctx: LocalContext, num_classes: int, slot: str | tuple[str, ...] = "model") -> dict:
-    """Per class the sum of the batch's features of the model in ``slot`` and the number of (real) samples:
-    prototypes are their ratio (FedProto, FedPAC, ProtoFCL)."""
+def class_sums(ctx: LocalContext, num_classes: int, slot: str | tuple[str, ...] = "model", unit: bool = False) -> dict:
+    """Per class the sum of the batch's features of the model in ``slot`` (``unit``: L2-normalised first) and the
+    number of (real) samples: prototypes are their ratio (FedProto, FedPAC, ProtoFCL)."""
     z, _ = ctx.forward(slot)
+    z = F.normalize(z, dim=-1) if unit else z
     hot = onehot(ctx.y, num_classes, ctx.mask).to(z.dtype)
     return {"sum": hot.T @ z, "count": hot.sum(0)}
 
