@@ -178,6 +178,27 @@ def _run(args) -> None:
     print(f"\nrun directory: {out}\nlearning curves: {out / 'learning_curves.png'}")
 
 
+def _reproduce(args) -> None:
+    from ..reports.reproduce import load_paper, reproduce
+
+    if args.list:
+        spec = load_paper(args.paper)
+        for c in spec.claims:
+            exp = spec.experiments[c.experiment]
+            print(f"{c.id:18s} {c.text} ({c.source}; paper: {'–' if c.paper is None else c.paper}) "
+                  f"[{c.experiment}: {exp.preset}, {exp.cost.get(args.scale, 'cost not estimated')}]")
+        return
+    out = Path(args.out or f"runs/reproduce-{args.paper}-{args.scale}")
+    try:
+        report = reproduce(args.paper, out, scale=args.scale, claims=args.claims, sets=args.set, seeds=args.seeds,
+                           progress=not args.no_progress)
+    except KeyboardInterrupt as e:
+        raise _interrupted(e, f"finished rounds are kept: the same command resumes {out}") from None
+    for c in report["claims"]:
+        print(f"{c['id']:18s} {c['verdict']}")
+    print(f"\nreproduction: {out / 'reproduction.md'}")
+
+
 def _print_tables(summaries: list[dict]) -> None:
     from ..reports.compare import table, terms_table
 
@@ -353,6 +374,21 @@ def build_parser() -> argparse.ArgumentParser:
         q.set_defaults(fn=_run)
     c.add_argument("--algorithms", nargs="+", metavar="NAME[:K=V,...]",
                    help="e.g. fedavg fedprox:mu=0.1 fedntd:beta=1,tau=1 (default: the config's compare: list)")
+
+    rr = sub.add_parser("reproduce", help="a seed paper's headline claims: run (or resume) the comparisons that test "
+                        "them, then reproduction.md with the paper's number, ours and a verdict per claim")
+    rr.add_argument("paper", help="apfl-pd, pfedsrb, ahf, protofcl or fedntd")
+    rr.add_argument("--claims", nargs="+", metavar="ID", help="only these claims (default: all; --list names them)")
+    rr.add_argument("--scale", choices=("cpu", "paper"), default="cpu",
+                    help="cpu: the reduced setting (default); paper: the paper's own rounds and models")
+    rr.add_argument("--seeds", nargs="+", type=_at_least(0), metavar="SEED", help="instead of the claims' seeds")
+    rr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="override every experiment's config, e.g. train.rounds=2")
+    rr.add_argument("--out", help="its directory (default: runs/reproduce-PAPER-SCALE); the same command again "
+                    "resumes it")
+    rr.add_argument("--list", action="store_true", help="name the claims, their experiments and costs; run nothing")
+    rr.add_argument("--no-progress", action="store_true", help="no progress bar")
+    rr.set_defaults(fn=_reproduce)
 
     dp = sub.add_parser("deploy", help="prepare a Flower deployment of a config: the app, TLS certificates, node "
                         "keys and the commands for a SuperLink and one SuperNode per client")

@@ -1,0 +1,324 @@
+"""``fedmosaic reproduce PAPER``: a seed paper's headline claims, each checked against the comparison that tests it.
+
+A paper's claims live in one versioned data file, ``claims/<paper>.yaml``: the experiments (a preset, the seeds, the
+``--set`` overrides of each scale: ``cpu`` reduced, ``paper`` the paper's own setting) and, per claim, where in the
+paper it stands, the paper's number and how ours is compared with it:
+
+- ``value``: the method's metric against the paper's number (within ``tolerance`` points, or outside it);
+- ``gain``: the method's metric minus the baseline's, per seed (paired: same partition, cohorts and batches),
+  against the paper's gain (within tolerance / the same direction / contradicted);
+- ``best``: the method above every other of ``methods`` (holds / contradicted);
+- ``order``: ``methods`` in this order (holds / contradicted, naming the first pair that is not).
+
+Each experiment runs as ``fedmosaic run PRESET --seeds ... --set ...`` would, in ``<out>/<experiment>``, or
+resumes there; a claim whose experiment cannot run (a dataset missing, a GPU-only setting without a GPU, a run
+that failed) is reported as not run with the reason, never dropped. ``reproduction.md`` and ``reproduction.json``
+in ``<out>`` hold the verdicts; running the same command again resumes what is unfinished and rewrites them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import shlex
+import time
+from itertools import pairwise
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from ..config import dump, load_config, validate
+from ..engine.runner import check_out, claim
+from ..errors import ConfigError, FedMosaicError, RunError, Stopped
+from ..files import atomic_write
+from ..schema import Schema
+
+CLAIMS = Path(__file__).with_name("claims")
+REQUEST = "reproduction.yaml"
+Scale = Literal["cpu", "paper"]
+
+
+class ExperimentSpec(Schema):
+    """One comparison that several claims read: a preset run over seeds, with each scale's overrides."""
+
+    preset: str = Field(description="the preset (or a config path relative to the claims file)")
+    seeds: list[int] = Field([0, 1, 2], min_length=1)
+    cpu: list[str] = Field([], description="--set overrides of the reduced setting")
+    paper: list[str] = Field([], description="--set overrides of the paper's setting (usually none)")
+    gpu: list[Scale] = Field([], description="the scales that need a GPU (not run on a CPU-only machine)")
+    cost: dict[Scale, str] = Field({}, description="what each scale costs, in words (e.g. '~40 min, 2-core CPU')")
+
+
+class ClaimSpec(Schema):
+    id: str = Field(pattern=r"^[a-z0-9][a-z0-9-]*$")
+    text: str = Field(description="the claim as the paper makes it")
+    source: str = Field(description="where in the paper: the table, figure or section")
+    experiment: str
+    kind: Literal["value", "gain", "best", "order"]
+    metric: list[str] = Field(min_length=1, description="summary keys, the first a method has is used")
+    percent: bool = Field(True, description="the metric is a fraction shown in percent points (else as it is)")
+    lower: bool = Field(False, description="lower is better (e.g. forgetting)")
+    method: str | None = None
+    baseline: str | None = None
+    methods: list[str] = Field([], description="best: the others; order: best first")
+    paper: float | None = Field(None, description="the paper's number (value, gain), in the metric's unit")
+    tolerance: float = Field(2.0, ge=0, description="within this many units of the paper's number")
+
+    @model_validator(mode="after")
+    def _fields(self):
+        need = {"value": ("method", "paper"), "gain": ("method", "baseline"), "best": ("method",), "order": ()}
+        missing = [f for f in need[self.kind] if getattr(self, f) is None]
+        if missing or (self.kind in ("best", "order") and not self.methods):
+            raise ValueError(f"claim {self.id}: a {self.kind} claim needs {', '.join(missing) or 'methods'}")
+        return self
+
+
+class PaperSpec(Schema):
+    paper: str
+    title: str
+    text: str = Field(description="the paper's text, as shipped beside the project")
+    experiments: dict[str, ExperimentSpec]
+    claims: list[ClaimSpec] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _refs(self):
+        ids = [c.id for c in self.claims]
+        if len(set(ids)) != len(ids):
+            raise ValueError("claim ids must be unique")
+        for c in self.claims:
+            if c.experiment not in self.experiments:
+                raise ValueError(f"claim {c.id}: no experiment {c.experiment!r}")
+        return self
+
+
+def papers() -> list[str]:
+    return sorted(p.stem for p in CLAIMS.glob("*.yaml"))
+
+
+def load_paper(name: str) -> PaperSpec:
+    path = CLAIMS / f"{name}.yaml"
+    if not path.is_file():
+        raise FedMosaicError(f"reproduce: no claims for paper {name!r}; papers: {', '.join(papers())}")
+    try:
+        return PaperSpec.model_validate(yaml.safe_load(path.read_text()))
+    except ValidationError as e:  # a broken data file is fedmosaic's bug, said in one line
+        raise ConfigError(f"{path.name}: {e.errors()[0]['msg']}") from None
+
+
+def experiment_config(spec: ExperimentSpec, scale: str, sets: list[str], seeds: list[int] | None):
+    from ..presets import preset_names, preset_path
+
+    source = preset_path(spec.preset) if spec.preset in preset_names() else CLAIMS / spec.preset
+    cfg = load_config(source, [*getattr(spec, scale), *sets], {"seeds": list(seeds or spec.seeds)})
+    return validate(yaml.safe_load(dump(cfg)), spec.preset)  # as saved: a resume compares it with the saved one
+
+
+def command(spec: ExperimentSpec, scale: str, sets: list[str], seeds: list[int], out: Path) -> str:
+    """The ``fedmosaic run`` command that runs (or resumes) one experiment by itself."""
+    parts = ["fedmosaic", "run", spec.preset, "--seeds", *map(str, seeds)]
+    for s in [*getattr(spec, scale), *sets]:
+        parts += ["--set", s]
+    return shlex.join([*parts, "--out", str(out)])
+
+
+def missing_data(cfg) -> str | None:
+    """Why the experiment's data is not here (its dataset, or a dataset its public stream draws), or None."""
+    from ..data.registry import dataset_names, find_layout, get_spec, missing_message
+
+    names = [cfg.data.dataset]
+    if cfg.data.public is not None and cfg.data.public.source in dataset_names():
+        names.append(cfg.data.public.source)
+    for n in names:
+        spec = get_spec(n)
+        if find_layout(spec) is None:
+            return missing_message(spec)
+    return None
+
+
+def finished(where: Path, cfg) -> bool:
+    """Every seed of the experiment in ``where`` ran to its end with this very config (nothing to resume)."""
+    saved = where / "seeds.yaml"
+    return (where / "comparison.json").is_file() and saved.is_file() and load_config(saved) == cfg
+
+
+def has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# ---- verdicts -----------------------------------------------------------------------------------------------------
+def per_seed(out: Path) -> list[list[dict]]:
+    """The summaries of each seed's comparison under ``out`` (``seed_<s>/comparison.json``, or ``out``'s own)."""
+    files = sorted(out.glob("seed_*/comparison.json"), key=lambda p: int(p.parent.name.split("_")[1]))
+    files = files or [out / "comparison.json"]
+    return [json.loads(f.read_text()) for f in files if f.is_file()]
+
+
+def find(summaries: list[dict], method: str) -> dict | None:
+    """A method's summary: the variant of that name, or the only one of that algorithm."""
+    exact = [s for s in summaries if s.get("name") == method]
+    algo = [s for s in summaries if s.get("algorithm") == method]
+    return (exact or (algo if len(algo) == 1 else [None]))[0]
+
+
+def metric(summary: dict | None, claim: ClaimSpec) -> float | None:
+    if summary is None:
+        return None
+    value = next((summary[k] for k in claim.metric if isinstance(summary.get(k), (int, float))), None)
+    if value is None or not math.isfinite(value):
+        return None
+    return 100 * value if claim.percent else value
+
+
+def mean_std(values: list[float]) -> tuple[float, float | None]:
+    return float(np.mean(values)), (float(np.std(values, ddof=1)) if len(values) > 1 else None)
+
+
+def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
+    """The claim's verdict on the seeds' summaries: ours (mean, std over seeds), the difference to the paper's
+    number, the verdict and a note."""
+    def values(method):
+        got = [metric(find(s, method), claim) for s in seeds]
+        return None if any(v is None for v in got) else got
+
+    names = [m for m in [claim.method, claim.baseline, *claim.methods] if m]
+    absent = [m for m in names if values(m) is None]
+    if not seeds or absent:
+        return {"verdict": "not run", "why": f"no {' / '.join(claim.metric)} of {', '.join(absent or names)} in the "
+                "experiment's results"}
+    sign = -1 if claim.lower else 1
+    if claim.kind in ("value", "gain"):
+        ours = values(claim.method)
+        if claim.kind == "gain":
+            ours = [a - b for a, b in zip(ours, values(claim.baseline), strict=True)]
+        mean, std = mean_std(ours)
+        out = {"ours": mean, "std": std, "seeds": len(ours)}
+        if claim.paper is None:
+            return {**out, "verdict": "holds" if sign * mean > 0 else "contradicted"}
+        diff = mean - claim.paper
+        if abs(diff) <= claim.tolerance:
+            verdict = "within tolerance"
+        elif claim.kind == "value":
+            verdict = "outside tolerance"
+        else:
+            verdict = "same direction" if mean * claim.paper > 0 else "contradicted"
+        return {**out, "difference": diff, "verdict": verdict}
+    means = {m: mean_std(values(m)) for m in names}
+    if claim.kind == "best":
+        above = [m for m in claim.methods if sign * means[m][0] >= sign * means[claim.method][0]]
+        runner = max(claim.methods, key=lambda m: sign * means[m][0])
+        out = {"ours": means[claim.method][0], "std": means[claim.method][1], "seeds": len(seeds),
+               "difference": means[claim.method][0] - means[runner][0],
+               "note": f"next: {runner} {means[runner][0]:.2f}"}
+        if above:
+            return {**out, "verdict": "contradicted", "note": f"not above {', '.join(above)}"}
+        return {**out, "verdict": "holds"}
+    order = claim.methods
+    flipped = next(((a, b) for a, b in pairwise(order) if sign * means[a][0] <= sign * means[b][0]), None)
+    note = " > ".join(f"{m} {means[m][0]:.2f}" for m in order) if not claim.lower else \
+        " < ".join(f"{m} {means[m][0]:.2f}" for m in order)
+    if flipped:
+        return {"verdict": "contradicted", "seeds": len(seeds), "note": f"{flipped[0]} is not above {flipped[1]}; "
+                f"ours: {note}"}
+    return {"verdict": "holds", "seeds": len(seeds), "note": note}
+
+
+# ---- the command ----------------------------------------------------------------------------------------------------
+def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | None = None, sets: list[str] = (),
+              seeds: list[int] | None = None, progress: bool = True, gpu: bool | None = None) -> dict:
+    """Run (or resume) what the chosen claims of ``paper`` need under ``out`` and judge them; write
+    ``reproduction.md`` and ``reproduction.json`` there and return the latter's content."""
+    from .compare import run_all
+
+    spec = load_paper(paper)
+    known = [c.id for c in spec.claims]
+    unknown = [c for c in claims or [] if c not in known]
+    if unknown:
+        raise FedMosaicError(f"reproduce {paper}: no claim {unknown[0]!r}; claims: {', '.join(known)}")
+    chosen = [c for c in spec.claims if not claims or c.id in claims]
+    request = {"paper": paper, "scale": scale, "set": list(sets), "seeds": seeds}
+    # every config is built before anything runs or is written: a bad --set is refused in one line first
+    names = list(dict.fromkeys(c.experiment for c in chosen))
+    configs = {n: experiment_config(spec.experiments[n], scale, list(sets), seeds) for n in names}
+    resume = (out / REQUEST).is_file()
+    if resume:
+        saved = yaml.safe_load((out / REQUEST).read_text())
+        if {k: saved.get(k) for k in ("paper", "scale")} != {"paper": paper, "scale": scale}:
+            raise FedMosaicError(f"{out} holds the reproduction of {saved.get('paper')} at scale {saved.get('scale')}; "
+                                 "choose another --out")
+    else:
+        check_out(out, resume=False)
+        out.mkdir(parents=True, exist_ok=True)
+        claim(out / REQUEST, yaml.safe_dump(request, sort_keys=False))
+    gpu = has_gpu() if gpu is None else gpu
+    runs: dict[str, dict] = {}
+    for n in names:
+        exp, cfg, where = spec.experiments[n], configs[n], out / n
+        run = {"command": command(exp, scale, list(sets), cfg.seeds, where), "cost": exp.cost.get(scale)}
+        why = missing_data(cfg) or (f"the {scale} setting needs a GPU and none is here" if scale in exp.gpu and
+                                    not gpu else None)
+        if why is None and finished(where, cfg):
+            run["finished"] = True
+        elif why is None:
+            started = time.perf_counter()
+            try:
+                run_all(cfg, where, resume=(where / "seeds.yaml").is_file(), progress=progress)
+            except (RunError, Stopped):  # the machine's problem or the user's signal: the whole command stops
+                raise
+            except FedMosaicError as e:  # refused (e.g. too big for this machine): its claims say why, the rest run
+                why = f"refused: {e}"
+            run["wall_s"] = time.perf_counter() - started
+        runs[n] = {**run, "not_run": why} if why else run
+    verdicts = []
+    for c in chosen:
+        r = runs[c.experiment]
+        v = {"verdict": "not run", "why": r["not_run"]} if "not_run" in r else judge(c, per_seed(out / c.experiment))
+        verdicts.append({"id": c.id, "source": c.source, "text": c.text, "kind": c.kind, "paper": c.paper,
+                         "experiment": c.experiment, **v})
+    report = {"paper": paper, "title": spec.title, "scale": scale, "request": request, "machine": machine(),
+              "experiments": runs, "claims": verdicts}
+    atomic_write(out / "reproduction.json", json.dumps(report, indent=2).encode())
+    atomic_write(out / "reproduction.md", markdown(report).encode())
+    return report
+
+
+def machine() -> dict:
+    import torch
+
+    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")}
+
+
+def _num(v: float | None, std: float | None = None) -> str:
+    if v is None:
+        return "–"
+    return f"{v:.2f}" + (f" ± {std:.2f}" if std is not None else "")
+
+
+def markdown(report: dict) -> str:
+    m = report["machine"]
+    lines = [f"# Reproduction: {report['title']}", "",
+             f"Scale `{report['scale']}`; {m['date']}; {m['cpu']}, {m['cores']} cores"
+             + (f", {m['gpu']}" if m["gpu"] else ", no GPU") + f"; torch {m['torch']}.", "",
+             "| claim | where | paper | ours (mean ± std over seeds) | difference | verdict |",
+             "|---|---|---|---|---|---|"]
+    for c in report["claims"]:
+        detail = c.get("why") or c.get("note") or ""
+        lines.append(f"| {c['id']}: {c['text']} | {c['source']} | {_num(c['paper'])} | "
+                     f"{_num(c.get('ours'), c.get('std'))}{' (' + str(c['seeds']) + ' seeds)' if c.get('seeds') else ''}"
+                     f" | {_num(c.get('difference'))} | **{c['verdict']}**{': ' + detail if detail else ''} |")
+    lines += ["", ("ours: the mean over seeds (a gain: paired per seed; a best: the method's own value); difference: "
+                   "ours - paper (a best: the margin to the next method); accuracies in percent points."), "",
+              "Experiments (each command runs or resumes one by itself):", ""]
+    for n, r in report["experiments"].items():
+        state = f"not run: {r['not_run']}" if "not_run" in r else "finished before" if r.get("finished") else \
+            f"{r['wall_s']:.0f} s this time"
+        lines.append(f"- `{n}` ({state}; cost: {r.get('cost') or 'not estimated'}): `{r['command']}`")
+    return "\n".join(lines) + "\n"

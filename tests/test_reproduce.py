@@ -1,0 +1,116 @@
+"""`fedmosaic reproduce`: the claims files, the verdicts on hand-made summaries, and one paper end to end."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from fedmosaic.cli.main import main
+from fedmosaic.reports.reproduce import ClaimSpec, experiment_config, judge, load_paper, papers
+from tests.conftest import SHARED_DATA, need_data
+
+
+def claim(**kw):
+    base = {"id": "c", "text": "t", "source": "Table 1", "experiment": "e", "metric": ["acc"]}
+    return ClaimSpec.model_validate({**base, **kw})
+
+
+def seeds(*rows):
+    """One comparison per seed: ``rows`` are {method: accuracy} dicts."""
+    return [[{"name": m, "algorithm": m.split("(")[0], "acc": a} for m, a in row.items()] for row in rows]
+
+
+def test_a_gain_is_paired_per_seed_and_judged_against_the_papers_number():
+    runs = seeds({"a": 0.60, "b": 0.50}, {"a": 0.70, "b": 0.62})  # gains 10 and 8 points
+    out = judge(claim(kind="gain", method="a", baseline="b", paper=10.0, tolerance=1.5), runs)
+    assert out["ours"] == pytest.approx(9.0) and out["std"] == pytest.approx(2 ** 0.5)
+    assert out["difference"] == pytest.approx(-1.0) and out["verdict"] == "within tolerance"
+    assert judge(claim(kind="gain", method="a", baseline="b", paper=20.0), runs)["verdict"] == "same direction"
+    assert judge(claim(kind="gain", method="b", baseline="a", paper=5.0), runs)["verdict"] == "contradicted"
+    # lower is better (forgetting): a smaller F is the gain, and a raw metric is not shown in percent
+    f = judge(claim(kind="gain", method="a", baseline="b", paper=-0.05, percent=False, lower=True, tolerance=0.01),
+              seeds({"a": 0.13, "b": 0.20}))
+    assert f["ours"] == pytest.approx(-0.07) and f["verdict"] == "same direction"
+
+
+def test_value_best_and_order():
+    runs = seeds({"a(x=1)": 0.80, "b": 0.70, "c": 0.75})
+    assert judge(claim(kind="value", method="a", paper=81.0, tolerance=2), runs)["verdict"] == "within tolerance"
+    assert judge(claim(kind="value", method="a", paper=85.0, tolerance=2), runs)["verdict"] == "outside tolerance"
+    best = judge(claim(kind="best", method="a", methods=["b", "c"]), runs)
+    assert best["verdict"] == "holds" and best["difference"] == pytest.approx(5.0)
+    worse = judge(claim(kind="best", method="b", methods=["a", "c"]), runs)
+    assert worse["verdict"] == "contradicted" and "a, c" in worse["note"]
+    assert judge(claim(kind="order", methods=["a", "c", "b"]), runs)["verdict"] == "holds"
+    flip = judge(claim(kind="order", methods=["a", "b", "c"]), runs)
+    assert flip["verdict"] == "contradicted" and flip["note"].startswith("b is not above c")
+
+
+def test_a_method_or_metric_missing_is_not_run_never_a_verdict():
+    out = judge(claim(kind="gain", method="a", baseline="z", paper=1.0), seeds({"a": 0.5, "b": 0.4}))
+    assert out["verdict"] == "not run" and "z" in out["why"]
+    assert judge(claim(kind="value", method="a", paper=1.0, metric=["other"]), seeds({"a": 0.5}))["verdict"] \
+        == "not run"
+
+
+def test_a_claim_is_refused_without_what_its_kind_needs():
+    with pytest.raises(ValueError, match="gain claim needs baseline"):
+        claim(kind="gain", method="a", paper=1.0)
+
+
+@pytest.mark.parametrize("paper", papers())
+def test_every_claim_names_an_experiment_that_builds_and_methods_it_runs(paper):
+    spec = load_paper(paper)
+    for scale in ("cpu", "paper"):
+        for name, exp in spec.experiments.items():
+            cfg = experiment_config(exp, scale, [], None)
+            variants = cfg.variants()
+            names = {v.name for v in variants}
+            algos = [v.algorithm.name for v in variants]
+            for c in (c for c in spec.claims if c.experiment == name):
+                for m in filter(None, [c.method, c.baseline, *c.methods]):
+                    assert m in names or algos.count(m) == 1, f"{paper} {c.id}: {m} is not one of {sorted(names)}"
+
+
+def test_an_unknown_paper_or_claim_is_one_line_and_writes_nothing(tmp_path, capsys):
+    assert main(["reproduce", "apfl", "--out", str(tmp_path / "r")]) == 2
+    assert main(["reproduce", "apfl-pd", "--claims", "nope", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert "papers: " in err[0] and "claims: mnist-gain" in err[1] and len(err) == 2
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_reproduce_apfl_pd_end_to_end_with_a_dataset_missing(tmp_path, capsys):
+    """The cheapest paper, every claim, rounds cut: a verdict per claim in reproduction.md and .json; CIFAR-10 is
+    left out of the data folder, so its claims are not run, with the reason, and nothing is written for them. The
+    same command again resumes: nothing trains twice."""
+    for name in ("mnist", "vehicle", "femnist"):
+        need_data(name)
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("mnist", "vehicle", "femnist"):
+        (data / name).symlink_to(Path(SHARED_DATA) / name)
+    out = tmp_path / "rep"
+    argv = ["reproduce", "apfl-pd", "--seeds", "0", "--set", "train.rounds=1", "--out", str(out), "--data-dir",
+            str(data), "--no-progress"]
+    assert main(argv) == 0
+    report = json.loads((out / "reproduction.json").read_text())
+    claims = {c["id"]: c for c in report["claims"]}
+    assert set(claims) == {c.id for c in load_paper("apfl-pd").claims}
+    for cid, c in claims.items():
+        if cid.startswith("cifar10"):
+            assert c["verdict"] == "not run" and "cifar10-gray" in c["why"] and "not found" in c["why"]
+        else:
+            assert c["verdict"] in ("within tolerance", "outside tolerance", "same direction", "contradicted",
+                                    "holds"), c
+            assert c["seeds"] == 1 and (c["kind"] != "gain" or isinstance(c["ours"], float))
+    assert not (out / "cifar10").exists()
+    md = (out / "reproduction.md").read_text()
+    assert md.count("| mnist-") == 3 and "**not run**: dataset 'cifar10-gray' not found" in md
+    assert "`fedmosaic run apfl-mnist --seeds 0 --set train.rounds=1 --out " in md
+    metrics = sorted(out.rglob("metrics.jsonl"))
+    before = [p.stat().st_mtime_ns for p in metrics]
+    assert main(argv) == 0
+    assert [p.stat().st_mtime_ns for p in metrics] == before
+    assert json.loads((out / "reproduction.json").read_text())["claims"] == report["claims"]
