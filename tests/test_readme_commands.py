@@ -4,7 +4,7 @@ in ``ELSEWHERE`` with the test or the reason that covers it. A command added to 
 here, so a documented example cannot break unseen. Long runs are cut to one round of two clients (``CUT``
 appended: the CLI's last `--set` wins); the placeholders a reader replaces (`my.yaml`, `runs/a`, a run to resume)
 are made first.
-(Issue 35; docs/*.md's blocks, the reproductions' long commands, are not yet covered.)"""
+(Issue 35; docs/*.md's blocks, hours-long reproductions, are checked without running: test_docs_commands.py.)"""
 
 from __future__ import annotations
 

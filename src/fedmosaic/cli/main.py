@@ -143,6 +143,9 @@ def _run(args) -> None:
             raise FedMosaicError("compare: name the algorithms (--algorithms fedavg fedprox:mu=0.1) or give a config "
                                  "with a compare: list")
         advise(cfg, compare_given="compare" in updates)
+    if args.check:
+        _check(cfg, args)
+        return
     # a new directory is created (reserved) right away, so that runs started together never share one
     out = Path(args.resume or args.out or new_run_dir(args.runs_dir, cfg.name))
     reserved = not (args.resume or args.out)
@@ -197,6 +200,21 @@ def _reproduce(args) -> None:
     for c in report["claims"]:
         print(f"{c['id']:18s} {c['verdict']}")
     print(f"\nreproduction: {out / 'reproduction.md'}")
+
+
+def _check(cfg, args) -> None:
+    """``--check``: what the command would run, once its config is valid, its --out free and its data found."""
+    from ..engine.runner import check_out
+    from ..reports.reproduce import missing_data
+
+    if args.out and not args.resume:
+        check_out(Path(args.out), resume=False)
+    missing = missing_data(cfg)
+    if missing:
+        raise FedMosaicError(missing)
+    seeds = f" x {len(cfg.seeds)} seeds" if cfg.seeds else ""
+    print(f"ok: {cfg.name}: {len(cfg.variants())} run(s){seeds} of {cfg.train.rounds} rounds on {cfg.data.dataset} "
+          "(found); nothing was run or written")
 
 
 def _print_tables(summaries: list[dict]) -> None:
@@ -371,6 +389,8 @@ def build_parser() -> argparse.ArgumentParser:
         q.add_argument("--seeds", nargs="+", type=_at_least(0), metavar="SEED",
                        help="run once per seed (each in <out>/seed_<s>); the table gives mean ± std, the curves a band")
         q.add_argument("--no-progress", action="store_true", help="no progress bar")
+        q.add_argument("--check", action="store_true", help="validate the command, its config and that its data is "
+                       "found; run and write nothing")
         q.set_defaults(fn=_run)
     c.add_argument("--algorithms", nargs="+", metavar="NAME[:K=V,...]",
                    help="e.g. fedavg fedprox:mu=0.1 fedntd:beta=1,tau=1 (default: the config's compare: list)")
