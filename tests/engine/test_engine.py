@@ -321,3 +321,19 @@ def test_local_model_in_and_out_local_accuracy_is_recorded(fd):
     assert 0 <= rec["local_out_acc"] <= 1 and 0 <= rec["local_in_acc"] <= 1
     # local models fit their own classes better than the others (label-skewed blobs)
     assert rec["local_in_acc"] > rec["local_out_acc"]
+
+
+def test_an_empty_client_at_the_end_of_the_data_gets_padding_rows_inside_it():
+    """A client with no samples whose rows would start at the end of the data (the last clients of a skewed
+    partition) is padded with a valid, masked row: probes index every padded row (APFL-PD on the offline FEMNIST,
+    seed 1, stopped with an IndexError in round 0)."""
+    import numpy as np
+
+    from fedmosaic.engine.plans import plan_phase
+    from fedmosaic.engine.tensors import ClientTensors
+    from fedmosaic.protocol.program import Phase
+
+    data = ClientTensors(torch.zeros(5, 2), torch.zeros(5, dtype=torch.long), np.array([0, 3, 5, 5]))
+    plan = plan_phase(data, np.array([0, 2]), Phase(), 0, 0, 0, (), batch=2, epochs=1, augment_cfg=None)
+    assert int(plan["rows"].max()) < 5 and plan["steps"].tolist() == [2, 0]
+    assert float(plan["mask"][:, 1].sum()) == 0  # (and the empty client's rows are all masked)

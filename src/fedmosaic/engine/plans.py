@@ -55,7 +55,10 @@ def plan_phase(data: ClientTensors, clients: np.ndarray, phase: Phase, p: int, s
         if base is not None:
             for i, b in enumerate(base):
                 pos[i] = b[pos[i]] if len(b) else 0
-        rows = np.where(valid, start[:, None, None] + pos, start[:, None, None]).transpose(1, 0, 2).copy()
+        # a padded (masked) position reads the client's first row — or, for an empty client whose rows start at
+        # the end of the data, the last row there is: never an index out of bounds
+        pad = np.minimum(start, max(len(data.y) - 1, 0))[:, None, None]
+        rows = np.where(valid, start[:, None, None] + pos, pad).transpose(1, 0, 2).copy()
         mask = valid.transpose(1, 0, 2).copy()
         return (torch.as_tensor(rows, device=dev), torch.as_tensor(mask, dtype=torch.float32, device=dev),
                 st, -(-counts // batch))
