@@ -264,6 +264,38 @@ class EngineConfig(Schema):
         return v
 
 
+class AggregationConfig(Schema):
+    """A robust stage between the cohort's uploads and the algorithm's weighted mean of them (docs/design.md
+    "Robust aggregation"), on each client's update relative to the broadcast model."""
+
+    rule: Literal["mean", "norm_bound", "median", "trimmed_mean", "krum"] = Field(
+        "mean", description="mean: the algorithm's own (no stage); norm_bound: each update clipped to norm clip; "
+        "median / trimmed_mean: coordinate-wise (unweighted, as Yin et al. 2018); krum: Multi-Krum's m updates of "
+        "lowest score (Blanchard et al. 2017; m = 1 is Krum), averaged with their weights")
+    clip: float | None = Field(None, gt=0, description="norm_bound: the largest update norm kept")
+    trim: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: the fraction cut at each end per coordinate")
+    f: int = Field(1, ge=0, le=MAX_COUNT, description="krum: the Byzantine clients tolerated (needs n > 2f + 2)")
+    m: int = Field(1, ge=1, le=MAX_COUNT, description="krum: the updates kept and averaged (1: Krum)")
+
+    @model_validator(mode="after")
+    def _clip(self):
+        if self.rule == "norm_bound" and self.clip is None:
+            raise ValueError("aggregation: rule norm_bound needs clip (the largest update norm kept, e.g. 1.0)")
+        return self
+
+
+class AttackConfig(Schema):
+    """Simulated Byzantine clients (for studying defences): a fixed set chosen by the run seed, whose uploads are
+    replaced on their way to the server, the same on every pool."""
+
+    kind: Literal["scale", "sign_flip", "noise", "free_rider"] = Field(
+        description="scale: the update times factor; sign_flip: minus the update times factor; noise: the update "
+        "plus Gaussian noise of std sigma; free_rider: no update (the broadcast model sent back)")
+    fraction: float = Field(0.1, gt=0, le=1, description="the share of all clients that attack (rounded up)")
+    factor: float = Field(1000.0, description="scale and sign_flip: the multiplier")
+    sigma: float = Field(1.0, ge=0, description="noise: the std of the added noise, per coordinate")
+
+
 class DeployConfig(Schema):
     """How a deployed run (``fedmosaic deploy``: a Flower SuperLink and one SuperNode per client) treats its nodes;
     a simulation ignores it."""
@@ -314,6 +346,9 @@ class RunConfig(Schema):
     engine: EngineConfig = Field(default_factory=EngineConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
+    aggregation: AggregationConfig | None = Field(None, description="a robust aggregation stage (none: the "
+                                                  "algorithm's own weighted mean)")
+    attack: AttackConfig | None = Field(None, description="simulated attacking clients (none: every client honest)")
     checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT)
     compare: list[AlgorithmConfig] | None = Field(
         None, min_length=1,

@@ -45,12 +45,19 @@ POISONS = {
 }
 
 
+#: replies no check can reject: well-formed and finite (what robust aggregation is for)
+ACCEPTED = {
+    "x1000": lambda rec, a: _body(rec, a, lambda b: {**b, "upload": tmap(lambda t: t * 1000.0
+                                                                       if t.is_floating_point() else t, b["upload"])}),
+}
+
+
 def poison_train(name: str, victim: int, rounds: set | None = None):
     """A tamper function (``LoopGrid``/the hostile ClientApp) that poisons ``victim``'s train replies (in
     ``rounds``, default every round) with ``POISONS[name]``."""
     def tamper(client: int, action: str, rec: dict) -> dict:
         if client == victim and action == "train" and "body" in rec and (rounds is None or rec["round"] in rounds):
-            return POISONS[name](rec, action)
+            return {**POISONS, **ACCEPTED}[name](rec, action)
         return rec
     return tamper
 

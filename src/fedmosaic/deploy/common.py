@@ -70,5 +70,8 @@ def check_deployable(cfg, algo_cls) -> None:
                           "never repays; use 'auto' or false")
     if cfg.engine.pool != "local":
         raise ConfigError("engine.pool: a deployment's clients are its nodes; leave engine.pool at 'local'")
+    if cfg.attack is not None:
+        raise ConfigError("attack: simulated attackers are for simulations; a deployment's attackers are real nodes "
+                          "(its defence, aggregation:, applies there as in a simulation)")
     if cfg.compare or cfg.seeds:
         raise ConfigError("compare/seeds: a deployment runs one algorithm with one seed; deploy each run's config")

@@ -22,6 +22,7 @@ from ..protocol.algorithm import Algorithm, registered
 from ..protocol.program import Setting
 from ..protocol.tree import nbytes, take
 from . import evaluate as ev
+from . import robust
 from .augment import black
 from .build import (
     Group,
@@ -78,6 +79,7 @@ class Federation:
         self.device = dev = resolve_device(cfg.engine.device)  # before any data is read
         precision(cfg.engine.deterministic, cfg.engine.tf32, dev)
         check_precision(cfg.engine.precision, dev)
+        robust.check(cfg, registered()[cfg.algorithm.name])  # before any data are read
         budget = lambda: memory_bytes(dev) if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20  # noqa
         if fd is None:  # a model that cannot fit is refused before the data are laid out (a copy of the dataset)
             spec = data_spec(cfg)

@@ -78,12 +78,17 @@ def _identity(fed: Federation) -> dict:
     return {"seed": fed.cfg.seed, "data_hash": fed.fd.hash, "config": run_hash(fed.cfg)}
 
 
+#: sections added after runs were made: left out of the hash while unset, so those runs' checkpoints still resume
+ADDED_LATER = ("aggregation", "attack")
+
+
 def run_hash(cfg: RunConfig) -> str:
     """SHA-256 of the resolved config without what may differ between the run and its resume: the fields of
     ``AMENDABLE`` and the name (a label). Two runs with the same hash compute the same rounds: an AHF checkpoint
     never loads into a FedMD run of the same seed and partition, nor a FedProx one into another mu."""
     flat = {k: v for k, v in _flat(cfg.model_dump(mode="json")).items()
-            if k != "name" and not any(k == a or k.startswith(a + ".") for a in AMENDABLE)}
+            if k != "name" and not any(k == a or k.startswith(a + ".") for a in AMENDABLE)
+            and not (k in ADDED_LATER and v is None)}
     return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
 
 

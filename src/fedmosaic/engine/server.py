@@ -16,6 +16,7 @@ from ..errors import ConfigError
 from ..protocol.algorithm import Algorithm
 from ..protocol.program import Signals
 from ..protocol.tree import leaves, tmap, weighted_mean
+from . import robust
 from .build import Group
 from .calendar import TaskCalendar
 from .client import ids_of
@@ -108,6 +109,11 @@ class ServerRuntime:
         """The new server state (``aggregate``), its own training (``server_program``) and the plateau."""
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
+        if self.cfg.attack is not None or self.cfg.aggregation is not None:  # on the updates from the broadcast
+            ref = self.state["model"]
+            model = robust.attack(self.cfg, up["model"], ref, cohort, t, self.num_clients)
+            model, weights = robust.aggregate(self.cfg, model, ref, weights)
+            up = {**up, "model": model}
         self.state = self.algo.aggregate(self.state, up, weights, t, signals)
         phases = self.algo.server_program(self.state, t)
         if phases:

@@ -1,0 +1,127 @@
+"""Robust aggregation and simulated attacks: a stage on the cohort's uploaded models before the algorithm's
+weighted mean of them (``ServerRuntime.aggregate``, the one place every pool and a deployment pass through).
+
+Both act on each client's *update*, its uploaded model minus the model the server broadcast (``reference``), flat
+over every parameter. The attack (``attack:``) replaces the uploads of a fixed set of clients, drawn once from the
+run seed (the same Byzantine clients every round they are sampled), as they arrive; the stage (``aggregation:``)
+then reduces the updates so that the algorithm's weighted mean of the rows it returns is the robust aggregate:
+
+- ``norm_bound``: every update scaled to norm at most ``clip`` (weights kept);
+- ``median`` / ``trimmed_mean``: every row replaced by the coordinate-wise median / mean after cutting
+  ``floor(trim n)`` values at each end (unweighted, as Yin et al. 2018 and Flower's FedMedian/FedTrimmedAvg);
+- ``krum``: Multi-Krum (Blanchard et al. 2017): each update's score is the sum of squared distances to its
+  n - f - 2 nearest others; the ``m`` lowest keep their weights, the rest get weight 0 (m = 1: Krum).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..protocol.algorithm import Algorithm
+from .seeding import rng
+
+ATTACK = 15  # the seeding stream of the attackers' choice and their noise
+
+
+def eligible(algo: type[Algorithm]) -> bool:
+    """The algorithm's server step is the default weighted mean of uploaded models (the stage's precondition)."""
+    return bool(algo.global_model) and algo.aggregate is Algorithm.aggregate
+
+
+def check(cfg, algo: type[Algorithm]) -> None:
+    """One line, before anything runs, when the stage or the attack does not apply to the algorithm or cohort."""
+    agg, attack = cfg.aggregation, cfg.attack
+    active = agg is not None and agg.rule != "mean"
+    if (active or attack is not None) and not eligible(algo):
+        what = f"aggregation: {agg.rule}" if active else f"attack: {attack.kind}"
+        raise ConfigError(f"{what}: algorithm {algo.name!r} does not average uploaded models (its server step is its "
+                          "own), so neither a robust stage nor an upload attack is defined for it; algorithms it "
+                          "applies to: those with a global model and the default weighted mean (e.g. fedavg, fedprox, "
+                          "fedntd, moon, ditto)")
+    if active and agg.rule == "krum" and cfg.train.clients_per_round <= 2 * agg.f + 2:
+        raise ConfigError(f"aggregation: krum with f = {agg.f} needs more than 2f + 2 = {2 * agg.f + 2} clients a "
+                          f"round (train.clients_per_round is {cfg.train.clients_per_round})")
+    if active and agg.rule == "krum" and agg.m > cfg.train.clients_per_round - agg.f:
+        raise ConfigError(f"aggregation: krum keeps m = {agg.m} updates, more than the n - f = "
+                          f"{cfg.train.clients_per_round - agg.f} it can trust")
+
+
+def attackers(num_clients: int, fraction: float, seed: int) -> np.ndarray:
+    """The attacking clients' ids (sorted): ceil(fraction K) of the K clients, drawn once from the run seed."""
+    k = min(num_clients, math.ceil(fraction * num_clients - 1e-9))
+    return np.sort(rng(seed, ATTACK).choice(num_clients, size=k, replace=False))
+
+
+def _flat(stacked: dict, reference: dict) -> tuple[torch.Tensor, list]:
+    keys = sorted(stacked)
+    rows = torch.cat([(stacked[k] - reference[k]).flatten(1) for k in keys], dim=1)
+    return rows, keys
+
+
+def _put(stacked: dict, reference: dict, keys: list, rows: torch.Tensor, delta: torch.Tensor) -> dict:
+    """``stacked`` with the clients ``rows`` replaced by reference + their new flat ``delta`` (the other rows left
+    bit for bit as they came)."""
+    out, at = dict(stacked), 0
+    for k in keys:
+        size = reference[k].numel()
+        new = (reference[k] + delta[:, at : at + size].reshape(len(rows), *reference[k].shape)).to(stacked[k].dtype)
+        out[k] = stacked[k].index_copy(0, rows, new)
+        at += size
+    return out
+
+
+def attack(cfg, stacked: dict, reference: dict, cohort: np.ndarray, round_idx: int, num_clients: int) -> dict:
+    """The uploads with the attackers' rows replaced (``cfg.attack``; unchanged without one)."""
+    a = cfg.attack
+    if a is None:
+        return stacked
+    bad = np.isin(cohort, attackers(num_clients, a.fraction, cfg.seed))
+    if not bad.any():
+        return stacked
+    delta, keys = _flat(stacked, reference)
+    rows = torch.as_tensor(np.flatnonzero(bad), device=delta.device)
+    d = delta[rows]
+    if a.kind == "scale":
+        d = d * a.factor
+    elif a.kind == "sign_flip":
+        d = -a.factor * d
+    elif a.kind == "noise":
+        noise = [torch.as_tensor(rng(cfg.seed, ATTACK, round_idx, int(c)).standard_normal(delta.shape[1]),
+                                 dtype=delta.dtype) for c in cohort[bad]]
+        d = d + a.sigma * torch.stack(noise).to(delta.device)
+    else:  # free_rider: the broadcast model sent back
+        d = torch.zeros_like(d)
+    return _put(stacked, reference, keys, rows, d)
+
+
+def aggregate(cfg, stacked: dict, reference: dict, weights: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """The rows and weights whose weighted mean is the robust aggregate (``cfg.aggregation``)."""
+    agg = cfg.aggregation
+    if agg is None or agg.rule == "mean":
+        return stacked, weights
+    delta, keys = _flat(stacked, reference)
+    n = delta.shape[0]
+    if agg.rule == "norm_bound":  # only the rows above the bound change
+        norm = delta.norm(dim=1)
+        rows = torch.nonzero(norm > agg.clip).flatten()
+        return _put(stacked, reference, keys, rows, delta[rows] * (agg.clip / norm[rows])[:, None]), weights
+    if agg.rule in ("median", "trimmed_mean"):
+        s = delta.sort(dim=0).values
+        if agg.rule == "median":
+            row = (s[(n - 1) // 2] + s[n // 2]) / 2
+        else:
+            cut = int(agg.trim * n)
+            row = s[cut : n - cut].mean(0)
+        return _put(stacked, reference, keys, torch.arange(n, device=delta.device), row.expand(n, -1)), weights
+    # krum: the m updates of lowest score keep their weights
+    dist = torch.cdist(delta.double(), delta.double()).pow(2)
+    near = max(n - agg.f - 2, 1)
+    score = dist.sort(dim=1).values[:, 1 : near + 1].sum(1)  # (column 0: the distance to itself)
+    keep = torch.zeros(n, dtype=torch.bool, device=delta.device)
+    keep[torch.argsort(score, stable=True)[: min(agg.m, n)]] = True
+    kept = torch.where(keep, weights, torch.zeros_like(weights))
+    return stacked, kept if bool(kept.sum() > 0) else keep.to(weights.dtype)  # (kept clients without samples)

@@ -1,0 +1,143 @@
+"""Robust aggregation and simulated attacks (issue 38): the rules on hand-made updates, their reductions, the
+attackers' choice, and runs where a x1000 client is defeated."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fedmosaic.cli.main import main
+from fedmosaic.config import validate
+from fedmosaic.engine import robust
+from fedmosaic.engine.runner import read_metrics, run
+from fedmosaic.protocol.tree import weighted_mean
+
+
+def cfg(**over):
+    raw = {"seed": 3, "data": {"dataset": "digits", "clients": 10, "partition": {"scheme": "iid"}, "client_test": 0.25},
+           "model": {"name": "mlp", "options": {"hidden": 16}},
+           "train": {"rounds": 4, "clients_per_round": 10, "batch_size": 16, "optimizer": {"lr": 0.1}},
+           "eval": {"client_test": True}, "algorithm": {"name": "fedavg"}}
+    return validate({**raw, **over})
+
+
+def uploads(rows):
+    """Stacked uploads of two tensors whose flat concatenation per client is ``rows`` [n, 3]."""
+    r = torch.as_tensor(rows, dtype=torch.float32)
+    return {"a": r[:, :2].clone(), "b": r[:, 2:].clone()}
+
+
+REF = {"a": torch.zeros(2), "b": torch.zeros(1)}
+
+
+def flat(stacked):
+    return torch.cat([stacked["a"], stacked["b"]], dim=-1)
+
+
+def agg(rows, weights=None, **rule):
+    w = torch.ones(len(rows)) if weights is None else torch.as_tensor(weights, dtype=torch.float32)
+    out, w = robust.aggregate(cfg(aggregation=rule), uploads(rows), REF, w)
+    return flat(weighted_mean(out, w)), w
+
+
+ROWS = [[1.0, 2.0, 0.0], [2.0, 1.0, 1.0], [1.5, 1.5, 0.5], [1000.0, -1000.0, 1000.0]]
+
+
+def test_median_and_trimmed_mean_by_hand_and_their_reductions():
+    med, _ = agg(ROWS, rule="median")
+    torch.testing.assert_close(med, torch.tensor([1.75, 1.25, 0.75]))  # the two middle values' mean
+    trimmed, _ = agg(ROWS, rule="trimmed_mean", trim=0.25)  # one cut at each end of every coordinate
+    torch.testing.assert_close(trimmed, torch.tensor([1.75, 1.25, 0.75]))
+    plain, _ = agg(ROWS, rule="trimmed_mean", trim=0.0)  # trim 0 = the mean (equal weights: FedAvg's)
+    torch.testing.assert_close(plain, flat(weighted_mean(uploads(ROWS), torch.ones(4))))
+
+
+def test_every_clipped_update_is_within_the_bound_and_a_loose_bound_is_fedavg_exactly():
+    w = torch.tensor([3.0, 1.0, 2.0, 4.0])
+    out, _ = robust.aggregate(cfg(aggregation={"rule": "norm_bound", "clip": 1.0}), uploads(ROWS), REF, w)
+    assert bool((flat(out).norm(dim=1) <= 1.0 + 1e-6).all())
+    torch.testing.assert_close(flat(out)[0], torch.tensor(ROWS[0]) / torch.tensor(ROWS[0]).norm())
+    loose, lw = robust.aggregate(cfg(aggregation={"rule": "norm_bound", "clip": 1e30}), uploads(ROWS), REF, w)
+    assert all(torch.equal(loose[k], uploads(ROWS)[k]) for k in loose) and torch.equal(lw, w)
+    zero, _ = robust.aggregate(cfg(aggregation={"rule": "norm_bound", "clip": 1.0}), uploads([[0.0] * 3] * 4), REF, w)
+    assert torch.equal(flat(zero), torch.zeros(4, 3))  # a zero update does not crash (no 0/0)
+
+
+def test_krum_keeps_the_update_closest_to_its_neighbours():
+    rows = [[0.0, 0.0, 0.0], [0.1, 0.0, 0.0], [0.0, 0.1, 0.0], [0.0, 0.0, 0.1], [50.0, 50.0, 50.0]]
+    mean, w = agg(rows, weights=[1, 2, 3, 4, 5], rule="krum", f=1, m=1)
+    assert w.tolist() == [1, 0, 0, 0, 0]  # scores: sums of squared distances to its n - f - 2 = 2 nearest
+    torch.testing.assert_close(mean, torch.zeros(3))
+    _, w3 = agg(rows, weights=[1, 2, 3, 4, 5], rule="krum", f=1, m=4)
+    assert w3.tolist() == [1, 2, 3, 4, 0]  # Multi-Krum: the attacker is never among them
+    one, w1 = agg([[7.0, 8.0, 9.0]], weights=[2], rule="krum", f=0, m=1)  # one client: that client
+    torch.testing.assert_close(one, torch.tensor([7.0, 8.0, 9.0]))
+    assert w1.tolist() == [2]
+
+
+def test_the_attackers_are_fixed_by_the_seed_and_only_their_rows_change():
+    a = robust.attackers(100, 0.15, seed=7)
+    assert len(a) == 15 and np.array_equal(a, robust.attackers(100, 0.15, seed=7))
+    assert not np.array_equal(a, robust.attackers(100, 0.15, seed=8))
+    assert len(robust.attackers(10, 0.11, seed=0)) == 2  # rounded up
+    c = cfg(attack={"kind": "scale", "fraction": 0.2, "factor": 10.0})
+    bad = robust.attackers(10, 0.2, c.seed)
+    cohort = np.arange(4, dtype=np.int64) if bad.min() < 4 else np.append(np.arange(3), bad.min())
+    out = robust.attack(c, uploads(ROWS), REF, cohort, 0, 10)
+    for i, k in enumerate(cohort):
+        expect = torch.tensor(ROWS[i]) * (10.0 if k in bad else 1.0)
+        torch.testing.assert_close(flat(out)[i], expect)
+        if k not in bad:
+            assert torch.equal(flat(out)[i], flat(uploads(ROWS))[i])
+    rider = robust.attack(cfg(attack={"kind": "free_rider", "fraction": 1.0}), uploads(ROWS), REF, cohort, 0, 10)
+    assert torch.equal(flat(rider), torch.zeros(4, 3))
+    flip = robust.attack(cfg(attack={"kind": "sign_flip", "fraction": 1.0, "factor": 2.0}), uploads(ROWS), REF,
+                         cohort, 0, 10)
+    torch.testing.assert_close(flat(flip), -2 * torch.tensor(ROWS))
+
+
+def test_an_algorithm_with_its_own_server_step_or_too_few_clients_for_krum_is_refused_in_one_line(tmp_path, capsys):
+    for over in (["--set", "algorithm={name: scaffold}", "--set", "aggregation={rule: median}"],
+                 ["--set", "algorithm={name: fedavgm}", "--set", "attack={kind: scale}"],
+                 ["--set", "aggregation={rule: krum, f: 4}"]):
+        out = tmp_path / "r"
+        assert main(["run", "quickstart", "--set", "compare=null", "--out", str(out), "--no-progress", *over]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and ("does not average uploaded models" in err[0] or "2f + 2" in err[0]), err
+        assert not out.exists()
+
+
+def _final(out):
+    return read_metrics(out)[-1]["global"]["acc"]
+
+
+@pytest.mark.slow
+def test_a_x1000_client_ruins_fedavg_and_each_defence_holds(tmp_path):
+    """Ten IID digits clients, two of them uploading 1000 x their update: FedAvg collapses to about chance, the norm
+    bound, the median, the trimmed mean and Krum stay within a few points of the honest run. With neither an attack
+    nor a stage (the default) the run is the one without these settings, bit for bit."""
+    honest = run(cfg(), tmp_path / "honest", progress=False)
+    run(cfg(aggregation={"rule": "mean"}), tmp_path / "mean", progress=False)
+    assert [json.dumps(r.get("global")) for r in read_metrics(tmp_path / "mean")] == \
+        [json.dumps(r.get("global")) for r in read_metrics(tmp_path / "honest")]
+    attack = {"kind": "scale", "fraction": 0.2, "factor": 1000.0}
+    run(cfg(attack=attack), tmp_path / "none", progress=False)
+    base = _final(tmp_path / "honest")
+    assert base > 0.6 and _final(tmp_path / "none") < 0.2, (base, _final(tmp_path / "none"))
+    for name, rule in [("clip", {"rule": "norm_bound", "clip": 2.0}), ("median", {"rule": "median"}),
+                       ("trimmed", {"rule": "trimmed_mean", "trim": 0.2}), ("krum", {"rule": "krum", "f": 2, "m": 6})]:
+        run(cfg(attack=attack, aggregation=rule), tmp_path / name, progress=False)
+        assert _final(tmp_path / name) > base - 0.08, (name, _final(tmp_path / name), base)
+    assert honest["global_acc_final"] == base
+
+
+@pytest.mark.slow
+def test_attack_and_defence_give_the_same_numbers_on_the_wire_pool(tmp_path):
+    over = {"attack": {"kind": "noise", "fraction": 0.3, "sigma": 0.5}, "aggregation": {"rule": "median"}}
+    run(cfg(**over), tmp_path / "local", progress=False)
+    wire = cfg(**over, engine={"pool": "wire"})
+    run(wire, tmp_path / "wire", progress=False)
+    local, wire = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "wire")
+    assert [r["global"]["class_acc"] for r in local] == [r["global"]["class_acc"] for r in wire]
+    assert [r["global"]["loss"] for r in local] == pytest.approx([r["global"]["loss"] for r in wire], rel=1e-6)
