@@ -141,3 +141,27 @@ def test_attack_and_defence_give_the_same_numbers_on_the_wire_pool(tmp_path):
     local, wire = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "wire")
     assert [r["global"]["class_acc"] for r in local] == [r["global"]["class_acc"] for r in wire]
     assert [r["global"]["loss"] for r in local] == pytest.approx([r["global"]["loss"] for r in wire], rel=1e-6)
+
+
+def test_the_rules_equal_flowers_on_identical_tensors():
+    """Flower 1.42's FedMedian, FedTrimmedAvg and (Multi-)Krum aggregate the parameters themselves; ours the updates
+    from the broadcast: the same in exact arithmetic (median and trimmed mean move with a shift, distances do not)."""
+    agg_fl = pytest.importorskip("flwr.server.strategy.aggregate")
+    gen = torch.Generator().manual_seed(0)
+    ref = {"a": torch.randn(2, generator=gen), "b": torch.randn(1, generator=gen)}
+    rows = torch.randn(7, 3, generator=gen) * torch.tensor([1.0, 3.0, 0.5])
+    rows[2] *= 40  # an outlier
+    stacked = {"a": ref["a"] + rows[:, :2], "b": ref["b"] + rows[:, 2:]}
+    n_ex = [3, 1, 4, 1, 5, 9, 2]
+    results = [([stacked["a"][i].numpy(), stacked["b"][i].numpy()], n_ex[i]) for i in range(7)]
+    w = torch.tensor(n_ex, dtype=torch.float32)
+    cases = [({"rule": "median"}, agg_fl.aggregate_median(results)),
+             ({"rule": "trimmed_mean", "trim": 0.2}, agg_fl.aggregate_trimmed_avg(results, 0.2)),
+             ({"rule": "krum", "f": 2, "m": 1}, agg_fl.aggregate_krum(results, 2, 0)),
+             ({"rule": "krum", "f": 2, "m": 3}, agg_fl.aggregate_krum(results, 2, 3))]
+    for rule, theirs in cases:
+        out, ww = robust.aggregate(cfg(aggregation=rule, train={"clients_per_round": 7}), stacked, ref, w)
+        ours = weighted_mean(out, ww)
+        for k, t in zip(("a", "b"), theirs):
+            torch.testing.assert_close(ours[k], torch.as_tensor(t, dtype=torch.float32), atol=1e-5, rtol=1e-5,
+                                       msg=f"{rule}: {k}")
