@@ -57,6 +57,11 @@ class Probes:
             part = mapped(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
                           tmap(torch.clone, buffers))  # (copies: these passes must not move running statistics)
             total = part if total is None else tmap(torch.add, total, part)
+        if total is None:  # no client of this chunk has a batch (all empty): the zeros of one fully masked pass
+            r = torch.zeros((rows.shape[1], 1), dtype=torch.long, device=data.x.device)
+            part = mapped(params, states, payload, own, self.transform(data.x[r]), data.y[r],
+                          torch.zeros(r.shape, device=data.x.device), (), tmap(torch.clone, buffers))
+            total = tmap(torch.zeros_like, part)
         return total
 
     def _client_sums(self, params, state, shared, own, x, y, mask, pair, buffers, fn):

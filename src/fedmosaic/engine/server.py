@@ -106,7 +106,11 @@ class ServerRuntime:
 
     def aggregate(self, t: int, lr: float, cohort: np.ndarray, up: dict, loss: torch.Tensor, steps: np.ndarray,
                   weights: torch.Tensor) -> None:
-        """The new server state (``aggregate``), its own training (``server_program``) and the plateau."""
+        """The new server state (``aggregate``), its own training (``server_program``) and the plateau. A cohort
+        whose clients hold no training sample (a skewed partition's empty clients) changes nothing: a weighted mean
+        of nothing is 0/0."""
+        if not bool(weights.sum() > 0):
+            return
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
         if self.cfg.attack is not None or self.cfg.aggregation is not None:  # on the updates from the broadcast
