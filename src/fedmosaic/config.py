@@ -276,6 +276,14 @@ class AggregationConfig(Schema):
     trim: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: the fraction cut at each end per coordinate")
     f: int = Field(1, ge=0, le=MAX_COUNT, description="krum: the Byzantine clients tolerated (needs n > 2f + 2)")
     m: int = Field(1, ge=1, le=MAX_COUNT, description="krum: the updates kept and averaged (1: Krum)")
+    optimizer: Literal["none", "adam", "yogi", "adagrad"] = Field(
+        "none", description="a server optimizer on the aggregate's change of the global model, as a pseudo-gradient "
+        "(Reddi et al. 2021; Flower's FedAdam / FedYogi / FedAdagrad rules)")
+    eta: float | None = Field(None, gt=0, description="the server learning rate (default: Flower's for the "
+                              "optimizer: adam 0.1, yogi 0.01, adagrad 0.1)")
+    beta1: float | None = Field(None, ge=0, lt=1, description="momentum (default 0.9; adagrad has none)")
+    beta2: float | None = Field(None, ge=0, lt=1, description="second-moment decay (default 0.99; not adagrad)")
+    tau: float | None = Field(None, gt=0, description="adaptivity (default: adam 1e-9, yogi 1e-3, adagrad 1e-9)")
 
     @model_validator(mode="after")
     def _clip(self):

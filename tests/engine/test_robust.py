@@ -165,3 +165,42 @@ def test_the_rules_equal_flowers_on_identical_tensors():
         for k, t in zip(("a", "b"), theirs):
             torch.testing.assert_close(ours[k], torch.as_tensor(t, dtype=torch.float32), atol=1e-5, rtol=1e-5,
                                        msg=f"{rule}: {k}")
+
+
+@pytest.mark.parametrize("name, strategy", [("adam", "FedAdam"), ("yogi", "FedYogi"), ("adagrad", "FedAdagrad")])
+def test_server_optimizers_equal_flowers_strategies_on_identical_tensors(name, strategy):
+    """Three rounds of the same client models: Flower 1.42's strategy (its FedAvg aggregate, then its optimizer
+    step) and ours (the algorithm's weighted mean, then ``server_step``) give the same global model."""
+    fl = pytest.importorskip("flwr.server.strategy")
+    from flwr.common import Code, FitRes, Status, ndarrays_to_parameters, parameters_to_ndarrays
+
+    gen = torch.Generator().manual_seed(1)
+    current = {"a": torch.randn(3, 2, generator=gen, dtype=torch.float64),
+               "b": torch.randn(4, generator=gen, dtype=torch.float64)}
+    theirs = getattr(fl, strategy)(initial_parameters=ndarrays_to_parameters([current["a"].numpy(),
+                                                                              current["b"].numpy()]))
+    c = cfg(aggregation={"optimizer": name})
+    state, ours = None, dict(current)
+    for t in range(3):
+        n_ex = [5, 2, 7]
+        clients = [{k: ours[k] + 0.3 * torch.randn(v.shape, generator=gen, dtype=torch.float64)
+                    for k, v in ours.items()} for _ in n_ex]
+        results = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters([m["a"].numpy(), m["b"].numpy()]),
+                                 n, {})) for m, n in zip(clients, n_ex, strict=True)]
+        params, _ = theirs.aggregate_fit(t + 1, results, [])
+        stacked = {k: torch.stack([m[k] for m in clients]) for k in ours}
+        mean = weighted_mean(stacked, torch.tensor(n_ex, dtype=torch.float64))
+        ours, state = robust.server_step(c, state, ours, mean, t)
+        for k, arr in zip(("a", "b"), parameters_to_ndarrays(params)):
+            torch.testing.assert_close(ours[k], torch.as_tensor(arr), rtol=1e-6, atol=1e-8, msg=f"round {t}: {k}")
+
+
+def test_a_server_optimizers_moments_are_checkpointed_a_resume_equals_the_whole_run(tmp_path):
+    c = cfg(aggregation={"optimizer": "yogi", "eta": 0.05}, checkpoint_every=1)
+    run(c, tmp_path / "whole", progress=False)
+    run(c, tmp_path / "cut", progress=False, stop_after=1)
+    run(c, tmp_path / "cut", progress=False, resume=True)
+    whole, cut = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "cut")
+    assert [r["global"] for r in whole] == [r["global"] for r in cut]
+    plain = run(cfg(), tmp_path / "plain", progress=False)
+    assert plain["global_acc_final"] != whole[-1]["global"]["acc"]  # (the optimizer changed the run)

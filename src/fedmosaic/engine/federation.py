@@ -563,7 +563,7 @@ class Federation:
         if getattr(self.pool, "remote", False):  # the clients' state stays on their nodes: the pool's record of it
             return {"format": self.FORMAT, "server": self.server,
                     "server_buffers": [g.global_buffers for g in self.groups], "plateau": dict(self.plateau),
-                    "clients": self.pool.state(), "memory": None}
+                    "server_opt": self.srv.opt_state, "clients": self.pool.state(), "memory": None}
         parts = self.pool.state()
         clients, memory = [], [None] * self.num_clients
         for g in self.groups:
@@ -573,7 +573,7 @@ class Federation:
             for k, m in zip(np.concatenate([ids_of(p) for p in part["groups"]]), part["memory"] or []):
                 memory[k] = m
         return {"format": self.FORMAT, "server": self.server, "server_buffers": [g.global_buffers for g in self.groups],
-                "plateau": dict(self.plateau), "clients": clients,
+                "plateau": dict(self.plateau), "server_opt": self.srv.opt_state, "clients": clients,
                 "memory": None if self.exemplars is None else memory}
 
     def upgrade(self, state: dict) -> dict:
@@ -609,6 +609,7 @@ class Federation:
         if getattr(self.pool, "remote", False):
             self.pool.load(state["clients"])
             self.server, self.plateau = state["server"], dict(state.get("plateau", self.plateau))
+            self.srv.opt_state = state.get("server_opt")
             for g, gb in zip(self.groups, state["server_buffers"], strict=True):
                 g.global_buffers = gb
             return
@@ -621,6 +622,7 @@ class Federation:
             raise ValueError("written for another assignment of clients to architectures")
         self.server = state["server"]
         self.plateau = dict(state.get("plateau", self.plateau))
+        self.srv.opt_state = state.get("server_opt")
         for g, gb in zip(self.groups, state["server_buffers"], strict=True):
             g.global_buffers = gb
         self.pool.load([self._client_part(h, clients, state.get("memory")) for h in self.pool.hosted()])

@@ -36,8 +36,10 @@ def check(cfg, algo: type[Algorithm]) -> None:
     """One line, before anything runs, when the stage or the attack does not apply to the algorithm or cohort."""
     agg, attack = cfg.aggregation, cfg.attack
     active = agg is not None and agg.rule != "mean"
-    if (active or attack is not None) and not eligible(algo):
-        what = f"aggregation: {agg.rule}" if active else f"attack: {attack.kind}"
+    opt = agg is not None and agg.optimizer != "none"
+    if (active or opt or attack is not None) and not eligible(algo):
+        what = f"aggregation: {agg.rule}" if active else f"aggregation.optimizer: {agg.optimizer}" if opt else \
+            f"attack: {attack.kind}"
         raise ConfigError(f"{what}: algorithm {algo.name!r} does not average uploaded models (its server step is its "
                           "own), so neither a robust stage nor an upload attack is defined for it; algorithms it "
                           "applies to: those with a global model and the default weighted mean (e.g. fedavg, fedprox, "
@@ -125,3 +127,35 @@ def aggregate(cfg, stacked: dict, reference: dict, weights: torch.Tensor) -> tup
     keep[torch.argsort(score, stable=True)[: min(agg.m, n)]] = True
     kept = torch.where(keep, weights, torch.zeros_like(weights))
     return stacked, kept if bool(kept.sum() > 0) else keep.to(weights.dtype)  # (kept clients without samples)
+
+
+#: Flower 1.42's defaults per server optimizer: eta, beta1, beta2, tau
+OPTIMIZERS = {"adam": (0.1, 0.9, 0.99, 1e-9), "yogi": (0.01, 0.9, 0.99, 1e-3), "adagrad": (0.1, 0.0, 0.0, 1e-9)}
+
+
+def server_step(cfg, state: dict | None, current: dict, aggregate: dict, round_idx: int) -> tuple[dict, dict | None]:
+    """The global model after a server optimizer step on the pseudo-gradient ``aggregate - current`` (the
+    algorithm's aggregate minus the model it broadcast) and the optimizer's new moments ``{"m", "v"}`` (``state``
+    None: zeros). The rules of Flower's FedAdam (its bias-corrected rate with server_round + 1, server_round
+    counting from 1), FedYogi and FedAdagrad (m is the update itself: no momentum)."""
+    agg = cfg.aggregation
+    if agg is None or agg.optimizer == "none":
+        return aggregate, state
+    eta, b1, b2, tau = (d if v is None else v for v, d in zip((agg.eta, agg.beta1, agg.beta2, agg.tau),
+                                                             OPTIMIZERS[agg.optimizer], strict=True))
+    if agg.optimizer == "adagrad":
+        b1 = 0.0
+    delta = {k: aggregate[k] - current[k] for k in aggregate}
+    m0 = state["m"] if state else {k: torch.zeros_like(d) for k, d in delta.items()}
+    v0 = state["v"] if state else {k: torch.zeros_like(d) for k, d in delta.items()}
+    m = {k: b1 * m0[k] + (1 - b1) * d for k, d in delta.items()}
+    if agg.optimizer == "adam":
+        v = {k: b2 * v0[k] + (1 - b2) * d * d for k, d in delta.items()}
+        flower_round = round_idx + 1
+        eta = eta * math.sqrt(1 - b2 ** (flower_round + 1.0)) / (1 - b1 ** (flower_round + 1.0))
+    elif agg.optimizer == "yogi":
+        v = {k: v0[k] - (1 - b2) * d * d * torch.sign(v0[k] - d * d) for k, d in delta.items()}
+    else:
+        v = {k: v0[k] + d * d for k, d in delta.items()}
+    new = {k: current[k] + eta * m[k] / (v[k].sqrt() + tau) for k in current}
+    return new, {"m": m, "v": v}

@@ -43,6 +43,8 @@ class ServerRuntime:
         self.state = algo.init_server([g.init for g in groups])
         #: ``train.optimizer.plateau``: the learning rate's scale, the best mean loss so far, rounds without progress
         self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
+        #: ``aggregation.optimizer``: the server optimizer's moments (None before its first step)
+        self.opt_state: dict | None = None
 
     # ---- what goes down ---------------------------------------------------------------------------
     def cohort(self, t: int) -> np.ndarray:
@@ -118,7 +120,11 @@ class ServerRuntime:
             model = robust.attack(self.cfg, up["model"], ref, cohort, t, self.num_clients)
             model, weights = robust.aggregate(self.cfg, model, ref, weights)
             up = {**up, "model": model}
+        before = self.state["model"] if self.cfg.aggregation is not None else None
         self.state = self.algo.aggregate(self.state, up, weights, t, signals)
+        if before is not None and self.cfg.aggregation.optimizer != "none":
+            model, self.opt_state = robust.server_step(self.cfg, self.opt_state, before, self.state["model"], t)
+            self.state = {**self.state, "model": model}
         phases = self.algo.server_program(self.state, t)
         if phases:
             self._train(phases, up, cohort, lr, t)
