@@ -292,6 +292,17 @@ class AggregationConfig(Schema):
         return self
 
 
+class PrivacyConfig(Schema):
+    """Client-level differential privacy, central (DP-FedAvg, McMahan et al. 2018): every update clipped to ``clip``,
+    the cohort's uniform mean, Gaussian noise of std ``noise`` * clip / m added on the server; the privacy spent is
+    accounted per round (RDP, dp-accounting: fixed-size cohorts sampled without replacement)."""
+
+    noise: float = Field(ge=0, description="the noise multiplier sigma (noise std / clip before the 1/m)")
+    clip: float = Field(gt=0, description="the largest update norm a client contributes (the sensitivity)")
+    delta: float = Field(1e-5, gt=0, lt=1, description="the delta of the reported (epsilon, delta)")
+    max_epsilon: float | None = Field(None, gt=0, description="stop before the round that would spend more")
+
+
 class AttackConfig(Schema):
     """Simulated Byzantine clients (for studying defences): a fixed set chosen by the run seed, whose uploads are
     replaced on their way to the server, the same on every pool."""
@@ -357,6 +368,7 @@ class RunConfig(Schema):
     aggregation: AggregationConfig | None = Field(None, description="a robust aggregation stage (none: the "
                                                   "algorithm's own weighted mean)")
     attack: AttackConfig | None = Field(None, description="simulated attacking clients (none: every client honest)")
+    privacy: PrivacyConfig | None = Field(None, description="client-level differential privacy (none: off)")
     checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT)
     compare: list[AlgorithmConfig] | None = Field(
         None, min_length=1,

@@ -100,11 +100,13 @@ def test_the_attackers_are_fixed_by_the_seed_and_only_their_rows_change():
 def test_an_algorithm_with_its_own_server_step_or_too_few_clients_for_krum_is_refused_in_one_line(tmp_path, capsys):
     for over in (["--set", "algorithm={name: scaffold}", "--set", "aggregation={rule: median}"],
                  ["--set", "algorithm={name: fedavgm}", "--set", "attack={kind: scale}"],
-                 ["--set", "aggregation={rule: krum, f: 4}"]):
+                 ["--set", "aggregation={rule: krum, f: 4}"],
+                 ["--set", "privacy={noise: 1.0, clip: 1.0}", "--set", "aggregation={rule: median}"]):
         out = tmp_path / "r"
         assert main(["run", "quickstart", "--set", "compare=null", "--out", str(out), "--no-progress", *over]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and ("does not average uploaded models" in err[0] or "2f + 2" in err[0]), err
+        assert len(err) == 1 and any(m in err[0] for m in ("does not average uploaded models", "2f + 2",
+                                                            "cannot be combined")), err
         assert not out.exists()
 
 
@@ -204,3 +206,54 @@ def test_a_server_optimizers_moments_are_checkpointed_a_resume_equals_the_whole_
     assert [r["global"] for r in whole] == [r["global"] for r in cut]
     plain = run(cfg(), tmp_path / "plain", progress=False)
     assert plain["global_acc_final"] != whole[-1]["global"]["acc"]  # (the optimizer changed the run)
+
+
+# ---- client-level differential privacy -------------------------------------------------------------------------
+def test_the_accountant_meets_published_reference_values():
+    pytest.importorskip("dp_accounting")
+    # dp-accounting's / Opacus's RDP test vector: sigma 1.5, Poisson q 0.04, 2250 steps, delta 1e-5
+    assert robust.rdp_epsilon(1.5, 2250, 1e-5, poisson=0.04) == pytest.approx(7.3293, abs=1e-3)
+    # the fixed-size cohorts the engine samples (replace-one neighbours): more rounds, more noise, fewer sampled
+    eps = robust.rdp_epsilon(1.0, 100, 1e-5, fixed=(1000, 10))
+    assert robust.rdp_epsilon(1.0, 200, 1e-5, fixed=(1000, 10)) > eps > robust.rdp_epsilon(2.0, 100, 1e-5,
+                                                                                           fixed=(1000, 10))
+    assert robust.rdp_epsilon(1.0, 100, 1e-5, fixed=(1000, 100)) > eps
+    assert robust.rdp_epsilon(0.0, 5, 1e-5) == float("inf") and robust.rdp_epsilon(1.0, 0, 1e-5) == 0.0
+
+
+def _private(noise, clip, rows, seed=3, t=0):
+    c = cfg(privacy={"noise": noise, "clip": clip})
+    return flat(robust.private(c, uploads(rows), REF, t))
+
+
+def test_dp_clips_every_update_and_a_noise_free_loose_bound_is_the_plain_mean():
+    out = _private(0.0, 1.0, ROWS)  # each clipped to norm 1, then averaged: every row holds the mean
+    clipped = torch.tensor(ROWS) / torch.tensor(ROWS).norm(dim=1, keepdim=True).clamp(min=1.0)
+    torch.testing.assert_close(out, clipped.mean(0).expand(4, -1))
+    loose = _private(0.0, 1e30, ROWS)
+    torch.testing.assert_close(loose[0], flat(weighted_mean(uploads(ROWS), torch.ones(4))))  # FedAvg, equal sizes
+    assert torch.equal(_private(0.0, 1.0, [[0.0] * 3] * 4), torch.zeros(4, 3))  # a zero update: no 0/0
+
+
+def test_dp_noise_has_std_sigma_c_over_m_and_is_seeded_by_the_round():
+    n, p = 4, 60_000
+    c = cfg(privacy={"noise": 2.0, "clip": 0.5})
+    stacked, ref = {"w": torch.zeros(n, p)}, {"w": torch.zeros(p)}
+    noise = robust.private(c, stacked, ref, 0)["w"][0]
+    assert float(noise.std()) == pytest.approx(2.0 * 0.5 / n, rel=0.02) and abs(float(noise.mean())) < 0.005
+    assert torch.equal(noise, robust.private(c, stacked, ref, 0)["w"][0])
+    assert not torch.equal(noise, robust.private(c, stacked, ref, 1)["w"][0])
+
+
+def test_a_private_run_reports_epsilon_each_round_and_stops_before_its_budget(tmp_path, capsys):
+    pytest.importorskip("dp_accounting")
+    out = tmp_path / "dp"
+    assert main(["run", "quickstart", "--set", "compare=null", "--set", "train.rounds=8", "--out", str(out),
+                 "--set", "privacy={noise: 1.0, clip: 1.0, max_epsilon: 6.0}", "--no-progress"]) == 0
+    err = [ln for ln in capsys.readouterr().err.splitlines() if "privacy" in ln]
+    assert len(err) == 1 and "round 2 would bring epsilon to 7.4" in err[0]
+    recs = read_metrics(out)
+    eps = [r["privacy"]["epsilon"] for r in recs]
+    assert len(recs) == 2 and eps[0] < eps[1] <= 6.0
+    assert json.loads((out / "summary.json").read_text())["epsilon"] == eps[-1]
+    assert eps[-1] == pytest.approx(robust.rdp_epsilon(1.0, 2, 1e-5, fixed=(20, 10)))

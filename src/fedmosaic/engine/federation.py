@@ -417,7 +417,13 @@ class Federation:
             "local_steps_max": int(steps.max(initial=0)),
             **traffic(self.algo, len(cohort), header, broadcast, assignment, parts, public),
             **self.pool.notes(),
+            **({"privacy": self._spent(t)} if self.cfg.privacy is not None else {}),
         }
+
+    def _spent(self, t: int) -> dict:
+        """Client-level DP: the (epsilon, delta) of rounds 0..t (epsilon None: no noise, no guarantee)."""
+        eps = robust.epsilon(self.cfg, t + 1, self.num_clients)
+        return {"epsilon": eps if np.isfinite(eps) else None, "delta": self.cfg.privacy.delta}
 
     @staticmethod
     def _terms(groups: list[dict]) -> dict:

@@ -24,7 +24,7 @@ from ..errors import ConfigError
 from ..protocol.algorithm import Algorithm
 from .seeding import rng
 
-ATTACK = 15  # the seeding stream of the attackers' choice and their noise
+ATTACK, DP_NOISE = 15, 16  # seeding streams: the attackers' choice and their noise; the privacy noise
 
 
 def eligible(algo: type[Algorithm]) -> bool:
@@ -44,6 +44,14 @@ def check(cfg, algo: type[Algorithm]) -> None:
                           "own), so neither a robust stage nor an upload attack is defined for it; algorithms it "
                           "applies to: those with a global model and the default weighted mean (e.g. fedavg, fedprox, "
                           "fedntd, moon, ditto)")
+    if cfg.privacy is not None:
+        if not eligible(algo):
+            raise ConfigError(f"privacy: algorithm {algo.name!r} does not average uploaded models, so DP-FedAvg's "
+                              "clipped, noised mean is not defined for it")
+        if active:
+            raise ConfigError(f"privacy: DP-FedAvg is its own aggregation (clipped updates, their mean, noise); "
+                              f"aggregation.rule {agg.rule} cannot be combined with it (a server optimizer can)")
+        accountant()  # the extra, in one line, before anything runs
     if active and agg.rule == "krum" and cfg.train.clients_per_round <= 2 * agg.f + 2:
         raise ConfigError(f"aggregation: krum with f = {agg.f} needs more than 2f + 2 = {2 * agg.f + 2} clients a "
                           f"round (train.clients_per_round is {cfg.train.clients_per_round})")
@@ -159,3 +167,60 @@ def server_step(cfg, state: dict | None, current: dict, aggregate: dict, round_i
         v = {k: v0[k] + d * d for k, d in delta.items()}
     new = {k: current[k] + eta * m[k] / (v[k].sqrt() + tau) for k in current}
     return new, {"m": m, "v": v}
+
+
+def private(cfg, stacked: dict, reference: dict, round_idx: int) -> dict:
+    """DP-FedAvg's aggregate (central, fixed clipping) as rows that all hold it: every update clipped to norm C,
+    their uniform mean, plus Gaussian noise of std sigma C / m (m: the cohort's size; seeded by the round)."""
+    p = cfg.privacy
+    delta, keys = _flat(stacked, reference)
+    n = delta.shape[0]
+    norm = delta.norm(dim=1, keepdim=True)
+    clipped = delta * torch.clamp(p.clip / norm.clamp(min=1e-30), max=1.0)
+    noise = torch.as_tensor(rng(cfg.seed, DP_NOISE, round_idx).standard_normal(delta.shape[1]), dtype=delta.dtype)
+    row = clipped.mean(0) + (p.noise * p.clip / n) * noise.to(delta.device)
+    return _put(stacked, reference, keys, torch.arange(n, device=delta.device), row.expand(n, -1))
+
+
+def accountant():
+    try:
+        import dp_accounting
+    except ImportError:
+        raise ConfigError("privacy: its accountant is dp-accounting: pip install 'fedmosaic[privacy]'") from None
+    return dp_accounting
+
+
+#: the RDP orders, fixed here (dp-accounting's own default list) so that a library update cannot move our epsilons
+ORDERS = [1 + x / 10.0 for x in range(1, 100)] + list(range(11, 64)) + [128, 256, 512, 1024]
+
+
+def rdp_epsilon(noise: float, steps: int, delta: float, *, poisson: float | None = None,
+                fixed: tuple[int, int] | None = None) -> float:
+    """epsilon at ``delta`` of ``steps`` compositions of the Gaussian mechanism (noise multiplier ``noise``), each
+    on a Poisson sample of rate ``poisson`` (neighbours add or remove one record) or a fixed-size sample ``fixed``
+    = (population, sample) without replacement (neighbours replace one record), or on everything: RDP accounting
+    (dp-accounting) at the orders ``ORDERS``."""
+    dp = accountant()
+    from dp_accounting import rdp
+
+    if steps == 0:
+        return 0.0
+    if noise == 0:
+        return float("inf")
+    event = dp.GaussianDpEvent(noise)
+    relation = dp.NeighboringRelation.ADD_OR_REMOVE_ONE
+    if poisson is not None:
+        event = dp.PoissonSampledDpEvent(poisson, event)
+    elif fixed is not None and fixed[1] < fixed[0]:
+        event = dp.SampledWithoutReplacementDpEvent(fixed[0], fixed[1], event)
+        relation = dp.NeighboringRelation.REPLACE_ONE
+    acc = rdp.RdpAccountant(ORDERS, neighboring_relation=relation)
+    acc.compose(dp.SelfComposedDpEvent(event, steps))
+    return float(acc.get_epsilon(delta))
+
+
+def epsilon(cfg, rounds: int, num_clients: int) -> float:
+    """The client-level epsilon (at ``privacy.delta``) of ``rounds`` rounds: ``train.clients_per_round`` of the
+    ``num_clients`` sampled without replacement each round, as the engine samples its cohorts."""
+    p = cfg.privacy
+    return rdp_epsilon(p.noise, rounds, p.delta, fixed=(num_clients, min(cfg.train.clients_per_round, num_clients)))

@@ -29,7 +29,7 @@ from ..data.federated import FederatedData
 from ..errors import ClientsLost, FedMosaicError, RunError
 from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
 from ..protocol.tree import layout
-from . import stopping
+from . import robust, stopping
 from .client import NonFiniteLoss
 from .continual import continual_summary
 from .federation import Federation
@@ -79,7 +79,7 @@ def _identity(fed: Federation) -> dict:
 
 
 #: sections added after runs were made: left out of the hash while unset, so those runs' checkpoints still resume
-ADDED_LATER = ("aggregation", "attack")
+ADDED_LATER = ("aggregation", "attack", "privacy")
 
 
 def run_hash(cfg: RunConfig) -> str:
@@ -186,7 +186,10 @@ def _well_formed(rec, before: list[dict]) -> bool:
             return False
     return (all(_table(rec[k]) for k in ("terms", "report") if k in rec)
             and ("cross" not in rec or _cross(rec["cross"]))
-            and ("continual" not in rec or _continual(rec["continual"], before)))
+            and ("continual" not in rec or _continual(rec["continual"], before))
+            and ("privacy" not in rec or (isinstance(rec["privacy"], dict) and _number(rec["privacy"].get("delta"))
+                                          and (rec["privacy"].get("epsilon") is None
+                                               or _number(rec["privacy"]["epsilon"])))))
 
 
 def _load_checkpoint(path: Path, fed: Federation) -> int:
@@ -320,6 +323,9 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
     history = [r["global"]["class_acc"] for r in ev if "global" in r]
     if len(history) > 1:
         out["forgetting"] = forgetting(history)
+    spent = [r["privacy"] for r in records if "privacy" in r]
+    if spent:  # client-level DP: the (epsilon, delta) of the whole run
+        out["epsilon"], out["delta"] = spent[-1]["epsilon"], spent[-1]["delta"]
     out["bytes_per_round"] = float(np.mean([r["bytes_up"] + r["bytes_down"] for r in records])) if records else 0.0
     out["wall_time_s"] = float(sum(r.get("time_round_s", 0) + r.get("time_eval_s", 0) for r in records))
     return out
@@ -544,6 +550,11 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
     with open(out / "metrics.jsonl", "a") as metrics, _stop_between_rounds() as stop, \
             contextlib.closing(board) if board else contextlib.nullcontext():
         for t in bar:
+            if _over_budget(cfg, fed, t):
+                if t > 0 and (latest_checkpoint(out) is None or int(latest_checkpoint(out).stem[6:]) != t - 1):
+                    _save_checkpoint(out, fed, t - 1)
+                    write_csv(out / "metrics.csv", records)
+                break
             t0 = time.perf_counter()
             try:
                 rec = fed.round(t)
@@ -580,6 +591,21 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
     summary = summarize(records, cfg)
     atomic_write(out / "summary.json", json.dumps(summary, indent=2).encode())
     return summary
+
+
+def _over_budget(cfg: RunConfig, fed: Federation, t: int) -> bool:
+    """``privacy.max_epsilon``: round ``t`` would spend more (then one warning, and the run ends before it)."""
+    p = cfg.privacy
+    if p is None or p.max_epsilon is None:
+        return False
+    eps = robust.epsilon(cfg, t + 1, fed.num_clients)
+    if eps <= p.max_epsilon:
+        return False
+    warnings.warn(f"privacy: round {t} would bring epsilon to {eps:.4g} > max_epsilon {p.max_epsilon:g} (delta "
+                  f"{p.delta:g}); the run ends after round {t - 1}" if t else
+                  f"privacy: the first round alone would spend epsilon {eps:.4g} > max_epsilon {p.max_epsilon:g}; "
+                  "no round ran", stacklevel=2)
+    return True
 
 
 def scalars(rec: dict, sep: str = ".", at: str = "") -> dict[str, float]:

@@ -115,10 +115,14 @@ class ServerRuntime:
             return
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
-        if self.cfg.attack is not None or self.cfg.aggregation is not None:  # on the updates from the broadcast
-            ref = self.state["model"]
-            model = robust.attack(self.cfg, up["model"], ref, cohort, t, self.num_clients)
-            model, weights = robust.aggregate(self.cfg, model, ref, weights)
+        cfg = self.cfg
+        if cfg.attack is not None or cfg.aggregation is not None or cfg.privacy is not None:
+            ref = self.state["model"]  # on the updates from the broadcast: the attackers' first, then the stage
+            model = robust.attack(cfg, up["model"], ref, cohort, t, self.num_clients)
+            if cfg.privacy is not None:  # DP-FedAvg: clipped, averaged, noised
+                model = robust.private(cfg, model, ref, t)
+            else:
+                model, weights = robust.aggregate(cfg, model, ref, weights)
             up = {**up, "model": model}
         before = self.state["model"] if self.cfg.aggregation is not None else None
         self.state = self.algo.aggregate(self.state, up, weights, t, signals)

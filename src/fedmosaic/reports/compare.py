@@ -54,6 +54,7 @@ COLUMNS = (
     ("CIL last task", "continual_final", "{:.2%}"),
     ("BWT", "continual_bwt", "{:+.3f}"),
     ("forgetting (tasks)", "continual_forgetting", "{:+.3f}"),
+    ("DP epsilon", "epsilon", "{:.3g}"),
     ("bytes/round", "bytes_per_round", "{:,.0f}"),
     ("wall s", "wall_time_s", "{:.1f}"),
 )
