@@ -292,6 +292,15 @@ class AggregationConfig(Schema):
         return self
 
 
+class AdaptiveClipConfig(Schema):
+    """Andrew et al. 2021: after each round the clip moves geometrically towards the ``quantile`` of the cohort's
+    update norms, from a noised count of the updates it left unclipped."""
+
+    quantile: float = Field(0.5, ge=0, le=1, description="the fraction of updates the clip should leave unclipped")
+    lr: float = Field(0.2, gt=0, description="the clip's geometric learning rate")
+    count_noise: float = Field(description="std of the noise on the count of unclipped updates (the paper: m / 20)")
+
+
 class PrivacyConfig(Schema):
     """Client-level differential privacy, central (DP-FedAvg, McMahan et al. 2018): every update clipped to ``clip``,
     the cohort's uniform mean, Gaussian noise of std ``noise`` * clip / m added on the server; the privacy spent is
@@ -301,6 +310,16 @@ class PrivacyConfig(Schema):
     clip: float = Field(gt=0, description="the largest update norm a client contributes (the sensitivity)")
     delta: float = Field(1e-5, gt=0, lt=1, description="the delta of the reported (epsilon, delta)")
     max_epsilon: float | None = Field(None, gt=0, description="stop before the round that would spend more")
+    adaptive: AdaptiveClipConfig | None = Field(None, description="adaptive clipping (Andrew et al. 2021): clip "
+                                               "follows a quantile of the update norms; none: clip stays fixed")
+
+    @model_validator(mode="after")
+    def _count_noise(self):
+        a = self.adaptive
+        if a is not None and self.noise > 0 and not 2 * a.count_noise > self.noise:
+            raise ValueError(f"privacy.adaptive.count_noise: the clipped count's noise takes part of the privacy "
+                             f"budget, so it must exceed noise / 2 = {self.noise / 2:g} (got {a.count_noise:g})")
+        return self
 
 
 class AttackConfig(Schema):

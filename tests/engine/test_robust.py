@@ -223,7 +223,7 @@ def test_the_accountant_meets_published_reference_values():
 
 def _private(noise, clip, rows, seed=3, t=0):
     c = cfg(privacy={"noise": noise, "clip": clip})
-    return flat(robust.private(c, uploads(rows), REF, t))
+    return flat(robust.private(c, uploads(rows), REF, t)[0])
 
 
 def test_dp_clips_every_update_and_a_noise_free_loose_bound_is_the_plain_mean():
@@ -239,10 +239,10 @@ def test_dp_noise_has_std_sigma_c_over_m_and_is_seeded_by_the_round():
     n, p = 4, 60_000
     c = cfg(privacy={"noise": 2.0, "clip": 0.5})
     stacked, ref = {"w": torch.zeros(n, p)}, {"w": torch.zeros(p)}
-    noise = robust.private(c, stacked, ref, 0)["w"][0]
+    noise = robust.private(c, stacked, ref, 0)[0]["w"][0]
     assert float(noise.std()) == pytest.approx(2.0 * 0.5 / n, rel=0.02) and abs(float(noise.mean())) < 0.005
-    assert torch.equal(noise, robust.private(c, stacked, ref, 0)["w"][0])
-    assert not torch.equal(noise, robust.private(c, stacked, ref, 1)["w"][0])
+    assert torch.equal(noise, robust.private(c, stacked, ref, 0)[0]["w"][0])
+    assert not torch.equal(noise, robust.private(c, stacked, ref, 1)[0]["w"][0])
 
 
 def test_a_private_run_reports_epsilon_each_round_and_stops_before_its_budget(tmp_path, capsys):
@@ -257,3 +257,32 @@ def test_a_private_run_reports_epsilon_each_round_and_stops_before_its_budget(tm
     assert len(recs) == 2 and eps[0] < eps[1] <= 6.0
     assert json.loads((out / "summary.json").read_text())["epsilon"] == eps[-1]
     assert eps[-1] == pytest.approx(robust.rdp_epsilon(1.0, 2, 1e-5, fixed=(20, 10)))
+
+
+def test_adaptive_clipping_settles_at_the_target_quantile_where_flowers_rule_collapses():
+    """Andrew et al.'s rule moves the clip by the fraction of updates it left *unclipped*; Flower 1.42's
+    DifferentialPrivacyServerSideAdaptiveClipping feeds the fraction it *clipped* into the same formula
+    (flwr/server/strategy/dp_adaptive_clipping.py: norm_bit = scaling_factor < 1), so its clip falls without end."""
+    norms = torch.linspace(1.0, 10.0, 50)  # 50 updates; their median 5.5, their 80% quantile ~8.2
+    stacked, ref = {"w": torch.stack([torch.tensor([x, 0.0]) for x in norms])}, {"w": torch.zeros(2)}
+    for q in (0.5, 0.8):
+        c = cfg(privacy={"noise": 0.0, "clip": 0.1, "adaptive": {"quantile": q, "lr": 0.2, "count_noise": 1.0}})
+        clip = None
+        for t in range(300):
+            _, clip = robust.private(c, stacked, ref, t, clip)
+        assert float((norms <= clip).float().mean()) == pytest.approx(q, abs=0.06), (q, clip)
+    flower = 0.1  # their rule, from the same start and without count noise
+    for _ in range(300):
+        flower *= np.exp(-0.2 * (float((norms > flower).float().mean()) - 0.5))
+    assert flower < 1e-3
+
+
+def test_a_private_runs_clip_is_checkpointed_a_resume_equals_the_whole_run(tmp_path):
+    pytest.importorskip("dp_accounting")
+    c = cfg(privacy={"noise": 0.5, "clip": 0.5, "adaptive": {"count_noise": 1.0}}, checkpoint_every=1)
+    run(c, tmp_path / "whole", progress=False)
+    run(c, tmp_path / "cut", progress=False, stop_after=1)
+    run(c, tmp_path / "cut", progress=False, resume=True)
+    whole, cut = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "cut")
+    assert [(r["global"], r["privacy"]) for r in whole] == [(r["global"], r["privacy"]) for r in cut]
+    assert len({r["privacy"]["clip"] for r in whole}) == len(whole)  # it moved every round

@@ -423,7 +423,8 @@ class Federation:
     def _spent(self, t: int) -> dict:
         """Client-level DP: the (epsilon, delta) of rounds 0..t (epsilon None: no noise, no guarantee)."""
         eps = robust.epsilon(self.cfg, t + 1, self.num_clients)
-        return {"epsilon": eps if np.isfinite(eps) else None, "delta": self.cfg.privacy.delta}
+        return {"epsilon": eps if np.isfinite(eps) else None, "delta": self.cfg.privacy.delta,
+                "clip": self.srv.dp_clip}  # (the next round's: adaptive clipping moves it)
 
     @staticmethod
     def _terms(groups: list[dict]) -> dict:
@@ -569,7 +570,8 @@ class Federation:
         if getattr(self.pool, "remote", False):  # the clients' state stays on their nodes: the pool's record of it
             return {"format": self.FORMAT, "server": self.server,
                     "server_buffers": [g.global_buffers for g in self.groups], "plateau": dict(self.plateau),
-                    "server_opt": self.srv.opt_state, "clients": self.pool.state(), "memory": None}
+                    "server_opt": self.srv.opt_state, "dp_clip": self.srv.dp_clip, "clients": self.pool.state(),
+                    "memory": None}
         parts = self.pool.state()
         clients, memory = [], [None] * self.num_clients
         for g in self.groups:
@@ -579,7 +581,8 @@ class Federation:
             for k, m in zip(np.concatenate([ids_of(p) for p in part["groups"]]), part["memory"] or []):
                 memory[k] = m
         return {"format": self.FORMAT, "server": self.server, "server_buffers": [g.global_buffers for g in self.groups],
-                "plateau": dict(self.plateau), "server_opt": self.srv.opt_state, "clients": clients,
+                "plateau": dict(self.plateau), "server_opt": self.srv.opt_state, "dp_clip": self.srv.dp_clip,
+                "clients": clients,
                 "memory": None if self.exemplars is None else memory}
 
     def upgrade(self, state: dict) -> dict:
@@ -615,7 +618,7 @@ class Federation:
         if getattr(self.pool, "remote", False):
             self.pool.load(state["clients"])
             self.server, self.plateau = state["server"], dict(state.get("plateau", self.plateau))
-            self.srv.opt_state = state.get("server_opt")
+            self.srv.opt_state, self.srv.dp_clip = state.get("server_opt"), state.get("dp_clip")
             for g, gb in zip(self.groups, state["server_buffers"], strict=True):
                 g.global_buffers = gb
             return
@@ -628,7 +631,7 @@ class Federation:
             raise ValueError("written for another assignment of clients to architectures")
         self.server = state["server"]
         self.plateau = dict(state.get("plateau", self.plateau))
-        self.srv.opt_state = state.get("server_opt")
+        self.srv.opt_state, self.srv.dp_clip = state.get("server_opt"), state.get("dp_clip")
         for g, gb in zip(self.groups, state["server_buffers"], strict=True):
             g.global_buffers = gb
         self.pool.load([self._client_part(h, clients, state.get("memory")) for h in self.pool.hosted()])

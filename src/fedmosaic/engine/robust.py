@@ -169,17 +169,26 @@ def server_step(cfg, state: dict | None, current: dict, aggregate: dict, round_i
     return new, {"m": m, "v": v}
 
 
-def private(cfg, stacked: dict, reference: dict, round_idx: int) -> dict:
-    """DP-FedAvg's aggregate (central, fixed clipping) as rows that all hold it: every update clipped to norm C,
-    their uniform mean, plus Gaussian noise of std sigma C / m (m: the cohort's size; seeded by the round)."""
-    p = cfg.privacy
+def private(cfg, stacked: dict, reference: dict, round_idx: int, clip: float | None = None) -> tuple[dict, float]:
+    """DP-FedAvg's aggregate (central) as rows that all hold it, and the clip for the next round: every update
+    clipped to norm C (``clip``, default ``privacy.clip``), their uniform mean, plus Gaussian noise of std
+    sigma_u C / m (m: the cohort's size; seeded by the round). With ``privacy.adaptive`` (Andrew et al. 2021) the
+    next C is C exp(-lr (b - quantile)), b the noised fraction of updates left unclipped, and the budget is shared:
+    sigma_u = (sigma^-2 - (2 count_noise)^-2)^-1/2, so the pair accounts as one Gaussian of multiplier sigma."""
+    p, a = cfg.privacy, cfg.privacy.adaptive
+    c = p.clip if clip is None else clip
     delta, keys = _flat(stacked, reference)
     n = delta.shape[0]
     norm = delta.norm(dim=1, keepdim=True)
-    clipped = delta * torch.clamp(p.clip / norm.clamp(min=1e-30), max=1.0)
+    clipped = delta * torch.clamp(c / norm.clamp(min=1e-30), max=1.0)
+    sigma = p.noise if a is None or p.noise == 0 else (p.noise ** -2 - (2 * a.count_noise) ** -2) ** -0.5
     noise = torch.as_tensor(rng(cfg.seed, DP_NOISE, round_idx).standard_normal(delta.shape[1]), dtype=delta.dtype)
-    row = clipped.mean(0) + (p.noise * p.clip / n) * noise.to(delta.device)
-    return _put(stacked, reference, keys, torch.arange(n, device=delta.device), row.expand(n, -1))
+    row = clipped.mean(0) + (sigma * c / n) * noise.to(delta.device)
+    rows = _put(stacked, reference, keys, torch.arange(n, device=delta.device), row.expand(n, -1))
+    if a is None:
+        return rows, c
+    unclipped = float((norm <= c).sum()) + a.count_noise * float(rng(cfg.seed, DP_NOISE, round_idx, 1).standard_normal())
+    return rows, c * math.exp(-a.lr * (unclipped / n - a.quantile))
 
 
 def accountant():

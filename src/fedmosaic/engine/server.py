@@ -45,6 +45,8 @@ class ServerRuntime:
         self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
         #: ``aggregation.optimizer``: the server optimizer's moments (None before its first step)
         self.opt_state: dict | None = None
+        #: ``privacy``: the clip of the next round (adaptive clipping moves it)
+        self.dp_clip: float | None = None
 
     # ---- what goes down ---------------------------------------------------------------------------
     def cohort(self, t: int) -> np.ndarray:
@@ -120,7 +122,7 @@ class ServerRuntime:
             ref = self.state["model"]  # on the updates from the broadcast: the attackers' first, then the stage
             model = robust.attack(cfg, up["model"], ref, cohort, t, self.num_clients)
             if cfg.privacy is not None:  # DP-FedAvg: clipped, averaged, noised
-                model = robust.private(cfg, model, ref, t)
+                model, self.dp_clip = robust.private(cfg, model, ref, t, self.dp_clip)
             else:
                 model, weights = robust.aggregate(cfg, model, ref, weights)
             up = {**up, "model": model}
