@@ -1,5 +1,6 @@
-"""Robust aggregation and simulated attacks: a stage on the cohort's uploaded models before the algorithm's
-weighted mean of them (``ServerRuntime.aggregate``, the one place every pool and a deployment pass through).
+"""Robust aggregation, client-level differential privacy, server optimizers and simulated attacks: a stage on the
+cohort's uploaded models around the algorithm's weighted mean of them (``ServerRuntime.aggregate``, the one place
+every pool and a deployment pass through; docs/design.md "Robust aggregation").
 
 Both act on each client's *update*, its uploaded model minus the model the server broadcast (``reference``), flat
 over every parameter. The attack (``attack:``) replaces the uploads of a fixed set of clients, drawn once from the
@@ -11,6 +12,10 @@ then reduces the updates so that the algorithm's weighted mean of the rows it re
   ``floor(trim n)`` values at each end (unweighted, as Yin et al. 2018 and Flower's FedMedian/FedTrimmedAvg);
 - ``krum``: Multi-Krum (Blanchard et al. 2017): each update's score is the sum of squared distances to its
   n - f - 2 nearest others; the ``m`` lowest keep their weights, the rest get weight 0 (m = 1: Krum).
+
+``privacy:`` replaces the rule with DP-FedAvg's clipped, noised mean (:func:`private`, accounted by
+:func:`epsilon`); ``aggregation.optimizer`` then steps from the broadcast model along the aggregate's change
+(:func:`server_step`).
 """
 
 from __future__ import annotations
