@@ -44,10 +44,10 @@ softmaxes and L_R), or ``cosine``, a scale-free distance that is not the paper's
 the class means (prototypes are means of unit features) and every distance is the Euclidean one between unit
 vectors, ||f/|f| - p/|p||| = sqrt(2 - 2 cos) — so neither L_C nor L_D can be lowered by growing the features (the
 un-normalised distance softmax rewards scale: on CIFAR-100's CNN the prototypes grew until the loss was not finite,
-docs/results.md) and L_R cannot be lowered by shrinking them. Distances lie in [0, 2]: T must be small (0.05-0.2).
-Prediction stays the nearest own prototype (argmax of f.p/|p|); exemplar selection stays the nearest to the class
-mean of the raw features. The paper's ablations: without memory (no ``data.tasks.memory``), without L_D (``alpha: 0``),
-without L_R (``beta: 0``: nothing exchanged).
+docs/results.md) and L_R cannot be lowered by shrinking them. Distances lie in [0, 2]: T must be small (0.02 on
+CIFAR-100's CNN, chosen on validation). Prediction stays the nearest own prototype (argmax of f.p/|p|); exemplar
+selection stays the nearest to the class mean of the raw features. The paper's ablations: without memory (no
+``data.tasks.memory``), without L_D (``alpha: 0``), without L_R (``beta: 0``: nothing exchanged).
 """
 
 from typing import Literal
