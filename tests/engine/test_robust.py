@@ -286,3 +286,14 @@ def test_a_private_runs_clip_is_checkpointed_a_resume_equals_the_whole_run(tmp_p
     whole, cut = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "cut")
     assert [(r["global"], r["privacy"]) for r in whole] == [(r["global"], r["privacy"]) for r in cut]
     assert len({r["privacy"]["clip"] for r in whole}) == len(whole)  # it moved every round
+
+
+def test_a_run_without_noise_reports_no_epsilon_and_its_table_prints(tmp_path, capsys):
+    """noise 0 guarantees nothing: epsilon None in metrics.jsonl and the summary, "-" in the table."""
+    pytest.importorskip("dp_accounting")
+    out = tmp_path / "dp0"
+    assert main(["run", "quickstart", "--set", "compare=null", "--set", "train.rounds=2", "--out", str(out),
+                 "--set", "privacy={noise: 0.0, clip: 1.0}", "--no-progress"]) == 0
+    assert [r["privacy"]["epsilon"] for r in read_metrics(out)] == [None, None]
+    assert json.loads((out / "summary.json").read_text())["epsilon"] is None
+    assert "DP epsilon" in capsys.readouterr().out

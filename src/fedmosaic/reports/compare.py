@@ -297,7 +297,7 @@ def _cells(summaries: list[dict], pm: str = " ± ") -> list[list[str]]:
         cols.insert(1, ("seeds", "seeds", "{}"))
 
     def cell(s: dict, k: str, f: str) -> str:
-        if k not in s:
+        if s.get(k) is None:  # (absent, or None: e.g. the epsilon of a run without noise, which has none)
             return "-"
         if k == "rounds" and float(s[k]).is_integer():
             return str(int(s[k]))
