@@ -268,13 +268,16 @@ class AggregationConfig(Schema):
     """A robust stage between the cohort's uploads and the algorithm's weighted mean of them (docs/design.md
     "Robust aggregation"), on each client's update relative to the broadcast model."""
 
-    rule: Literal["mean", "norm_bound", "median", "trimmed_mean", "krum"] = Field(
+    rule: Literal["mean", "norm_bound", "median", "trimmed_mean", "krum", "bulyan"] = Field(
         "mean", description="mean: the algorithm's own (no stage); norm_bound: each update clipped to norm clip; "
         "median / trimmed_mean: coordinate-wise (unweighted, as Yin et al. 2018); krum: Multi-Krum's m updates of "
-        "lowest score (Blanchard et al. 2017; m = 1 is Krum), averaged with their weights")
+        "lowest score (Blanchard et al. 2017; m = 1 is Krum), averaged with their weights; bulyan: n - 2f updates "
+        "chosen by Krum one after another, then per coordinate the mean of the n - 4f closest to their median "
+        "(El Mhamdi et al. 2018; needs n >= 4f + 3)")
     clip: float | None = Field(None, gt=0, description="norm_bound: the largest update norm kept")
     trim: float = Field(0.1, ge=0, lt=0.5, description="trimmed_mean: the fraction cut at each end per coordinate")
-    f: int = Field(1, ge=0, le=MAX_COUNT, description="krum: the Byzantine clients tolerated (needs n > 2f + 2)")
+    f: int = Field(1, ge=0, le=MAX_COUNT, description="krum, bulyan: the Byzantine clients tolerated (krum needs "
+                   "n > 2f + 2, bulyan n >= 4f + 3)")
     m: int = Field(1, ge=1, le=MAX_COUNT, description="krum: the updates kept and averaged (1: Krum)")
     optimizer: Literal["none", "adam", "yogi", "adagrad"] = Field(
         "none", description="a server optimizer on the aggregate's change of the global model, as a pseudo-gradient "

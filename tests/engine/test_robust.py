@@ -146,7 +146,7 @@ def test_attack_and_defence_give_the_same_numbers_on_the_wire_pool(tmp_path):
 
 
 def test_the_rules_equal_flowers_on_identical_tensors():
-    """Flower 1.42's FedMedian, FedTrimmedAvg and (Multi-)Krum aggregate the parameters themselves; ours the updates
+    """Flower 1.42's FedMedian, FedTrimmedAvg, (Multi-)Krum and Bulyan aggregate the parameters themselves; ours the updates
     from the broadcast: the same in exact arithmetic (median and trimmed mean move with a shift, distances do not)."""
     agg_fl = pytest.importorskip("flwr.server.strategy.aggregate")
     gen = torch.Generator().manual_seed(0)
@@ -160,7 +160,8 @@ def test_the_rules_equal_flowers_on_identical_tensors():
     cases = [({"rule": "median"}, agg_fl.aggregate_median(results)),
              ({"rule": "trimmed_mean", "trim": 0.2}, agg_fl.aggregate_trimmed_avg(results, 0.2)),
              ({"rule": "krum", "f": 2, "m": 1}, agg_fl.aggregate_krum(results, 2, 0)),
-             ({"rule": "krum", "f": 2, "m": 3}, agg_fl.aggregate_krum(results, 2, 3))]
+             ({"rule": "krum", "f": 2, "m": 3}, agg_fl.aggregate_krum(results, 2, 3)),
+             ({"rule": "bulyan", "f": 1}, agg_fl.aggregate_bulyan(list(results), 1, agg_fl.aggregate_krum, to_keep=0))]
     for rule, theirs in cases:
         out, ww = robust.aggregate(cfg(aggregation=rule, train={"clients_per_round": 7}), stacked, ref, w)
         ours = weighted_mean(out, ww)

@@ -11,7 +11,9 @@ then reduces the updates so that the algorithm's weighted mean of the rows it re
 - ``median`` / ``trimmed_mean``: every row replaced by the coordinate-wise median / mean after cutting
   ``floor(trim n)`` values at each end (unweighted, as Yin et al. 2018 and Flower's FedMedian/FedTrimmedAvg);
 - ``krum``: Multi-Krum (Blanchard et al. 2017): each update's score is the sum of squared distances to its
-  n - f - 2 nearest others; the ``m`` lowest keep their weights, the rest get weight 0 (m = 1: Krum).
+  n - f - 2 nearest others; the ``m`` lowest keep their weights, the rest get weight 0 (m = 1: Krum);
+- ``bulyan`` (El Mhamdi et al. 2018, as Flower's): Krum chooses n - 2f updates one after another, then every row
+  becomes per coordinate the mean of the n - 4f chosen values closest to their median.
 
 ``privacy:`` replaces the rule with DP-FedAvg's clipped, noised mean (:func:`private`, accounted by
 :func:`epsilon`); ``aggregation.optimizer`` then steps from the broadcast model along the aggregate's change
@@ -59,6 +61,9 @@ def check(cfg, algo: type[Algorithm]) -> None:
         accountant()  # the extra, in one line, before anything runs
     if active and agg.rule == "krum" and cfg.train.clients_per_round <= 2 * agg.f + 2:
         raise ConfigError(f"aggregation: krum with f = {agg.f} needs more than 2f + 2 = {2 * agg.f + 2} clients a "
+                          f"round (train.clients_per_round is {cfg.train.clients_per_round})")
+    if active and agg.rule == "bulyan" and cfg.train.clients_per_round < 4 * agg.f + 3:
+        raise ConfigError(f"aggregation: bulyan with f = {agg.f} needs at least 4f + 3 = {4 * agg.f + 3} clients a "
                           f"round (train.clients_per_round is {cfg.train.clients_per_round})")
     if active and agg.rule == "krum" and agg.m > cfg.train.clients_per_round - agg.f:
         raise ConfigError(f"aggregation: krum keeps m = {agg.m} updates, more than the n - f = "
@@ -132,14 +137,30 @@ def aggregate(cfg, stacked: dict, reference: dict, weights: torch.Tensor) -> tup
             cut = int(agg.trim * n)
             row = s[cut : n - cut].mean(0)
         return _put(stacked, reference, keys, torch.arange(n, device=delta.device), row.expand(n, -1)), weights
-    # krum: the m updates of lowest score keep their weights
     dist = torch.cdist(delta.double(), delta.double()).pow(2)
-    near = max(n - agg.f - 2, 1)
-    score = dist.sort(dim=1).values[:, 1 : near + 1].sum(1)  # (column 0: the distance to itself)
+    if agg.rule == "bulyan":  # Krum picks n - 2f updates one after another; then a trimmed mean around their median
+        left, chosen = list(range(n)), []
+        for _ in range(n - 2 * agg.f):
+            chosen.append(left.pop(int(torch.argsort(_krum_scores(dist[left][:, left], agg.f), stable=True)[0])))
+        sel = delta[chosen]
+        s = sel.sort(dim=0).values
+        k = len(chosen)
+        med = (s[(k - 1) // 2] + s[k // 2]) / 2
+        near = torch.argsort((sel - med).abs(), dim=0, stable=True)[: k - 2 * agg.f]
+        row = sel.gather(0, near).mean(0)
+        return _put(stacked, reference, keys, torch.arange(n, device=delta.device), row.expand(n, -1)), weights
+    # krum: the m updates of lowest score keep their weights
     keep = torch.zeros(n, dtype=torch.bool, device=delta.device)
-    keep[torch.argsort(score, stable=True)[: min(agg.m, n)]] = True
+    keep[torch.argsort(_krum_scores(dist, agg.f), stable=True)[: min(agg.m, n)]] = True
     kept = torch.where(keep, weights, torch.zeros_like(weights))
     return stacked, kept if bool(kept.sum() > 0) else keep.to(weights.dtype)  # (kept clients without samples)
+
+
+def _krum_scores(dist: torch.Tensor, f: int) -> torch.Tensor:
+    """Krum's score of each of n updates from their squared distances [n, n]: the sum of the distances to its
+    n - f - 2 nearest others (at least one)."""
+    near = max(dist.shape[0] - f - 2, 1)
+    return dist.sort(dim=1).values[:, 1 : near + 1].sum(1)  # (column 0: the distance to itself)
 
 
 #: Flower 1.42's defaults per server optimizer: eta, beta1, beta2, tau
