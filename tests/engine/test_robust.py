@@ -100,12 +100,12 @@ def test_the_attackers_are_fixed_by_the_seed_and_only_their_rows_change():
 def test_an_algorithm_with_its_own_server_step_or_too_few_clients_for_krum_is_refused_in_one_line(tmp_path, capsys):
     for over in (["--set", "algorithm={name: scaffold}", "--set", "aggregation={rule: median}"],
                  ["--set", "algorithm={name: fedavgm}", "--set", "attack={kind: scale}"],
-                 ["--set", "aggregation={rule: krum, f: 4}"],
+                 ["--set", "aggregation={rule: krum, f: 4}"], ["--set", "aggregation={rule: bulyan, f: 2}"],
                  ["--set", "privacy={noise: 1.0, clip: 1.0}", "--set", "aggregation={rule: median}"]):
         out = tmp_path / "r"
         assert main(["run", "quickstart", "--set", "compare=null", "--out", str(out), "--no-progress", *over]) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and any(m in err[0] for m in ("does not average uploaded models", "2f + 2",
+        assert len(err) == 1 and any(m in err[0] for m in ("does not average uploaded models", "2f + 2", "4f + 3",
                                                             "cannot be combined")), err
         assert not out.exists()
 
