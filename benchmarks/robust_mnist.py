@@ -25,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 ATTACKS = {"honest": None, "x1000": {"kind": "scale", "fraction": 0.2, "factor": 1000.0},
            "sign flip": {"kind": "sign_flip", "fraction": 0.2, "factor": 1.0}}
 DEFENCES = {"none": None, "norm bound": {"rule": "norm_bound", "clip": 1.0}, "median": {"rule": "median"},
-            "trimmed mean": {"rule": "trimmed_mean", "trim": 0.2}, "Multi-Krum": {"rule": "krum", "f": 4, "m": 10}}
+            "trimmed mean": {"rule": "trimmed_mean", "trim": 0.2}, "Multi-Krum": {"rule": "krum", "f": 4, "m": 10},
+            "Bulyan": {"rule": "bulyan", "f": 4}}
 
 
 def main() -> None:
