@@ -551,7 +551,8 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
             contextlib.closing(board) if board else contextlib.nullcontext():
         for t in bar:
             if _over_budget(cfg, fed, t):
-                if t > 0 and (latest_checkpoint(out) is None or int(latest_checkpoint(out).stem[6:]) != t - 1):
+                last = latest_checkpoint(out)
+                if t > 0 and (last is None or int(last.stem[6:]) != t - 1):
                     _save_checkpoint(out, fed, t - 1)
                     write_csv(out / "metrics.csv", records)
                 break

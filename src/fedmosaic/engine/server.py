@@ -117,19 +117,17 @@ class ServerRuntime:
             return
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
-        cfg = self.cfg
+        cfg, ref = self.cfg, self.state.get("model")  # (the broadcast model: updates are measured from it)
         if cfg.attack is not None or cfg.aggregation is not None or cfg.privacy is not None:
-            ref = self.state["model"]  # on the updates from the broadcast: the attackers' first, then the stage
-            model = robust.attack(cfg, up["model"], ref, cohort, t, self.num_clients)
+            model = robust.attack(cfg, up["model"], ref, cohort, t, self.num_clients)  # the attackers' first
             if cfg.privacy is not None:  # DP-FedAvg: clipped, averaged, noised
                 model, self.dp_clip = robust.private(cfg, model, ref, t, self.dp_clip)
             else:
                 model, weights = robust.aggregate(cfg, model, ref, weights)
             up = {**up, "model": model}
-        before = self.state["model"] if self.cfg.aggregation is not None else None
         self.state = self.algo.aggregate(self.state, up, weights, t, signals)
-        if before is not None and self.cfg.aggregation.optimizer != "none":
-            model, self.opt_state = robust.server_step(self.cfg, self.opt_state, before, self.state["model"], t)
+        if cfg.aggregation is not None and cfg.aggregation.optimizer != "none":
+            model, self.opt_state = robust.server_step(cfg, self.opt_state, ref, self.state["model"], t)
             self.state = {**self.state, "model": model}
         phases = self.algo.server_program(self.state, t)
         if phases:
