@@ -95,6 +95,14 @@ def distances(z: torch.Tensor, protos: torch.Tensor, kind: str = "euclidean") ->
     return sq if kind == "squared" else sq.sqrt()
 
 
+def row_distances(a: torch.Tensor, b: torch.Tensor, kind: str = "euclidean") -> torch.Tensor:
+    """[N] the distance of ``kind`` (as :func:`distances`) between each row of ``a`` and the same row of ``b``."""
+    if kind == "cosine":
+        a, b = F.normalize(a, dim=-1), F.normalize(b, dim=-1)
+    sq = ((a - b) ** 2).sum(1).clamp(min=1e-8)
+    return sq if kind == "squared" else sq.sqrt()
+
+
 def entropy_ratio(scores: torch.Tensor, known: torch.Tensor) -> torch.Tensor:
     """[B] the entropy of softmax(``scores``) over the classes ``known`` divided by its maximum ln N (0 when N < 2)."""
     logp = only(scores, known).log_softmax(-1)
@@ -195,10 +203,7 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
             ctx.term("teacher_entropy", ctx.mean(entropy_ratio(teacher / cfg.T, old)))
         if cfg.beta:
             glob, has_glob = self.target(ctx.payload, ctx.state)
-            if cfg.distance == "cosine":
-                local, glob = F.normalize(local, dim=-1), F.normalize(glob, dim=-1)
-            gap = ((local - glob) ** 2).sum(1).clamp(min=1e-8)
-            gap = gap if cfg.distance == "squared" else gap.sqrt()
+            gap = row_distances(local, glob, cfg.distance)
             l_r = (gap * in_batch * has_glob).sum() if cfg.lr_sum else \
                 (gap * count * has_glob).sum() / count.sum().clamp(min=1)
             loss = loss + cfg.beta * ctx.term("l_r", l_r)
