@@ -279,11 +279,12 @@ class AggregationConfig(Schema):
     f: int = Field(1, ge=0, le=MAX_COUNT, description="krum, bulyan: the Byzantine clients tolerated (krum needs "
                    "n > 2f + 2, bulyan n >= 4f + 3)")
     m: int = Field(1, ge=1, le=MAX_COUNT, description="krum: the updates kept and averaged (1: Krum)")
-    optimizer: Literal["none", "adam", "yogi", "adagrad"] = Field(
+    optimizer: Literal["none", "adam", "yogi", "adagrad", "avgm"] = Field(
         "none", description="a server optimizer on the aggregate's change of the global model, as a pseudo-gradient "
-        "(Reddi et al. 2021; Flower's FedAdam / FedYogi / FedAdagrad rules)")
+        "(Reddi et al. 2021; Flower's FedAdam / FedYogi / FedAdagrad rules; avgm: FedAvgM's server momentum, Hsu "
+        "et al. 2019, the rule of Flower's FedAvgM and of algorithm fedavgm)")
     eta: float | None = Field(None, gt=0, description="the server learning rate (default: Flower's for the "
-                              "optimizer: adam 0.1, yogi 0.01, adagrad 0.1)")
+                              "optimizer: adam 0.1, yogi 0.01, adagrad 0.1, avgm 1.0)")
     beta1: float | None = Field(None, ge=0, lt=1, description="momentum (default 0.9; adagrad has none)")
     beta2: float | None = Field(None, ge=0, lt=1, description="second-moment decay (default 0.99; not adagrad)")
     tau: float | None = Field(None, gt=0, description="adaptivity (default: adam 1e-9, yogi 1e-3, adagrad 1e-9)")
@@ -307,9 +308,13 @@ class AdaptiveClipConfig(Schema):
 class PrivacyConfig(Schema):
     """Client-level differential privacy, central (DP-FedAvg, McMahan et al. 2018): every update clipped to ``clip``,
     the cohort's uniform mean, Gaussian noise of std ``noise`` * clip / m added on the server; the privacy spent is
-    accounted per round (RDP, dp-accounting: fixed-size cohorts sampled without replacement)."""
+    accounted per round (RDP, dp-accounting: fixed-size cohorts sampled without replacement). Local: each client
+    clips its own update and adds noise of std ``noise`` * clip before it uploads (the server sees no clean update)."""
 
-    noise: float = Field(ge=0, description="the noise multiplier sigma (noise std / clip before the 1/m)")
+    mode: Literal["central", "local"] = Field(
+        "central", description="central: the server clips and noises the mean (trusted server); local: each client "
+        "clips and noises its own upload (epsilon per client, every round it takes part, no sampling amplification)")
+    noise: float = Field(ge=0, description="the noise multiplier sigma (noise std / clip; central: before the 1/m)")
     clip: float = Field(gt=0, description="the largest update norm a client contributes (the sensitivity)")
     delta: float = Field(1e-5, gt=0, lt=1, description="the delta of the reported (epsilon, delta)")
     max_epsilon: float | None = Field(None, gt=0, description="stop before the round that would spend more")
@@ -318,6 +323,9 @@ class PrivacyConfig(Schema):
 
     @model_validator(mode="after")
     def _count_noise(self):
+        if self.mode == "local" and self.adaptive is not None:
+            raise ValueError("privacy.adaptive: adaptive clipping counts the unclipped updates on the server, which a "
+                             "local mechanism never shows it; use a fixed clip with mode local")
         a = self.adaptive
         if a is not None and self.noise > 0 and not 2 * a.count_noise > self.noise:
             raise ValueError(f"privacy.adaptive.count_noise: the clipped count's noise takes part of the privacy "
@@ -329,9 +337,10 @@ class AttackConfig(Schema):
     """Simulated Byzantine clients (for studying defences): a fixed set chosen by the run seed, whose uploads are
     replaced on their way to the server, the same on every pool."""
 
-    kind: Literal["scale", "sign_flip", "noise", "free_rider"] = Field(
+    kind: Literal["scale", "sign_flip", "noise", "free_rider", "label_flip"] = Field(
         description="scale: the update times factor; sign_flip: minus the update times factor; noise: the update "
-        "plus Gaussian noise of std sigma; free_rider: no update (the broadcast model sent back)")
+        "plus Gaussian noise of std sigma; free_rider: no update (the broadcast model sent back); label_flip: the "
+        "attackers train honestly on labels y -> C - 1 - y (Tolpegin et al. 2020; any algorithm)")
     fraction: float = Field(0.1, gt=0, le=1, description="the share of all clients that attack (rounded up)")
     factor: float = Field(1000.0, description="scale and sign_flip: the multiplier")
     sigma: float = Field(1.0, ge=0, description="noise: the std of the added noise, per coordinate")

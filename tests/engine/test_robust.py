@@ -97,6 +97,26 @@ def test_the_attackers_are_fixed_by_the_seed_and_only_their_rows_change():
     torch.testing.assert_close(flat(flip), -2 * torch.tensor(ROWS))
 
 
+def test_label_flipping_poisons_only_the_attackers_training_labels_and_applies_to_any_algorithm(tmp_path):
+    """label_flip: the attackers' train labels become C - 1 - y; their test labels and every other client's data
+    stay; an algorithm with its own server step (SCAFFOLD) runs with it, and the poisoned run differs."""
+    from fedmosaic.engine.federation import Federation
+
+    c = cfg(attack={"kind": "label_flip", "fraction": 0.3}, algorithm={"name": "scaffold"}, train={"rounds": 1})
+    honest, flipped = Federation(cfg(algorithm={"name": "scaffold"})), Federation(c)
+    bad = robust.attackers(10, 0.3, c.seed)
+    tr, ok = flipped.split["train"], honest.split["train"]
+    for k in range(10):
+        a, b = slice(tr.ptr[k], tr.ptr[k + 1]), slice(ok.ptr[k], ok.ptr[k + 1])
+        assert torch.equal(tr.y[a], 9 - ok.y[b] if k in bad else ok.y[b]), k
+        assert torch.equal(tr.x[a], ok.x[b])
+    assert torch.equal(flipped.split["test"].y, honest.split["test"].y)
+    assert len(bad) == 3
+    one = run(c, tmp_path / "flip", progress=False)["global_acc_final"]
+    assert one != run(cfg(algorithm={"name": "scaffold"}, train={"rounds": 1}), tmp_path / "ok",
+                      progress=False)["global_acc_final"]
+
+
 def test_an_algorithm_with_its_own_server_step_or_too_few_clients_for_krum_is_refused_in_one_line(tmp_path, capsys):
     for over in (["--set", "algorithm={name: scaffold}", "--set", "aggregation={rule: median}"],
                  ["--set", "algorithm={name: fedavgm}", "--set", "attack={kind: scale}"],
@@ -170,7 +190,8 @@ def test_the_rules_equal_flowers_on_identical_tensors():
                                        msg=f"{rule}: {k}")
 
 
-@pytest.mark.parametrize("name, strategy", [("adam", "FedAdam"), ("yogi", "FedYogi"), ("adagrad", "FedAdagrad")])
+@pytest.mark.parametrize("name, strategy", [("adam", "FedAdam"), ("yogi", "FedYogi"), ("adagrad", "FedAdagrad"),
+                                            ("avgm", "FedAvgM")])
 def test_server_optimizers_equal_flowers_strategies_on_identical_tensors(name, strategy):
     """Three rounds of the same client models: Flower 1.42's strategy (its FedAvg aggregate, then its optimizer
     step) and ours (the algorithm's weighted mean, then ``server_step``) give the same global model."""
@@ -180,8 +201,9 @@ def test_server_optimizers_equal_flowers_strategies_on_identical_tensors(name, s
     gen = torch.Generator().manual_seed(1)
     current = {"a": torch.randn(3, 2, generator=gen, dtype=torch.float64),
                "b": torch.randn(4, generator=gen, dtype=torch.float64)}
+    extra = {"server_momentum": 0.9, "server_learning_rate": 1.0} if name == "avgm" else {}  # (ours: fedavgm's)
     theirs = getattr(fl, strategy)(initial_parameters=ndarrays_to_parameters([current["a"].numpy(),
-                                                                              current["b"].numpy()]))
+                                                                              current["b"].numpy()]), **extra)
     c = cfg(aggregation={"optimizer": name})
     state, ours = None, dict(current)
     for t in range(3):
@@ -196,6 +218,17 @@ def test_server_optimizers_equal_flowers_strategies_on_identical_tensors(name, s
         ours, state = robust.server_step(c, state, ours, mean, t)
         for k, arr in zip(("a", "b"), parameters_to_ndarrays(params)):
             torch.testing.assert_close(ours[k], torch.as_tensor(arr), rtol=1e-6, atol=1e-8, msg=f"round {t}: {k}")
+
+
+def test_fedavg_with_the_avgm_server_optimizer_is_algorithm_fedavgm(tmp_path):
+    """FedAvgM's momentum as a server optimizer (so it composes with a robust rule) is the algorithm fedavgm."""
+    opt = run(cfg(aggregation={"optimizer": "avgm", "eta": 0.7, "beta1": 0.5}), tmp_path / "opt", progress=False)
+    run(cfg(algorithm={"name": "fedavgm", "beta": 0.5, "server_lr": 0.7}), tmp_path / "algo", progress=False)
+    a, b = read_metrics(tmp_path / "opt"), read_metrics(tmp_path / "algo")
+    for x, y in zip(a, b, strict=True):
+        assert x["global"]["acc"] == y["global"]["acc"]
+        assert x["global"]["loss"] == pytest.approx(y["global"]["loss"], rel=1e-5)
+    assert opt["global_acc_final"] != run(cfg(), tmp_path / "plain", progress=False)["global_acc_final"]
 
 
 def test_a_server_optimizers_moments_are_checkpointed_a_resume_equals_the_whole_run(tmp_path):
@@ -244,6 +277,43 @@ def test_dp_noise_has_std_sigma_c_over_m_and_is_seeded_by_the_round():
     assert float(noise.std()) == pytest.approx(2.0 * 0.5 / n, rel=0.02) and abs(float(noise.mean())) < 0.005
     assert torch.equal(noise, robust.private(c, stacked, ref, 0)[0]["w"][0])
     assert not torch.equal(noise, robust.private(c, stacked, ref, 1)[0]["w"][0])
+
+
+def test_local_dp_clips_each_clients_update_and_adds_noise_of_std_sigma_c_seeded_by_round_and_client():
+    p = 60_000
+    rows = torch.zeros(3, p)
+    rows[0, 0], rows[1, :2] = 10.0, 0.1  # one update above the clip, one below, one zero
+    ref, clients = {"w": torch.ones(p)}, np.array([4, 7, 9])
+    quiet = robust.local(cfg(privacy={"mode": "local", "noise": 0.0, "clip": 2.0}), {"model": {"w": 1 + rows}}, ref,
+                         clients, 0)["model"]["w"] - 1
+    torch.testing.assert_close(quiet[0].norm(), torch.tensor(2.0))  # clipped to C
+    torch.testing.assert_close(quiet[1:], rows[1:])  # within C: as it was
+    c = cfg(privacy={"mode": "local", "noise": 1.5, "clip": 2.0})
+    noisy = robust.local(c, {"model": {"w": 1 + rows}}, ref, clients, 0)["model"]["w"] - 1
+    for i in range(3):
+        assert float((noisy[i] - quiet[i]).std()) == pytest.approx(1.5 * 2.0, rel=0.02)
+    again = robust.local(c, {"model": {"w": 1 + rows[[1]]}}, ref, clients[[1]], 0)["model"]["w"] - 1
+    assert torch.equal(again[0], noisy[1])  # a client's noise is its own, whoever else is in the cohort
+    assert not torch.equal(noisy[1], (robust.local(c, {"model": {"w": 1 + rows}}, ref, clients, 1)["model"]["w"] - 1)[1])
+
+
+@pytest.mark.slow
+def test_a_local_dp_run_is_the_same_on_the_wire_pool_and_accounts_each_client_without_sampling(tmp_path, capsys):
+    """The noise is added inside the client runtime (on a deployment: on the node), so the wire pool, where each
+    client is a runtime of its own, gives the in-process numbers; epsilon is sigma / 2's, every round, no sampling."""
+    pytest.importorskip("dp_accounting")
+    over = {"privacy": {"mode": "local", "noise": 2.0, "clip": 0.5}, "train": {"rounds": 2, "clients_per_round": 5}}
+    run(cfg(**over), tmp_path / "local", progress=False)
+    run(cfg(**over, engine={"pool": "wire"}), tmp_path / "wire", progress=False)
+    a, b = read_metrics(tmp_path / "local"), read_metrics(tmp_path / "wire")
+    assert [r["global"]["class_acc"] for r in a] == [r["global"]["class_acc"] for r in b]
+    assert [r["privacy"]["epsilon"] for r in a] == pytest.approx([robust.rdp_epsilon(1.0, t, 1e-5) for t in (1, 2)])
+    central = run(cfg(privacy={"noise": 2.0, "clip": 0.5}, train=over["train"]), tmp_path / "central",
+                  progress=False)
+    assert central["global_acc_final"] != a[-1]["global"]["acc"]
+    assert main(["run", "quickstart", "--set", "compare=null", "--out", str(tmp_path / "x"), "--no-progress", "--set",
+                 "privacy={mode: local, noise: 1.0, clip: 1.0, adaptive: {count_noise: 1.0}}"]) == 2
+    assert "never shows it" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
 def test_a_private_run_reports_epsilon_each_round_and_stops_before_its_budget(tmp_path, capsys):

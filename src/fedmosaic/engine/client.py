@@ -21,6 +21,7 @@ from ..protocol.algorithm import Algorithm
 from ..protocol.tree import finite, put, repeat, take, tmap
 from . import evaluate as ev
 from . import memory as mem
+from . import robust
 from .build import Group
 from .mapping import for_each_client
 from .seeding import MEMORY, rng
@@ -187,10 +188,12 @@ class ClientRuntime:
                                   seed=self.cfg.seed, round_idx=t)
             parts.append((g, members, out, bufs))
         self._check_finite(t, parts)
-        uploads = []
+        uploads, p = [], self.cfg.privacy
         for g, members, out, bufs in parts:
             put((g.store, g.buffers), self._rows(members), (out.states, bufs))
-            uploads.append({"arch": g.gid, "ids": torch.as_tensor(members), "upload": out.uploads, "loss": out.loss,
+            up = out.uploads if p is None or p.mode != "local" else \
+                robust.local(self.cfg, out.uploads, payload["global"], members, t)
+            uploads.append({"arch": g.gid, "ids": torch.as_tensor(members), "upload": up, "loss": out.loss,
                             "steps": torch.as_tensor(out.steps), "terms": out.terms,
                             "n": torch.as_tensor(train.counts(members), dtype=torch.float32, device=self.device),
                             "buffers": bufs if self.algo.global_model else {}})

@@ -108,6 +108,7 @@ class Federation:
             s: ClientTensors(tensor(self.fd.x[s]), torch.as_tensor(self.fd.y[s], device=dev), self.fd.ptr[s])
             for s in ("train", "val", "test")
         }
+        self.split["train"] = robust.flip_labels(cfg, self.split["train"], self.fd.num_classes)
         #: the held-out samples of the global evaluations and their labels: the test split, or (``eval.split: val``)
         #: the clients' validation splits pooled
         held = (self.fd.x["val"], self.fd.y["val"]) if cfg.eval.split == "val" else (self.fd.x_global, self.fd.y_global)

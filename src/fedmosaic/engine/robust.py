@@ -22,6 +22,7 @@ then reduces the updates so that the algorithm's weighted mean of the rows it re
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -32,7 +33,7 @@ from ..errors import ConfigError
 from ..protocol.algorithm import Algorithm
 from .seeding import rng
 
-ATTACK, DP_NOISE = 15, 16  # seeding streams: the attackers' choice and their noise; the privacy noise
+ATTACK, DP_NOISE, DP_LOCAL = 15, 16, 17  # seeding streams: the attackers' choice and their noise; privacy noise
 
 
 def eligible(algo: type[Algorithm]) -> bool:
@@ -45,6 +46,11 @@ def check(cfg, algo: type[Algorithm]) -> None:
     agg, attack = cfg.aggregation, cfg.attack
     active = agg is not None and agg.rule != "mean"
     opt = agg is not None and agg.optimizer != "none"
+    if attack is not None and attack.kind == "label_flip":
+        if cfg.data.tasks is not None:
+            raise ConfigError("attack: label_flip on a class-incremental stream would move samples out of their "
+                              "task's classes; flip labels on a stream of one task, or choose another attack")
+        attack = None  # (poisoned data, honest training: defined for every algorithm)
     if (active or opt or attack is not None) and not eligible(algo):
         what = f"aggregation: {agg.rule}" if active else f"aggregation.optimizer: {agg.optimizer}" if opt else \
             f"attack: {attack.kind}"
@@ -77,6 +83,20 @@ def attackers(num_clients: int, fraction: float, seed: int) -> np.ndarray:
     return np.sort(rng(seed, ATTACK).choice(num_clients, size=k, replace=False))
 
 
+def flip_labels(cfg, train, num_classes: int):
+    """``train`` (a ``ClientTensors`` split) with the attackers' labels flipped, y -> C - 1 - y, when the attack is
+    ``label_flip`` (else ``train`` itself): poisoned data that every pool's clients then train on honestly."""
+    a = cfg.attack
+    if a is None or a.kind != "label_flip":
+        return train
+    bad = attackers(len(train.ptr) - 1, a.fraction, cfg.seed)
+    rows = np.concatenate([np.arange(train.ptr[k], train.ptr[k + 1]) for k in bad])
+    y = train.y.clone()
+    at = torch.as_tensor(rows, device=y.device)
+    y[at] = num_classes - 1 - y[at]
+    return dataclasses.replace(train, y=y)
+
+
 def _flat(stacked: dict, reference: dict) -> tuple[torch.Tensor, list]:
     keys = sorted(stacked)
     rows = torch.cat([(stacked[k] - reference[k]).flatten(1) for k in keys], dim=1)
@@ -98,7 +118,7 @@ def _put(stacked: dict, reference: dict, keys: list, rows: torch.Tensor, delta: 
 def attack(cfg, stacked: dict, reference: dict, cohort: np.ndarray, round_idx: int, num_clients: int) -> dict:
     """The uploads with the attackers' rows replaced (``cfg.attack``; unchanged without one)."""
     a = cfg.attack
-    if a is None:
+    if a is None or a.kind == "label_flip":  # (label_flip poisons the data: :func:`flip_labels`)
         return stacked
     bad = np.isin(cohort, attackers(num_clients, a.fraction, cfg.seed))
     if not bad.any():
@@ -164,15 +184,18 @@ def _krum_scores(dist: torch.Tensor, f: int) -> torch.Tensor:
     return dist.sort(dim=1).values[:, 1 : near + 1].sum(1)  # (column 0: the distance to itself)
 
 
-#: Flower 1.42's defaults per server optimizer: eta, beta1, beta2, tau
-OPTIMIZERS = {"adam": (0.1, 0.9, 0.99, 1e-9), "yogi": (0.01, 0.9, 0.99, 1e-3), "adagrad": (0.1, 0.0, 0.0, 1e-9)}
+#: the defaults per server optimizer: eta, beta1, beta2, tau (Flower 1.42's; avgm's momentum 0.9 is fedavgm's and
+#: Hsu et al.'s, where Flower's FedAvgM defaults to none)
+OPTIMIZERS = {"adam": (0.1, 0.9, 0.99, 1e-9), "yogi": (0.01, 0.9, 0.99, 1e-3), "adagrad": (0.1, 0.0, 0.0, 1e-9),
+              "avgm": (1.0, 0.9, 0.0, 0.0)}
 
 
 def server_step(cfg, state: dict | None, current: dict, aggregate: dict, round_idx: int) -> tuple[dict, dict]:
     """The global model after a server optimizer step on the pseudo-gradient ``aggregate - current`` (the
     algorithm's aggregate minus the model it broadcast) and the optimizer's new moments ``{"m", "v"}`` (``state``
     None: zeros). The rules of Flower's FedAdam (its bias-corrected rate with server_round + 1, server_round
-    counting from 1), FedYogi and FedAdagrad (m is the update itself: no momentum)."""
+    counting from 1), FedYogi, FedAdagrad (m is the update itself: no momentum) and FedAvgM (SGD with heavy-ball
+    momentum: m <- beta1 m + update, w <- w + eta m; the algorithm fedavgm's rule)."""
     agg = cfg.aggregation
     eta, b1, b2, tau = (d if v is None else v for v, d in zip((agg.eta, agg.beta1, agg.beta2, agg.tau),
                                                              OPTIMIZERS[agg.optimizer], strict=True))
@@ -180,6 +203,9 @@ def server_step(cfg, state: dict | None, current: dict, aggregate: dict, round_i
         b1 = 0.0
     delta = {k: aggregate[k] - current[k] for k in aggregate}
     m0 = state["m"] if state else {k: torch.zeros_like(d) for k, d in delta.items()}
+    if agg.optimizer == "avgm":
+        m = {k: b1 * m0[k] + d for k, d in delta.items()}
+        return {k: current[k] + eta * m[k] for k in current}, {"m": m, "v": {}}
     v0 = state["v"] if state else {k: torch.zeros_like(d) for k, d in delta.items()}
     m = {k: b1 * m0[k] + (1 - b1) * d for k, d in delta.items()}
     if agg.optimizer == "adam":
@@ -214,6 +240,18 @@ def private(cfg, stacked: dict, reference: dict, round_idx: int, clip: float | N
         return rows, c
     unclipped = float((norm <= c).sum()) + a.count_noise * float(rng(cfg.seed, DP_NOISE, round_idx, 1).standard_normal())
     return rows, c * math.exp(-a.lr * (unclipped / n - a.quantile))
+
+
+def local(cfg, uploads: dict, reference: dict, clients: np.ndarray, round_idx: int) -> dict:
+    """``privacy.mode: local``, on the client before it uploads: each client's update clipped to norm C and
+    Gaussian noise of std sigma C added (seeded by round and client: the same on every pool and on its node)."""
+    p = cfg.privacy
+    delta, keys = _flat(uploads["model"], reference)
+    clipped = delta * torch.clamp(p.clip / delta.norm(dim=1, keepdim=True).clamp(min=1e-30), max=1.0)
+    noise = torch.stack([torch.as_tensor(rng(cfg.seed, DP_LOCAL, round_idx, int(c)).standard_normal(delta.shape[1]),
+                                         dtype=delta.dtype) for c in clients]).to(delta.device)
+    rows = torch.arange(len(clients), device=delta.device)
+    return {**uploads, "model": _put(uploads["model"], reference, keys, rows, clipped + p.noise * p.clip * noise)}
 
 
 def accountant():
@@ -266,6 +304,10 @@ def _round_rdp(noise: float, poisson: float | None, fixed: tuple[int, int] | Non
 
 def epsilon(cfg, rounds: int, num_clients: int) -> float:
     """The client-level epsilon (at ``privacy.delta``) of ``rounds`` rounds: ``train.clients_per_round`` of the
-    ``num_clients`` sampled without replacement each round, as the engine samples its cohorts."""
+    ``num_clients`` sampled without replacement each round, as the engine samples its cohorts. Local: a client's
+    own uploads, as if it took part in every round (its sampling is no secret to it), each a Gaussian mechanism of
+    std sigma C on a clipped update that any other data of the client moves by up to 2C (multiplier sigma / 2)."""
     p = cfg.privacy
+    if p.mode == "local":
+        return rdp_epsilon(p.noise / 2, rounds, p.delta)
     return rdp_epsilon(p.noise, rounds, p.delta, fixed=(num_clients, min(cfg.train.clients_per_round, num_clients)))

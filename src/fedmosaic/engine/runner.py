@@ -78,8 +78,9 @@ def _identity(fed: Federation) -> dict:
     return {"seed": fed.cfg.seed, "data_hash": fed.fd.hash, "config": run_hash(fed.cfg)}
 
 
-#: sections added after runs were made: left out of the hash while unset, so those runs' checkpoints still resume
-ADDED_LATER = ("aggregation", "attack", "privacy")
+#: settings added after runs were made, with the value that means "as before": left out of the hash at that value,
+#: so those runs' checkpoints still resume
+ADDED_LATER = {"aggregation": None, "attack": None, "privacy": None, "privacy.mode": "central"}
 
 
 def run_hash(cfg: RunConfig) -> str:
@@ -88,7 +89,7 @@ def run_hash(cfg: RunConfig) -> str:
     never loads into a FedMD run of the same seed and partition, nor a FedProx one into another mu."""
     flat = {k: v for k, v in _flat(cfg.model_dump(mode="json")).items()
             if k != "name" and not any(k == a or k.startswith(a + ".") for a in AMENDABLE)
-            and not (k in ADDED_LATER and v is None)}
+            and not (k in ADDED_LATER and v == ADDED_LATER[k])}
     return hashlib.sha256(json.dumps(flat, sort_keys=True).encode()).hexdigest()
 
 

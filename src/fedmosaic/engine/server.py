@@ -120,7 +120,9 @@ class ServerRuntime:
         cfg, ref = self.cfg, self.state.get("model")  # (the broadcast model: updates are measured from it)
         if cfg.attack is not None or cfg.aggregation is not None or cfg.privacy is not None:
             model = robust.attack(cfg, up["model"], ref, cohort, t, self.num_clients)  # the attackers' first
-            if cfg.privacy is not None:  # DP-FedAvg: clipped, averaged, noised
+            if cfg.privacy is not None and cfg.privacy.mode == "local":  # clipped and noised by each client
+                weights = torch.ones_like(weights)  # (DP-FedAvg's uniform mean, as central)
+            elif cfg.privacy is not None:  # DP-FedAvg: clipped, averaged, noised
                 model, self.dp_clip = robust.private(cfg, model, ref, t, self.dp_clip)
             else:
                 model, weights = robust.aggregate(cfg, model, ref, weights)
