@@ -30,6 +30,19 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # FEDMOSAIC_TEST_DEVICE says otherwise (e.g. `FEDMOSAIC_TEST_DEVICE=cuda python -m pytest` on a GPU machine)
 os.environ["FEDMOSAIC_DEVICE"] = os.environ.get("FEDMOSAIC_TEST_DEVICE", "cpu")
 
+#: the files that take longest (minutes of real deployments, Ray runtimes, the CLI fuzz), longest first. They are
+#: collected first, so that the full suite's `-n 3 --dist loadfile --no-loadscope-reorder` starts them at once on
+#: their own workers while the third fills the CPU they leave idle (a deployment waits on Flower's polling most of
+#: the time), instead of starting them last (xdist's default order: files with the most tests first).
+LONG_FILES = ["deploy/test_flower.py", "deploy/test_flower_recovery.py", "scale/test_ray_pool.py",
+              "test_fuzz_cli.py", "deploy/test_prepare.py", "engine/test_precision.py", "scale/test_ray_cluster.py",
+              "test_recovery.py", "test_kill9.py"]
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {f"tests/{f}": i for i, f in enumerate(LONG_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONG_FILES)))  # (stable: the rest in order)
+
 
 @pytest.fixture(autouse=True)
 def _isolated(request, monkeypatch, tmp_path_factory):

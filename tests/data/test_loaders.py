@@ -203,6 +203,27 @@ def test_digits_builtin(data_dir):
     assert np.array_equal(load_dataset("digits").x_test, d.x_test)  # the split is fixed
 
 
+def test_digits_are_sklearns_split_as_sklearn_makes_it_read_without_importing_sklearn(data_dir):
+    """The shipped split order is scikit-learn's train_test_split(stratify, seed 0) of its load_digits; reading the
+    digits (a deployed node does at every message) imports neither scikit-learn nor SciPy."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    b = load_digits()
+    x = np.rint(b.images * (255 / 16)).astype(np.uint8)[:, None]
+    x_train, x_test, y_train, y_test = train_test_split(x, b.target, test_size=0.2, stratify=b.target, random_state=0)
+    d = load_dataset("digits")
+    for ours, theirs in ((d.x_train, x_train), (d.x_test, x_test), (d.y_train, y_train), (d.y_test, y_test)):
+        assert np.array_equal(ours, theirs)
+    code = ("import sys; from fedmosaic.data import load_dataset; load_dataset('digits'); "
+            "print(sorted(m for m in ('sklearn', 'scipy') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+
+
 def test_registry_names_and_alias():
     get_spec("mnist")  # importing the loaders registers them
     assert set(dataset_names()) - {"blobs"} == {  # blobs: the test suite's own registered dataset

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import signal
@@ -133,7 +134,7 @@ class LocalFederation:
                 nodes = json.loads(r.stdout).get("nodes", [])
                 if sum(str(x.get("status", "")).startswith("online") for x in nodes) >= n:
                     return
-            time.sleep(1)
+            time.sleep(2)
         raise RuntimeError(f"fewer than {n} SuperNodes online: {r.stdout}")
 
     def submit(self, app: Path, run_config: str | None = None) -> int:
@@ -150,13 +151,17 @@ class LocalFederation:
         r = self.flwr("ls", "fedmosaic", "--run-id", str(run_id), "--format", "json")
         return json.loads(r.stdout)["runs"][0]
 
-    def wait(self, run_id: int, timeout: float = 300) -> dict:
-        deadline = time.monotonic() + timeout
+    def wait(self, run_id: int, timeout: float = 300, done: Path | None = None) -> dict:
+        """The run's status once finished. Every look is a `flwr ls`, a Python process of its own (about a second of
+        CPU, which a test polling every second spent many times over while its run went on): one every 10 s, or at
+        once when the file ``done`` appears (a run directory's summary.json: the ServerApp is ending)."""
+        deadline, looked = time.monotonic() + timeout, -math.inf
         while time.monotonic() < deadline:
-            st = self.status(run_id)
-            if str(st.get("status", "")).startswith("finished"):
-                return st
-            time.sleep(1)
+            if time.monotonic() - looked >= 10 or (done is not None and done.exists()):
+                st, looked = self.status(run_id), time.monotonic()
+                if str(st.get("status", "")).startswith("finished"):
+                    return st
+            time.sleep(0.25)
         raise TimeoutError(f"run {run_id} did not finish within {timeout} s: {st}")
 
     def logs_of(self, run_id: int) -> str:
@@ -229,7 +234,7 @@ def deploy(cfg, where: Path, fed: LocalFederation) -> Path:
 
 
 def finished(fed: LocalFederation, app: Path, run_config: str | None = None, timeout: float = 400) -> dict:
-    st = fed.wait(fed.submit(app, run_config), timeout)
+    st = fed.wait(fed.submit(app, run_config), timeout, done=app.parent / "run" / "summary.json")
     st["log"] = fed.logs_of(int(st["run-id"]))
     return st
 

@@ -62,6 +62,9 @@ def poison_train(name: str, victim: int, rounds: set | None = None):
     return tamper
 
 
-def nan_then_oversized(client: int, action: str, rec: dict) -> dict:
-    """Client 2 uploads NaN in round 0 and 2 MiB too much in round 1."""
-    return poison_train("nan", 2, {0})(client, action, poison_train("oversized", 2, {1})(client, action, rec))
+def nan_oversized_x1000(client: int, action: str, rec: dict) -> dict:
+    """Client 2 uploads NaN in round 0, 2 MiB too much in round 1 (both rejected) and 1000 x its model in round 2
+    (finite and well-formed: accepted, for the aggregation stage to defeat)."""
+    for name, t in (("nan", 0), ("oversized", 1), ("x1000", 2)):
+        rec = poison_train(name, 2, {t})(client, action, rec)
+    return rec

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 from cases import config, same_metrics
 from harness import completed, deploy, finished, start
-from hostile import nan_then_oversized
+from hostile import nan_oversized_x1000
 from loopgrid import LoopGrid
 
 from fedmosaic.cli.main import main
@@ -36,12 +36,17 @@ def link(tmp_path_factory):
 
 
 
-# (a real deployment costs ~80-160 s here. FedAvg runs deployed end to end in the poisoned-reply, killed-node and
-# commands.sh tests; Ditto's personal state on the nodes takes ProtoFCL's path; all 14 protocol algorithms equal the
-# simulator on the in-process grid, tests/deploy/test_pool.py. These two add the exchange and the task stream.)
+# (a real deployment costs ~5-10 s per message round here: a ClientApp process per message. FedAvg runs deployed
+# end to end in the poisoned-reply, killed-node and commands.sh tests; Ditto's personal state on the nodes across
+# rounds in the killed-node tests; all 14 protocol algorithms equal the simulator on the in-process grid,
+# tests/deploy/test_pool.py. These two add the exchange — one round of it: warm-up, logits, train — and the task
+# stream — two tasks: the second trains with the first's memory, teacher and prototypes.)
+SHORT = {"ahf": {"train": {"rounds": 1}}, "protofcl": {"data": {"tasks": {"n_tasks": 2}}}}
+
+
 @pytest.mark.parametrize("family", ["ahf", "protofcl"])
 def test_a_deployed_run_equals_the_in_process_run(family, link, tmp_path):
-    cfg = config(family, eval={"every": 2})
+    cfg = config(family, eval={"every": 2}, **SHORT[family])
     app = deploy(cfg, tmp_path / "dep", link)
     completed(link, app)
     got = read_metrics(tmp_path / "dep" / "run")
@@ -54,9 +59,12 @@ def test_a_deployed_run_equals_the_in_process_run(family, link, tmp_path):
 
 
 def test_a_poisoned_reply_is_rejected_and_the_round_is_still_right(link, tmp_path):
-    """Client 2's node runs hostile code: a NaN upload in round 0, an oversized one in round 1. Both are rejected
-    and logged; each round goes on with the others and equals the in-process run with the same replies."""
-    cfg = config("fedavg", eval={"every": 2}, deploy={"min_clients": 2, "max_reply_mb": 1})
+    """Client 2's node runs hostile code: a NaN upload in round 0, an oversized one in round 1, both rejected and
+    logged (each round goes on with the others), then a finite 1000 x model in round 2, which no check can reject and
+    the configured defence (aggregation: median) defeats. Every round equals the in-process run with the same
+    replies (tests/deploy/test_pool.py: the same x1000 wrecks FedAvg without the defence)."""
+    cfg = config("fedavg", train={"rounds": 3}, eval={"every": 2}, aggregation={"rule": "median"},
+                 deploy={"min_clients": 2, "max_reply_mb": 1})
     app = deploy(cfg, tmp_path / "dep", link)
     (app / "fedmosaic_app" / "client_app.py").write_text(HOSTILE.format(tests=str(HERE)))
     st = completed(link, app)
@@ -64,9 +72,11 @@ def test_a_poisoned_reply_is_rejected_and_the_round_is_still_right(link, tmp_pat
     assert "NaN" in got[0]["deploy"]["train"]["rejected"]["2"]
     assert "MiB" in got[1]["deploy"]["train"]["rejected"]["2"]
     assert "reply of client 2 (node" in st["log"]  # logged by the server
+    assert "2" not in got[2]["deploy"]["train"].get("rejected", {})  # the x1000 upload was accepted ...
+    assert got[2]["global"]["loss"] < 5  # ... and defeated (undefended: ~1.5e5)
     (tmp_path / "sim").mkdir()
     (tmp_path / "sim" / "run.yaml").write_text(dump(cfg))
-    grid = LoopGrid(tmp_path / "sim" / "run.yaml", 3, tmp_path / "sim" / "nodes", tamper=nan_then_oversized)
+    grid = LoopGrid(tmp_path / "sim" / "run.yaml", 3, tmp_path / "sim" / "nodes", tamper=nan_oversized_x1000)
     with pytest.warns(UserWarning):
         run(cfg, tmp_path / "sim" / "run", progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "R"))
     assert same_metrics(got, read_metrics(tmp_path / "sim" / "run")) == []
@@ -82,13 +92,13 @@ from flwr.clientapp import ClientApp
 sys.path.insert(0, {tests!r})
 from fedmosaic.deploy.common import MESSAGE_TYPES, RECORD
 from fedmosaic.deploy.node import answer
-from hostile import nan_then_oversized
+from hostile import nan_oversized_x1000
 
 app = ClientApp()
 
 
 def handle(msg, context):
-    rec = nan_then_oversized(context.node_config["partition-id"], msg.content[RECORD]["action"],
+    rec = nan_oversized_x1000(context.node_config["partition-id"], msg.content[RECORD]["action"],
                  answer(Path(__file__).with_name("run.yaml"), msg.content[RECORD], context))
     return Message(content=RecordDict({{RECORD: ConfigRecord(rec)}}), reply_to=msg)
 
@@ -103,10 +113,11 @@ def test_only_the_operator_controls_the_deployment(link, tmp_path):
     """A party that holds ca.crt (every node has it) and reaches the nodes' address tries the Control API through it
     while the operator's run is on: register its own node key, start its own app, stop the run, list the runs —
     every attempt is refused at the gateway; the run completes with the simulation's numbers, the SuperLink lists
-    only the operator's nodes and runs."""
+    only the operator's nodes and runs. (The run uses local DP: each node clips and noises its own upload, and the
+    numbers are still the simulation's.)"""
     from harness import write_home
 
-    cfg = config("fedavg", train={"rounds": 1})
+    cfg = config("fedavg", train={"rounds": 1}, privacy={"mode": "local", "noise": 0.3, "clip": 1.0})
     app = deploy(cfg, tmp_path / "dep", link)
     rid = link.submit(app)
     attacker = tmp_path / "attacker"
@@ -124,7 +135,7 @@ def test_only_the_operator_controls_the_deployment(link, tmp_path):
         assert r.returncode != 0 or '"success": false' in out.replace("\n", " ").lower() \
             or '"success":false' in out.replace(" ", "").lower(), f"{what} was not refused: {out[-1500:]}"
         assert str(rid) not in r.stdout or what == "stop", f"{what} leaked the operator's run: {r.stdout[-500:]}"
-    st = link.wait(rid, 400)
+    st = link.wait(rid, 400, done=tmp_path / "dep" / "run" / "summary.json")
     assert st["status"] == "finished:completed", st["status-details"]
     run(cfg, tmp_path / "sim", progress=False)
     assert same_metrics(read_metrics(tmp_path / "dep" / "run"), read_metrics(tmp_path / "sim")) == []

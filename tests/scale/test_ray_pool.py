@@ -36,12 +36,19 @@ def records(fed: Federation) -> list[dict]:
     return out
 
 
-# every family exactly on the sequential path; the vectorized path (the same runtime code on actors) for two
-# families, one global and one continual with personal state (each pair costs ~7 s of CI)
-@pytest.mark.parametrize("family, backend, tol", [*((f, "sequential", 0.0) for f in FAMILIES),
+#: FedAvg under attack and defence: flipped labels in the actors' data, local DP noise added by their client
+#: runtimes, a server optimizer on the driver
+ROBUST = {"attack": {"kind": "label_flip", "fraction": 0.4}, "privacy": {"mode": "local", "noise": 0.5, "clip": 1.0},
+          "aggregation": {"optimizer": "adam"}}
+
+
+# every family exactly on the sequential path (and FedAvg attacked and defended); the vectorized path (the same
+# runtime code on actors) for two families, one global and one continual with personal state (each pair costs ~7 s
+# of CI)
+@pytest.mark.parametrize("family, backend, tol", [*((f, "sequential", 0.0) for f in [*FAMILIES, "robust"]),
                                                   ("fedavg", "vectorized", 1e-6), ("protofcl", "vectorized", 1e-6)])
 def test_each_family_on_ray_actors_reaches_the_numbers_of_one_process(ray_runtime, family, backend, tol):
-    cfg = cfg_of(family, backend)
+    cfg = cfg_of("fedavg", backend, **ROBUST) if family == "robust" else cfg_of(family, backend)
     fd = build(data_spec(cfg))
     local = Federation(cfg, fd)
     sharded = Federation(cfg, fd, pool="ray")
