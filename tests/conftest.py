@@ -31,9 +31,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ["FEDMOSAIC_DEVICE"] = os.environ.get("FEDMOSAIC_TEST_DEVICE", "cpu")
 
 #: the files that take longest (minutes of real deployments, Ray runtimes, the CLI fuzz), longest first. They are
-#: collected first, so that the full suite's `-n 3 --dist loadfile --no-loadscope-reorder` starts them at once on
-#: their own workers while the third fills the CPU they leave idle (a deployment waits on Flower's polling most of
-#: the time), instead of starting them last (xdist's default order: files with the most tests first).
+#: collected first, so that the full suite's `-n 2 --dist loadfile --no-loadscope-reorder` starts them first and
+#: the many short files fill the end evenly, instead of starting them last (xdist's default order: the files with
+#: the most tests first), where one of them alone decided when the suite ended.
 LONG_FILES = ["deploy/test_flower.py", "deploy/test_flower_recovery.py", "scale/test_ray_pool.py",
               "test_fuzz_cli.py", "deploy/test_prepare.py", "engine/test_precision.py", "scale/test_ray_cluster.py",
               "test_recovery.py", "test_kill9.py"]

@@ -5,6 +5,7 @@ every node), everything killed mid-run on another."""
 from __future__ import annotations
 
 import gzip
+import os
 import shutil
 
 import pytest
@@ -21,13 +22,15 @@ from fedmosaic.engine.runner import read_metrics, run
 @pytest.fixture(scope="module")
 def fed(tmp_path_factory):
     """A federation whose node 1 holds a copy of USPS with one pixel of every image changed."""
-    from conftest import need_data
+    from conftest import DATA_PATH, need_data
 
-    need_data("usps")
     from fedmosaic.data.registry import find_layout, get_spec
 
+    with pytest.MonkeyPatch.context() as mp:  # (the tests' data search path: a module's fixture runs before theirs)
+        mp.setenv("FEDMOSAIC_DATA", os.environ.get("FEDMOSAIC_TEST_DATA", DATA_PATH))
+        need_data("usps")
+        _, folder = find_layout(get_spec("usps"))
     root = tmp_path_factory.mktemp("recovery")
-    _, folder = find_layout(get_spec("usps"))
     other = root / "other" / "usps"
     shutil.copytree(folder, other)
     lines = gzip.open(other / "zip.train.gz", "rt").read().splitlines()
