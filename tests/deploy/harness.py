@@ -64,10 +64,12 @@ class LocalFederation:
                     "FLWR_HOME": str(self.home), "FEDMOSAIC_DATA": data_dir, "OMP_NUM_THREADS": "1",
                     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}  # fewer idle seconds per message
         self.procs: dict[str, subprocess.Popen] = {}
+        self.offsets: dict[str, int] = {}
         (self.root / "logs").mkdir(exist_ok=True)
 
     def _start(self, name: str, argv: list[str]) -> subprocess.Popen:
         log = open(self.root / "logs" / f"{name}.log", "ab")
+        self.offsets[name] = log.tell()  # (a restarted process appends: what it logs starts here)
         p = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
                              cwd=self.root)
         log.close()
@@ -76,6 +78,11 @@ class LocalFederation:
 
     def log(self, name: str) -> str:
         return (self.root / "logs" / f"{name}.log").read_text(errors="replace")
+
+    def log_since_start(self, name: str) -> str:
+        with open(self.root / "logs" / f"{name}.log", "rb") as f:
+            f.seek(self.offsets.get(name, 0))
+            return f.read().decode(errors="replace")
 
     def start_link(self, timeout: float = 60) -> None:
         p = self.pki
@@ -127,15 +134,17 @@ class LocalFederation:
                                   "--node-config", node_config, *extra])
 
     def wait_online(self, n: int, timeout: float = 60) -> None:
+        """Until ``n`` of the SuperNodes started here have logged their node id since they started: Flower logs it
+        once the SuperLink (through the gateway) has activated the node. (Read from their logs: asking the
+        SuperLink is a `flwr` process, about a second of CPU, per look.)"""
         deadline = time.monotonic() + timeout
+        nodes = [k for k in self.procs if k.startswith("node")]
         while time.monotonic() < deadline:
-            r = self.flwr("supernode", "list", "fedmosaic", "--format", "json")
-            with contextlib.suppress(ValueError):
-                nodes = json.loads(r.stdout).get("nodes", [])
-                if sum(str(x.get("status", "")).startswith("online") for x in nodes) >= n:
-                    return
-            time.sleep(2)
-        raise RuntimeError(f"fewer than {n} SuperNodes online: {r.stdout}")
+            if sum("SuperNode ID:" in self.log_since_start(k) for k in nodes) >= n:
+                return
+            time.sleep(0.3)
+        raise RuntimeError(f"fewer than {n} SuperNodes online within {timeout} s: " +
+                           " | ".join(f"{k}: {self.log_since_start(k)[-300:]}" for k in nodes))
 
     def submit(self, app: Path, run_config: str | None = None) -> int:
         args = ["run", str(app), "fedmosaic", "--format", "json"]

@@ -63,7 +63,7 @@ def test_a_poisoned_reply_is_rejected_and_the_round_is_still_right(link, tmp_pat
     logged (each round goes on with the others), then a finite 1000 x model in round 2, which no check can reject and
     the configured defence (aggregation: median) defeats. Every round equals the in-process run with the same
     replies (tests/deploy/test_pool.py: the same x1000 wrecks FedAvg without the defence)."""
-    cfg = config("fedavg", train={"rounds": 3}, eval={"every": 2}, aggregation={"rule": "median"},
+    cfg = config("fedavg", train={"rounds": 3}, eval={"every": 3}, aggregation={"rule": "median"},
                  deploy={"min_clients": 2, "max_reply_mb": 1})
     app = deploy(cfg, tmp_path / "dep", link)
     (app / "fedmosaic_app" / "client_app.py").write_text(HOSTILE.format(tests=str(HERE)))

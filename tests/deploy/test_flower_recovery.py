@@ -78,7 +78,7 @@ def test_everything_killed_mid_run_comes_back_in_the_documented_order_and_resume
     fed = start(tmp_path / "fed", clients=2)  # (two nodes: a third would add processes, not a case)
     try:
         # two rounds: killed in round 1, resumed from round 0's checkpoint
-        cfg = config("ditto", eval={"every": 1}, data={"clients": 2}, train={"clients_per_round": 2})
+        cfg = config("ditto", eval={"every": 2}, data={"clients": 2}, train={"clients_per_round": 2})
         app = deploy(cfg, tmp_path / "a", fed)
         rid = fed.submit(app)
         kill_after_round_0(fed, rid, tmp_path / "a" / "run", kill=fed.kill_all)
