@@ -103,6 +103,18 @@ def _flat(stacked: dict, reference: dict) -> tuple[torch.Tensor, list]:
     return rows, keys
 
 
+def _clip(delta: torch.Tensor, norm: torch.Tensor, c: float) -> torch.Tensor:
+    """Each row of ``delta`` (its ``norm`` [n, 1]) scaled to norm at most ``c`` (a zero row stays zero)."""
+    return delta * torch.clamp(c / norm.clamp(min=1e-30), max=1.0)
+
+
+def _client_noise(seed: int, stream: int, round_idx: int, clients, like: torch.Tensor) -> torch.Tensor:
+    """Standard normal rows [len(clients), like's width], each seeded by (seed, stream, round, client): a client's
+    noise is its own, whoever else is in the cohort and on whichever pool or node it is drawn."""
+    return torch.stack([torch.as_tensor(rng(seed, stream, round_idx, int(c)).standard_normal(like.shape[1]),
+                                        dtype=like.dtype) for c in clients]).to(like.device)
+
+
 def _put(stacked: dict, reference: dict, keys: list, rows: torch.Tensor, delta: torch.Tensor) -> dict:
     """``stacked`` with the clients ``rows`` replaced by reference + their new flat ``delta`` (the other rows left
     bit for bit as they came)."""
@@ -131,9 +143,7 @@ def attack(cfg, stacked: dict, reference: dict, cohort: np.ndarray, round_idx: i
     elif a.kind == "sign_flip":
         d = -a.factor * d
     elif a.kind == "noise":
-        noise = [torch.as_tensor(rng(cfg.seed, ATTACK, round_idx, int(c)).standard_normal(delta.shape[1]),
-                                 dtype=delta.dtype) for c in cohort[bad]]
-        d = d + a.sigma * torch.stack(noise).to(delta.device)
+        d = d + a.sigma * _client_noise(cfg.seed, ATTACK, round_idx, cohort[bad], delta)
     else:  # free_rider: the broadcast model sent back
         d = torch.zeros_like(d)
     return _put(stacked, reference, keys, rows, d)
@@ -231,7 +241,7 @@ def private(cfg, stacked: dict, reference: dict, round_idx: int, clip: float | N
     delta, keys = _flat(stacked, reference)
     n = delta.shape[0]
     norm = delta.norm(dim=1, keepdim=True)
-    clipped = delta * torch.clamp(c / norm.clamp(min=1e-30), max=1.0)
+    clipped = _clip(delta, norm, c)
     sigma = p.noise if a is None or p.noise == 0 else (p.noise ** -2 - (2 * a.count_noise) ** -2) ** -0.5
     noise = torch.as_tensor(rng(cfg.seed, DP_NOISE, round_idx).standard_normal(delta.shape[1]), dtype=delta.dtype)
     row = clipped.mean(0) + (sigma * c / n) * noise.to(delta.device)
@@ -247,9 +257,8 @@ def local(cfg, uploads: dict, reference: dict, clients: np.ndarray, round_idx: i
     Gaussian noise of std sigma C added (seeded by round and client: the same on every pool and on its node)."""
     p = cfg.privacy
     delta, keys = _flat(uploads["model"], reference)
-    clipped = delta * torch.clamp(p.clip / delta.norm(dim=1, keepdim=True).clamp(min=1e-30), max=1.0)
-    noise = torch.stack([torch.as_tensor(rng(cfg.seed, DP_LOCAL, round_idx, int(c)).standard_normal(delta.shape[1]),
-                                         dtype=delta.dtype) for c in clients]).to(delta.device)
+    clipped = _clip(delta, delta.norm(dim=1, keepdim=True), p.clip)
+    noise = _client_noise(cfg.seed, DP_LOCAL, round_idx, clients, delta)
     rows = torch.arange(len(clients), device=delta.device)
     return {**uploads, "model": _put(uploads["model"], reference, keys, rows, clipped + p.noise * p.clip * noise)}
 
