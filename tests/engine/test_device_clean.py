@@ -14,6 +14,8 @@ detectors, the labels whose exemplars a client keeps)."""
 from __future__ import annotations
 
 import ast
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -182,6 +184,39 @@ def test_the_activations_of_the_clients_trained_at_once_are_part_of_the_memory_c
     with pytest.raises(ConfigError, match=r"activations per client and step; 10 client states, 128 clients trained "
                                           r"at once: engine.chunk_size"):
         check_training_memory(mlp, init, 10, 4096, 128, 1 << 20, torch.device("cpu"), one)
+
+
+def test_measured_activations_are_kept_in_the_cache_and_a_damaged_entry_is_measured_again(tmp_path, monkeypatch):
+    """A process that builds a run (each message of a deployed node is one) reads the measurement instead of
+    importing torch's compiler stack for it; an entry is keyed by the batch and the model, and garbage in it is
+    never believed."""
+    import subprocess
+    import sys
+
+    from fedmosaic.engine import preflight
+    from fedmosaic.models import build_model
+
+    monkeypatch.setenv("FEDMOSAIC_CACHE", str(tmp_path))
+    monkeypatch.setattr(preflight, "_ACTIVATIONS", {})
+    mlp = build_model("mlp", (1, 8, 8), 10, hidden=32)
+    one = preflight.activation_bytes(mlp, (1, 8, 8), 50)
+    (entry,) = (tmp_path / "activations").iterdir()
+    assert json.loads(entry.read_text())["bytes"] == one
+    assert preflight.activation_bytes(build_model("mlp", (1, 8, 8), 10, hidden=64), (1, 8, 8), 50) != one
+    assert preflight.activation_bytes(mlp, (1, 8, 8), 51) != one
+    assert len(list((tmp_path / "activations").iterdir())) == 3
+    script = ("import sys, torch; from fedmosaic.engine.preflight import activation_bytes; "
+              "from fedmosaic.models import build_model; "
+              "print(activation_bytes(build_model('mlp', (1, 8, 8), 10, hidden=32), (1, 8, 8), 50), "
+              "'torch._dynamo' in sys.modules)")
+    env = {**os.environ, "FEDMOSAIC_CACHE": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == [str(one), "False"], out.stderr
+    for garbage in ("not json", json.dumps({"key": "another", "bytes": 1}), json.dumps({"bytes": -5})):
+        entry.write_text(garbage)
+        monkeypatch.setattr(preflight, "_ACTIVATIONS", {})
+        assert preflight.activation_bytes(mlp, (1, 8, 8), 50) == one
+    assert json.loads(entry.read_text())["bytes"] == one  # measured again and rewritten
 
 
 def test_a_gpu_run_checks_the_host_memory_its_batch_plans_are_drawn_in(on_meta, monkeypatch):

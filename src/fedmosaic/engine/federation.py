@@ -470,11 +470,14 @@ class Federation:
                                       lambda z, logits: self.algo.eval_logits(z, logits, sent))
             out["global"] = ev.global_metrics(ok, ls, y, self.fd.num_classes)
         personal = ev_cfg.client_test and self.algo.personalized
+        plan = None if self.tasks is None else self._continual_plan(t)
         reply = self.pool.evaluate({
             "round": t, "payload": sent, "assignment": self._assign(self.everyone), "global": model,
             "global_clients": model is not None and ev_cfg.client_test, "global_val": model is not None,
             "personal": personal, "personal_val": personal, "cross": personal and ev_cfg.cross_clients,
-            "report": type(self.algo).client_report is not Algorithm.client_report})
+            "report": type(self.algo).client_report is not Algorithm.client_report,
+            # personal models judge their continual rows in the same message (one message round, not two)
+            **({} if plan is None or self.algo.global_model else {"continual": plan["request"]})})
         for key, split in (("global_clients", "test"), ("global_val", "val"), ("personal", "test"),
                            ("personal_val", "val")):
             if key in reply:
@@ -485,8 +488,8 @@ class Federation:
             if self.cfg.data.partition.get("scheme") in ("natural", "domains") and names \
                     and len(names) == self.num_clients:
                 out["cross"]["names"] = list(names)  # one client per group: name the rows by the domain
-        if self.tasks is not None:
-            out["continual"] = self._continual(t)
+        if plan is not None:
+            out["continual"] = self._continual(t, plan, reply.get("continual"))
         report = self.algo.report(self.server, reply["report"]["reports"] if "report" in reply else {})
         if report:
             out["report"] = report
@@ -495,7 +498,20 @@ class Federation:
             out["deploy_eval"] = notes["deploy"]
         return out
 
-    def _continual(self, t: int) -> dict:
+    def _continual_plan(self, t: int) -> dict:
+        """The samples each model judges in :meth:`_continual` after round ``t``, and the request of the personal
+        models' part (``continual``: rows by client, in (architecture, id) order)."""
+        stage = self.stage(t)
+        first = self.first_met(stage)
+        unseen = torch.as_tensor(first > stage, device=self.device)
+        order = np.concatenate([g.clients for g in self.groups])  # the personal models, (architecture, id) order
+        n = 1 if self.algo.global_model else len(order)
+        seen = np.flatnonzero(first[self.global_labels] <= stage)
+        rows = ev.deal(self.global_labels, self._test_ranks, seen, n, self.cfg.eval.continual_sample)
+        return {"stage": stage, "first": first, "unseen": unseen, "seen": seen, "rows": rows, "n": n,
+                "request": {"ids": torch.as_tensor(order), "rows": torch.as_tensor(rows), "unseen": unseen}}
+
+    def _continual(self, t: int, plan: dict | None = None, hits: torch.Tensor | None = None) -> dict:
         """Class-incremental accuracy after round ``t``: the model(s) clients predict with — the global one, or each
         client's own (then the mean over clients) — on the global test samples of every class met so far, choosing
         among those classes only (no task id). ``tasks[j]``: on the classes first met in stage j (the accuracy
@@ -506,29 +522,24 @@ class Federation:
         (``evaluate.deal``; recorded as ``sample``). Each class's accuracy over its judged samples then counts by
         the class's test size, as in the full evaluation, which it equals when every model judges every sample.
         A global model is judged here; personal models by their clients (``ClientRuntime.evaluate``), each on the
-        rows dealt to it."""
-        stage = self.stage(t)
-        first = self.first_met(stage)
-        x, y = self.global_test
+        rows dealt to it (``hits``: their answers to ``plan["request"]``, asked here when not given)."""
+        plan = plan or self._continual_plan(t)
+        stage, first, rows, seen, n = plan["stage"], plan["first"], plan["rows"], plan["seen"], plan["n"]
         labels, C = self.global_labels, self.fd.num_classes
-        unseen = torch.as_tensor(first > stage, device=self.device)
-        sent = self.algo.broadcast(self.server, t)
-        order = np.concatenate([g.clients for g in self.groups])  # the personal models, (architecture, id) order
-        n = 1 if self.algo.global_model else len(order)
-        seen = np.flatnonzero(first[labels] <= stage)
-        rows = ev.deal(labels, self._test_ranks, seen, n, self.cfg.eval.continual_sample)
         if self.algo.global_model:
-            g = self.groups[0]
+            x, y = self.global_test
+            sent, g = self.algo.broadcast(self.server, t), self.groups[0]
             g.module.eval()
             params, bufs = self._predictors(g, t, 1)
-            masked = lambda z, logits: self.algo.eval_logits(z, logits, sent).masked_fill(unseen, float("-inf"))
+            masked = lambda z, logits: self.algo.eval_logits(z, logits, sent).masked_fill(plan["unseen"],  # noqa
+                                                                                          float("-inf"))
             hits = ev.judged_correct(g.apply, {**params, **bufs}, x, y, torch.as_tensor(rows, device=self.device),
-                                     self.transform, g.trainer.vectorize, masked).cpu().numpy()
-        else:
-            hits = self.pool.evaluate({
-                "round": t, "payload": sent, "assignment": self._assign(self.everyone),
-                "continual": {"ids": torch.as_tensor(order), "rows": torch.as_tensor(rows),
-                              "unseen": unseen}})["continual"].cpu().numpy()
+                                     self.transform, g.trainer.vectorize, masked)
+        elif hits is None:
+            hits = self.pool.evaluate({"round": t, "payload": self.algo.broadcast(self.server, t),
+                                       "assignment": self._assign(self.everyone),
+                                       "continual": plan["request"]})["continual"]
+        hits = hits.cpu().numpy()
         acc = ev.judged_class_accuracy(rows, hits, labels, C)
         size = np.bincount(labels, minlength=C) * ~np.isnan(acc)  # classes by their test sizes (judged ones)
         acc = np.nan_to_num(acc)

@@ -166,10 +166,53 @@ def option_of(algo: Algorithm, value: int, otherwise: str) -> str:
     return " or ".join(names) or otherwise
 
 
+#: activation_bytes's answers of this process, by key (the check of the model and the group's module ask twice)
+_ACTIVATIONS: dict[str, int] = {}
+
+
 def activation_bytes(module: torch.nn.Module, input_shape: tuple, batch: int) -> int:
     """What autograd keeps for the backward pass of one client's local step on ``batch`` samples: every tensor the
     forward pass and the loss save, but the parameters themselves. Measured on the ``meta`` device (shapes only:
-    no memory touched, no arithmetic done), so a model's allowance costs nothing to know, on any machine."""
+    no memory touched, no arithmetic done), so a model's allowance costs nothing to know, on any machine.
+
+    The measurement's meta kernels import torch's compiler stack (~1.5 s of CPU), which every process that builds a
+    run would pay again — each message of a deployed node is one — so answers are kept under the cache folder
+    (``activations/``), keyed by everything they depend on: the torch version, the module's class, its printed
+    structure, its parameters' and buffers' names, shapes and dtypes, the input shape and the batch. An entry that
+    cannot be read is measured again."""
+    import hashlib
+    import json
+
+    from ..paths import default_cache_dir
+
+    tensors = [(k, tuple(v.shape), str(v.dtype)) for k, v in [*module.named_parameters(), *module.named_buffers()]]
+    key = hashlib.sha256(json.dumps([1, torch.__version__, type(module).__module__, type(module).__qualname__,
+                                     repr(module), tensors, list(input_shape), batch]).encode()).hexdigest()
+    if key in _ACTIVATIONS:
+        return _ACTIVATIONS[key]
+    path = default_cache_dir() / "activations" / f"{key[:32]}.json"
+    try:
+        entry = json.loads(path.read_text())
+        if entry["key"] == key and type(entry["bytes"]) is int and entry["bytes"] >= 0:
+            _ACTIVATIONS[key] = entry["bytes"]
+            return entry["bytes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # not measured yet, or a damaged entry: measure
+    saved = _measure_activations(module, input_shape, batch)
+    if saved is not None:
+        _ACTIVATIONS[key] = saved
+        try:
+            from ..files import atomic_write
+
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write(path, json.dumps({"key": key, "bytes": saved}).encode())
+        except OSError:
+            pass  # an unwritable cache must not stop a run
+    return saved or 0
+
+
+def _measure_activations(module: torch.nn.Module, input_shape: tuple, batch: int) -> int | None:
+    """:func:`activation_bytes` measured (None: not measurable)."""
     meta = torch.device("meta")
     params = {k: torch.empty_like(v, device=meta).requires_grad_(v.is_floating_point())
               for k, v in module.named_parameters()}
@@ -190,8 +233,8 @@ def activation_bytes(module: torch.nn.Module, input_shape: tuple, batch: int) ->
             torch.nn.functional.cross_entropy(out, torch.zeros(batch, dtype=torch.int64, device=meta))
     except Exception as e:  # a model that reads its data on the host (``.item()``), or a custom kernel: unknown
         warnings.warn(f"the activations of {module.__class__.__name__} cannot be measured without data "
-                      f"({type(e).__name__}: {str(e).strip()[:120]}); the memory check counts none", stacklevel=3)
-        return 0
+                      f"({type(e).__name__}: {str(e).strip()[:120]}); the memory check counts none", stacklevel=4)
+        return None
     return saved
 
 
