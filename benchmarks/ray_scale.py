@@ -14,7 +14,7 @@ Each configuration starts its own Ray runtime on this machine (``ray.init``: the
 processes of their own) and stops it afterwards. Timings include no Ray start-up (reported apart).
 
 Usage:  python benchmarks/ray_scale.py [--quick] [--only same|big] [--clients 100000] [--actors 2 4]
-                                       [--memory-mb 4096] [--json out.json]
+                                       [--memory-mb 4096] [--wire] [--json out.json]
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def same(quick: bool) -> list[dict]:
     return out
 
 
-def big(clients: int, actors: list[int], memory_mb: int, quick: bool) -> list[dict]:
+def big(clients: int, actors: list[int], memory_mb: int, quick: bool, wire: bool = False) -> list[dict]:
     rounds = 2 if quick else 3
     dataset, out = register("synthetic60-big", 10 * clients), []  # ~4 train and 4 test samples per client
     raw = config(dataset, clients, 100, rounds, "auto", "local", 1, memory_mb, client_test=0.5)
@@ -163,6 +163,15 @@ def big(clients: int, actors: list[int], memory_mb: int, quick: bool) -> list[di
               f"{row['evaluated_clients']:,} clients {res['eval_s']:.1f} s; peak RSS driver "
               f"{res['driver_peak_rss_mb']:,.0f} MiB, actors {[round(m) for m in res['actors_peak_rss_mb']]} MiB",
               flush=True)
+    if wire:  # one process, a runtime per client built while it has messages (pools.WirePool), states in files
+        res = timed_run(config(dataset, clients, 100, rounds, "auto", "wire", 1, memory_mb, client_test=0.5))
+        out.append({"part": "big", "pool": "wire", "clients": clients, "memory_mb": memory_mb, "rounds": rounds,
+                    **{k: v for k, v in res.items() if k != "records"},
+                    "personal_acc": res["records"][-1]["personal"]["acc"],
+                    "evaluated_clients": res["records"][-1]["personal"]["clients"]})
+        print(f"big   wire: start {res['start_s']:.1f} s, {rounds} rounds {res['rounds_s']:.1f} s, eval of "
+              f"{out[-1]['evaluated_clients']:,} clients {res['eval_s']:.1f} s; peak RSS "
+              f"{res['driver_peak_rss_mb']:,.0f} MiB", flush=True)
     return out
 
 
@@ -171,15 +180,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke test of the script")
     ap.add_argument("--only", choices=("same", "big"))
     ap.add_argument("--clients", type=int, default=100_000, help="(big) the population")
-    ap.add_argument("--actors", type=int, nargs="+", default=[2, 4], help="(big) the actor counts to run")
+    ap.add_argument("--actors", type=int, nargs="*", default=[2, 4], help="(big) the actor counts to run")
     ap.add_argument("--memory-mb", type=int, default=4096, help="(big) engine.memory_mb: each process's budget")
+    ap.add_argument("--wire", action="store_true", help="(big) also the wire pool in this process (a runtime per "
+                    "client, built while it has messages)")
     ap.add_argument("--json", help="write the rows there")
     args = ap.parse_args()
     rows = []
     if args.only in (None, "same"):
         rows += same(args.quick)
     if args.only in (None, "big"):
-        rows += big(args.clients, args.actors, args.memory_mb, args.quick)
+        rows += big(args.clients, args.actors, args.memory_mb, args.quick, args.wire)
     if args.json:
         meta = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
                 "python": sys.version.split()[0], "torch": torch.__version__,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -70,7 +71,7 @@ def parity(algo: dict, over: dict, backend: str, tol: float) -> None:
     cfg = config(algo, over, backend)
     fd = build(data_spec(cfg))
     local, wire = Federation(cfg, fd), Federation(cfg, fd, pool="wire")
-    assert len(wire.pool.runtimes) == fd.num_clients
+    assert len(wire.pool.hosted()) == fd.num_clients
     a, b = records(local, range(cfg.train.rounds)), records(wire, range(cfg.train.rounds))
     close([{k: v for k, v in r.items() if not k.startswith("time")} for r in a], b, tol)
     assert_trees_close(local.state_dict(), wire.state_dict(), exact=tol == 0, atol=tol, rtol=tol)
@@ -112,11 +113,37 @@ def test_runtimes_hosting_shards_of_clients_answer_as_one_runtime_hosting_all():
     fd = build(data_spec(cfg))
     local, sharded = Federation(cfg, fd), Federation(cfg, fd)
     sharded.pool = sharded._wire_pool([[2, 0, 1], [3, 5, 4]])
-    assert [sorted(rt.clients.tolist()) for rt in sharded.pool.runtimes] == [[0, 1, 2], [3, 4, 5]]
-    assert all(len(rt.groups) == 2 for rt in sharded.pool.runtimes)  # each shard holds both architectures
+    assert [sorted(h.clients.tolist()) for h in sharded.pool.hosted()] == [[0, 1, 2], [3, 4, 5]]
+    assert all(len(h.groups) == 2 for h in sharded.pool.hosted())  # each shard holds both architectures
     close([{k: v for k, v in r.items() if not k.startswith("time")} for r in records(local, range(3))],
           records(sharded, range(3), one_per_client=False), 0.0)
     assert_trees_close(local.state_dict(), sharded.state_dict(), exact=True)
+
+
+@pytest.mark.parametrize("algo, over", [PROTOCOL_CASES[3], PROTOCOL_CASES[8], PROTOCOL_CASES[12]],
+                         ids=["ditto", "ahf", "fedweit"])
+def test_a_wire_pool_holding_one_runtime_at_a_time_reaches_the_same_numbers(algo, over):
+    """Runtimes exist only while their clients have messages: with room for one, every message builds its
+    client's runtime from the state the previous one left in a file (personal models, a warm-up and an exchange,
+    task ends with exemplar memories) — and the run is the in-process one exactly; the files go with the pool."""
+    cfg = config(algo, over, "sequential")
+    fd = build(data_spec(cfg))
+    local, wire = Federation(cfg, fd), Federation(cfg, fd, pool="wire")
+    wire.pool.keep, most, built = 1, [0], wire.pool.make
+
+    def make(shard):
+        most[0] = max(most[0], len(wire.pool.built) + 1)
+        return built(shard)
+
+    wire.pool.make = make
+    a, b = records(local, range(cfg.train.rounds)), records(wire, range(cfg.train.rounds))
+    close([{k: v for k, v in r.items() if not k.startswith("time")} for r in a], b, 0.0)
+    assert_trees_close(local.state_dict(), wire.state_dict(), exact=True)
+    assert most[0] == 2 and len(wire.pool.built) == 1  # (the one being built, beside the one about to leave)
+    folder = Path(wire.pool._dir.name)
+    assert len(list(folder.glob("shard_*.fmsg"))) == fd.num_clients  # (every client's state left once at least)
+    wire.pool.close()
+    assert not folder.exists()
 
 
 def test_each_metric_says_where_it_is_computed():

@@ -4,6 +4,8 @@ its own seed stream, so every driver that builds a run (in one process or on sev
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import numpy as np
 import torch
 
@@ -77,6 +79,20 @@ def check_models_fit(cfg: RunConfig, shape: tuple, C: int, memory: int | None, d
                    "samples, one client at a time; model.options, train.batch_size)")
 
 
+@lru_cache(maxsize=8)
+def round_robin(shares: tuple[float, ...], num_clients: int) -> np.ndarray:
+    """Per client its architecture, round-robin by share: client k gets the one whose quota is most behind (a
+    Python loop over the clients, computed once per process: every runtime a wire pool builds asks again)."""
+    owner = np.zeros(num_clients, dtype=np.int64)
+    if len(shares) > 1:
+        quota, given = np.array(shares) / sum(shares), np.zeros(len(shares))
+        for k in range(num_clients):
+            owner[k] = int(np.argmax(quota * (k + 1) - given))
+            given[owner[k]] += 1
+    owner.flags.writeable = False
+    return owner
+
+
 def build_groups(cfg: RunConfig, shape: tuple, C: int, num_clients: int, memory: int | None,
                  dev: torch.device) -> list[Group]:
     """One :class:`Group` per architecture (``model``, or ``model.heterogeneous`` with its shares or ``assign``),
@@ -85,13 +101,7 @@ def build_groups(cfg: RunConfig, shape: tuple, C: int, num_clients: int, memory:
     archs = m.heterogeneous or []
     gen = torch.Generator().manual_seed(int(rng(cfg.seed, INIT).integers(2**62)))
     specs = [(a.name, a.options, a.share) for a in archs] or [(m.name, m.options, 1.0)]
-    shares = np.array([s for *_, s in specs], dtype=float)
-    # round-robin by share: client k gets the architecture whose quota is most behind
-    owner = np.zeros(num_clients, dtype=np.int64)
-    given = np.zeros(len(specs))
-    for k in range(num_clients):
-        owner[k] = int(np.argmax(shares / shares.sum() * (k + 1) - given))
-        given[owner[k]] += 1
+    owner = round_robin(tuple(float(s) for *_, s in specs), num_clients)
     if m.assign is not None:  # an explicit architecture per client
         if len(m.assign) != num_clients:
             raise ConfigError(f"model.assign: one architecture index per client, {num_clients} clients "

@@ -203,8 +203,17 @@ class Federation:
 
     def _wire_pool(self, shards: list | None = None) -> WirePool:
         """One runtime per client (or per shard of client ids): :meth:`client_runtime`."""
-        shards = shards if shards is not None else [[k] for k in range(self.num_clients)]
-        return WirePool([self.client_runtime(shard) for shard in shards], self.algo, self.device)
+        shards = [np.sort(np.asarray(s, dtype=np.int64)) for s in
+                  (shards if shards is not None else [[k] for k in range(self.num_clients)])]
+        hosted = [Hosted(tuple((g.gid, mine) for g in self.groups if len(mine := self._of_group(g, ids))),
+                         self.exemplars is not None) for ids in shards]
+        # built at once: the runtimes of a round's cohort (each of its messages reaches them all)
+        return WirePool(self.client_runtime, shards, hosted, self.algo, self.device, self.cfg.train.clients_per_round)
+
+    def _of_group(self, g: Group, ids: np.ndarray) -> np.ndarray:
+        """The clients of ``g`` among the sorted ``ids`` (without sorting the group's clients again: a wire pool of
+        10,000 clients asks once per client)."""
+        return ids[self.runtime.group_of[ids] == g.gid]
 
     def client_runtime(self, shard) -> ClientRuntime:
         """A runtime of the clients ``shard``, built as a device would build it: its own modules (from the run's
@@ -215,7 +224,7 @@ class Federation:
         fresh = build_groups(cfg, shape, C, self.num_clients, self.memory, dev)
         groups = []
         for g, full in zip(fresh, self.groups, strict=True):
-            mine = np.intersect1d(full.clients, ids)
+            mine = self._of_group(full, ids)
             if not len(mine):
                 continue
             mine = Group(g.gid, g.module, mine)

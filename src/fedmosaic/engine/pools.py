@@ -14,9 +14,14 @@ client id), so the server's arithmetic is the same whichever pool served it.
 
 from __future__ import annotations
 
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
 import numpy as np
 import torch
 
+from ..files import atomic_write
 from ..protocol import codec
 from ..protocol.algorithm import Algorithm
 from ..protocol.tree import nbytes, take, tmap, to
@@ -91,28 +96,43 @@ def sub_request(request: dict, assignment: dict, clients: np.ndarray) -> dict:
     return sub
 
 
-def merge_evaluations(request: dict, replies: list[tuple[dict, dict]]) -> dict:
-    """One EvalReply to ``request`` from (reply, the sub-request it answers) of several runtimes: per-client counts
-    added up (each runtime has zeros for the clients it does not host), continual hits back in the request's order
-    of clients, the reports in client order."""
-    out: dict = {}
-    hits, at = [], []
-    order = {} if request.get("continual") is None else {
-        int(k): i for i, k in enumerate(ids_of(request["continual"]))}
-    for reply, sub in replies:
+class EvalMerge:
+    """One EvalReply to ``request`` from the replies of several runtimes, added reply by reply (:meth:`add`: a
+    reply and the sub-request it answers; a pool of 10,000 runtimes holds one sum, not 10,000 replies): per-client
+    counts added up (each runtime has zeros for the clients it does not host), continual hits back in the
+    request's order of clients, the reports in client order (:meth:`result`)."""
+
+    def __init__(self, request: dict):
+        self.out: dict = {}
+        self.hits, self.at, self.reports = [], [], []
+        self.order = {} if request.get("continual") is None else {
+            int(k): i for i, k in enumerate(ids_of(request["continual"]))}
+
+    def add(self, reply: dict, sub: dict) -> None:
         for k, v in reply.items():
             if k == "continual":
-                hits.append(v)
-                at.append([order[int(c)] for c in ids_of(sub["continual"])])
+                self.hits.append(v)
+                self.at.append([self.order[int(c)] for c in ids_of(sub["continual"])])
             elif k == "report":
-                out.setdefault(k, []).append(v)
+                self.reports.append(v)
             else:
-                out[k] = tmap(torch.add, out[k], v) if k in out else v
-    if hits:
-        out["continual"] = torch.cat(hits)[torch.as_tensor(np.argsort(np.concatenate(at), kind="stable"))]
-    if "report" in out:
-        (out["report"],) = order_parts(out["report"])
-    return out
+                self.out[k] = tmap(torch.add, self.out[k], v) if k in self.out else v
+
+    def result(self) -> dict:
+        out = dict(self.out)
+        if self.hits:
+            out["continual"] = torch.cat(self.hits)[torch.as_tensor(np.argsort(np.concatenate(self.at), kind="stable"))]
+        if self.reports:
+            (out["report"],) = order_parts(self.reports)
+        return out
+
+
+def merge_evaluations(request: dict, replies: list[tuple[dict, dict]]) -> dict:
+    """:class:`EvalMerge` of (reply, the sub-request it answers) pairs."""
+    merged = EvalMerge(request)
+    for reply, sub in replies:
+        merged.add(reply, sub)
+    return merged.result()
 
 
 class InProcessPool:
@@ -164,13 +184,55 @@ class WirePool:
     the codec (``protocol.codec``). A round's messages are those :func:`traffic` counts — to each client the
     header, the packed broadcast and its assignment; from each its packed upload (and its logits) — and
     ``traffic[action]`` adds up the bytes each action sent down and up. (The K x K cross matrix needs every
-    client's test split in one place: a simulation-only measurement, refused before a wire pool is built.)"""
+    client's test split in one place: a simulation-only measurement, refused before a wire pool is built.)
 
-    def __init__(self, runtimes: list[ClientRuntime], algo, device: torch.device):
-        self.runtimes, self.algo, self.device = runtimes, algo, device
+    A runtime exists only while its clients have messages, as on a deployed node: ``make(shard)`` builds it when a
+    message reaches one of its clients, and at most ``keep`` stay built; the one used least recently then leaves,
+    its state (``ClientRuntime.state``, codec bytes) kept in a file of a temporary folder — as a node keeps it — and
+    loaded into the runtime built for its clients' next message. So a run of 10,000 clients starts at once and
+    holds the runtimes of the clients it serves, not one per client."""
+
+    def __init__(self, make, shards: list[np.ndarray], hosted: list, algo, device: torch.device, keep: int):
+        self.make, self.shards, self._hosted = make, shards, hosted
+        self.algo, self.device, self.keep = algo, device, max(1, keep)
+        self.built: OrderedDict[int, ClientRuntime] = OrderedDict()
         self.traffic: dict[str, list[int]] = {}
+        self._owner = np.full(max((int(h.clients.max()) + 1 for h in hosted if len(h.clients)), default=0), -1,
+                              dtype=np.int64)
+        for i, h in enumerate(hosted):
+            self._owner[h.clients] = i  # per client id the shard hosting it
+        self._left: set[int] = set()  # the shards whose state is in a file
+        self._dir: tempfile.TemporaryDirectory | None = None
 
-    notes, meta, hosted, close = InProcessPool.notes, InProcessPool.meta, InProcessPool.hosted, InProcessPool.close
+    notes, meta = InProcessPool.notes, InProcessPool.meta
+
+    def hosted(self) -> list:
+        return list(self._hosted)
+
+    def runtime(self, i: int) -> ClientRuntime:
+        """Shard ``i``'s runtime, built (with its state, if it left) when it is not."""
+        rt = self.built.pop(i, None)
+        if rt is None:
+            rt = self.make(self.shards[i])
+            if i in self._left:
+                rt.load(to(codec.decode(self._file(i).read_bytes(), "store")[1], rt.device))
+        self.built[i] = rt
+        while len(self.built) > self.keep:
+            j, old = self.built.popitem(last=False)
+            if self._dir is None:
+                self._dir = tempfile.TemporaryDirectory(prefix="fedmosaic-wire-")
+            atomic_write(self._file(j), codec.encode("store", old.state()))
+            self._left.add(j)
+        return rt
+
+    def _file(self, i: int) -> Path:
+        return Path(self._dir.name) / f"shard_{i}.fmsg"
+
+    def close(self) -> None:
+        self.built.clear()
+        if self._dir is not None:
+            self._dir.cleanup()
+            self._dir, self._left = None, set()
 
     def _wire(self, action: str, up: bool, kind: str, body, device: torch.device):
         data = codec.encode(kind, body)
@@ -189,10 +251,12 @@ class WirePool:
         return None if reply is None else self._wire(action, True, "reply", reply, self.device)
 
     def _each(self, assignment: dict):
-        for rt in self.runtimes:
-            mine = rows_of(assignment, rt.clients)
-            if mine is not None:
-                yield rt, mine
+        """(runtime, its rows of ``assignment``) of every shard with a client in it, in shard order."""
+        owners = self._owner[ids_of(assignment)]
+        order = np.argsort(owners, kind="stable")  # the rows of each shard together, in their order
+        shards, first = np.unique(owners[order], return_index=True)
+        for i, rows in zip(shards, np.split(order, first[1:]), strict=True):
+            yield self.runtime(int(i)), take(assignment, torch.as_tensor(rows, device=assignment["ids"].device))
 
     def _pack(self, broadcast: dict) -> dict:
         return {**broadcast, "payload": self.algo.pack_broadcast(broadcast["payload"])}
@@ -232,12 +296,15 @@ class WirePool:
             self._call(rt, "end_task", header, payload, mine, model)
 
     def evaluate(self, request: dict) -> dict:
-        asked = [(sub_request(request, mine, rt.clients), rt) for rt, mine in self._each(request["assignment"])]
-        return merge_evaluations(request, [(self._call(rt, "evaluate", sub), sub) for sub, rt in asked])
+        merged = EvalMerge(request)
+        for rt, mine in self._each(request["assignment"]):  # (one runtime after the other: at most keep built)
+            sub = sub_request(request, mine, rt.clients)
+            merged.add(self._call(rt, "evaluate", sub), sub)
+        return merged.result()
 
     def state(self) -> list[dict]:
-        return [self._call(rt, "state") for rt in self.runtimes]
+        return [self._call(self.runtime(i), "state") for i in range(len(self.shards))]
 
     def load(self, parts: list[dict]) -> None:
-        for rt, part in zip(self.runtimes, parts, strict=True):
-            self._call(rt, "load", part)
+        for i, part in zip(range(len(self.shards)), parts, strict=True):
+            self._call(self.runtime(i), "load", part)
