@@ -37,6 +37,12 @@ NEW = [
     {"name": "fedala"},
     {"name": "fedpac"},
     {"name": "fedkd", "mentor": "mlp", "mentor_options": {"hidden": 16}},
+    {"name": "fedper"},
+    {"name": "fedrep", "head_epochs": 2},
+    {"name": "lg_fedavg"},
+    {"name": "fedbabu", "ft_epochs": 1},
+    {"name": "feddyn", "alpha": 0.1},
+    {"name": "fedrod"},
 ]
 
 

@@ -13,6 +13,7 @@ from . import (  # noqa: F401  (registration)
     fedavgm,
     fedcurv,
     feddf,
+    feddyn,
     fedewc,
     fedkd,
     fedlwf,
@@ -24,6 +25,7 @@ from . import (  # noqa: F401  (registration)
     fedproto,
     fedprox,
     fedrecon,
+    fedrod,
     fedsi,
     fedweit,
     glfc,
@@ -35,6 +37,7 @@ from . import (  # noqa: F401  (registration)
     protofcl,
     rhfl,
     scaffold,
+    split,
 )
 
 __all__ = ["ALGORITHMS", "AlgoConfig", "Algorithm", "register_algorithm"]

@@ -255,9 +255,10 @@ class ClientRuntime:
         """Every client's personal model in group ``g`` (stacked): fine-tuned from ``local_init`` when the
         algorithm fine-tunes before evaluation, else ``personal_params`` of its state and what it was sent."""
         phases, own = self.algo.finetune(), self.own(assignment, g.clients)
-        if phases is not None:
-            return g.trainer.adapt(self.split["train"], g.clients, payload, own, g.store, g.buffers, program=phases,
-                                   lr=self.cfg.train.optimizer.lr_at(t), seed=self.cfg.seed, round_idx=t)["model"]
+        if phases is not None:  # the fine-tuned "model" slot, or the slots' union (a model cut in parts: FedBABU)
+            out = g.trainer.adapt(self.split["train"], g.clients, payload, own, g.store, g.buffers, program=phases,
+                                  lr=self.cfg.train.optimizer.lr_at(t), seed=self.cfg.seed, round_idx=t)
+            return out["model"] if "model" in out else {k: v for tree in out.values() for k, v in tree.items()}
         return for_each_client(lambda s, o: self.algo.personal_params(s, {**payload, "own": o}), (0, 0),
                                g.trainer.vectorize)(g.store, own)
 

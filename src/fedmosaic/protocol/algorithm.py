@@ -153,7 +153,8 @@ class Algorithm:
 
     def finetune(self) -> list[Phase] | None:
         """Phases each client runs from ``local_init`` before its personal model is evaluated (nothing uploaded,
-        nothing kept): Per-FedAvg's adaptation step, FedAvg + fine-tuning. None: no fine-tuning."""
+        nothing kept): Per-FedAvg's adaptation step, FedAvg + fine-tuning. The personal model is then the ``model``
+        slot, or without one the union of the slots (FedBABU's body and head). None: no fine-tuning."""
         return None
 
     # ---- client side (one client; vmapped) ----------------------------------------------------------

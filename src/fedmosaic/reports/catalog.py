@@ -53,7 +53,9 @@ def algorithms() -> list[str]:
         algo = ALGORITHMS[name]
         # an algorithm's own docstring, else its module's (one module per algorithm, as a rule)
         doc = _summary(algo) if algo.__doc__ else _summary(inspect.getmodule(algo))
-        kind = "global model" if algo.global_model else "no global model (architectures may differ)"
+        kind = ("global model" if algo.global_model else
+                "no global model (part of the weights averaged: one architecture)" if algo.shares_weights else
+                "no global model (architectures may differ)")
         kind += ", personalized" if algo.personalized else ""
         out.append(f"{name:10s} {kind}. {doc}")
         out += [f"    {line}" for line in field_lines(algo.Config)] or ["    (no hyper-parameters)"]

@@ -1,0 +1,162 @@
+"""The personalization baselines every peer library ships (issue 40): FedPer, FedRep, LG-FedAvg, FedBABU, FedDyn,
+APFL (Deng et al.), FedRoD — each on identical tensors against its authors' rule, with its reduction where one
+exists."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from fedtest import BLOBS6, assert_trees_close, blobs6_partition, train, with_overrides
+
+from fedmosaic.engine.federation import Federation
+from fedmosaic.protocol.tree import tmap
+
+
+def make_cfg(**over):
+    return with_overrides(copy.deepcopy(BLOBS6), **over)
+
+
+@pytest.fixture(scope="module")
+def fd(blob_data):
+    return blobs6_partition(blob_data)
+
+
+def parts(fed: Federation, tree: dict) -> tuple[dict, dict]:
+    head = set(fed.algo.setting.head_keys)
+    return {k: v for k, v in tree.items() if k not in head}, {k: v for k, v in tree.items() if k in head}
+
+
+def client_state(fed: Federation, k: int) -> dict:
+    g = fed.groups[0]
+    return tmap(lambda t: t[int(fed.row_of[k])], g.store)
+
+
+# ---- FedPer, FedRep, LG-FedAvg ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name, shared", [("fedper", "body"), ("lg_fedavg", "head")])
+def test_a_split_model_federates_one_part_and_its_first_round_is_fedavgs(fd, name, shared):
+    """Every client starts from the same model, so round 0 trains as FedAvg does: the server's part is FedAvg's
+    average of it; each client keeps its other part as it trained it, and its model is the two together."""
+    avg = train(make_cfg(algorithm={"name": "fedavg"}, train={"clients_per_round": 6}), fd, rounds=1)
+    fed = train(make_cfg(algorithm={"name": name}, train={"clients_per_round": 6}), fd, rounds=1)
+    body, head = parts(fed, avg.server["model"])
+    assert_trees_close(fed.server["shared"], body if shared == "body" else head, atol=1e-6, rtol=1e-5)
+    own = [client_state(fed, k)["own"] for k in range(6)]
+    assert set(own[0]) == set(head if shared == "body" else body)
+    assert not torch.equal(*(next(iter(o.values())) for o in own[:2]))  # each client its own part
+    payload = fed.algo.broadcast(fed.server, 1)
+    assert_trees_close(fed.algo.personal_params({"own": own[3]}, payload), {**fed.server["shared"], **own[3]},
+                       exact=True)
+    assert "global" not in fed.evaluate(0) and fed.evaluate(0)["personal"]["acc"] > 0
+
+
+def test_fedrep_trains_the_head_first_then_the_body_and_without_head_epochs_keeps_the_initial_head(fd):
+    fed = Federation(make_cfg(algorithm={"name": "fedrep", "head_epochs": 2}), fd)
+    init_body, init_head = parts(fed, fed.groups[0].init)
+    phases = fed.algo.program(0)
+    assert [p.updates[0].slots for p in phases] == [("head",), ("body",)] and phases[0].epochs == 2
+    assert phases[1].epochs is None  # the body: train.local_epochs
+    fed.round(0)
+    trained = [k for k in range(6) if not torch.equal(client_state(fed, k)["own"]["fc.weight"],
+                                                      init_head["fc.weight"])]
+    assert trained  # the cohort's heads moved
+    frozen = train(make_cfg(algorithm={"name": "fedrep", "head_epochs": 0}), fd, rounds=2)
+    for k in range(6):
+        assert_trees_close(client_state(frozen, k)["own"], init_head, exact=True)
+    assert not torch.equal(frozen.server["shared"]["body.0.weight"], init_body["body.0.weight"])
+
+
+# ---- FedBABU ------------------------------------------------------------------------------------------------
+def test_fedbabu_never_updates_the_head_averages_the_body_and_fine_tunes_the_whole_model(fd):
+    fed = train(make_cfg(algorithm={"name": "fedbabu"}), fd, rounds=2)
+    init_body, init_head = parts(fed, fed.groups[0].init)
+    body, head = parts(fed, fed.server["model"])
+    assert_trees_close(head, init_head, exact=True)  # the authors' head learning rate 0
+    assert not torch.equal(body["body.0.weight"], init_body["body.0.weight"])
+    # the body trains as FedRep's does without its head phase: both train the body under the initial head
+    rep = train(make_cfg(algorithm={"name": "fedrep", "head_epochs": 0}), fd, rounds=2)
+    assert_trees_close(rep.server["shared"], body, atol=1e-6, rtol=1e-5)
+    (ft,) = fed.algo.finetune()
+    assert ft.epochs == 5 and ft.updates[0].lr == 1e-3 and ft.updates[0].slots is None  # body and head
+    g = fed.groups[0]
+    mine = fed.runtime.personal(g, 1, fed.algo.broadcast(fed.server, 1), fed._assign(g.clients))
+    assert set(mine) == set(fed.server["model"])
+    assert not torch.equal(mine["fc.weight"][0], init_head["fc.weight"])  # fine-tuned: the head moved too
+
+
+# ---- FedDyn ------------------------------------------------------------------------------------------------
+def test_feddyn_without_its_regulariser_is_fedavg_exactly(fd):
+    a = train(make_cfg(algorithm={"name": "fedavg"}), fd)
+    b = train(make_cfg(algorithm={"name": "feddyn", "alpha": 0.0}), fd)
+    assert_trees_close(a.server["model"], b.server["model"], exact=True)
+
+
+def test_feddyn_client_and_server_follow_the_papers_algorithm(fd):
+    from fedmosaic.protocol.context import LocalContext
+    from fedmosaic.protocol.program import Signals
+
+    fed = Federation(make_cfg(algorithm={"name": "feddyn", "alpha": 0.5}), fd)
+    algo, a, N = fed.algo, 0.5, 6
+    theta0 = fed.server["model"]
+    gen = torch.Generator().manual_seed(0)
+    noise = lambda t: torch.randn(t.shape, generator=gen)  # noqa: E731
+    thetas = [tmap(lambda t: t + noise(t), theta0) for _ in range(2)]
+    # the client: its objective's value and its state update
+    g = tmap(noise, theta0)
+    logits, y = torch.tensor([[1.0, -1.0, 0.5, 0.0, 0.2]]), torch.tensor([2])
+    ctx = LocalContext(lambda p, x, slot=None: (None, logits), {"model": thetas[0]}, {"g": g}, {"global": theta0},
+                       torch.zeros(1, 1), y, torch.ones(1))
+    want = (torch.nn.functional.cross_entropy(logits, y) - sum((g[k] * thetas[0][k]).sum() for k in g)
+            + a / 2 * sum(((thetas[0][k] - theta0[k]) ** 2).sum() for k in g))
+    torch.testing.assert_close(algo.loss(ctx), want)
+    up, state = algo.finish({"model": thetas[0]}, {"g": g}, {"global": theta0}, {})
+    assert_trees_close(state["g"], {k: g[k] - a * (thetas[0][k] - theta0[k]) for k in g}, exact=True)
+    # the server: h over every client (N), the model the weighted cohort mean minus h / alpha
+    stacked = tmap(lambda *t: torch.stack(t), *thetas)
+    w = torch.tensor([3.0, 1.0])
+    new = algo.aggregate(fed.server, {"model": stacked}, w, 0, Signals(torch.tensor([0, 1]), w, w, 0.1))
+    h = {k: -a / N * ((thetas[0][k] - theta0[k]) + (thetas[1][k] - theta0[k])) for k in theta0}
+    assert_trees_close(new["h"], h, atol=1e-6)
+    assert_trees_close(new["model"], {k: (3 * thetas[0][k] + thetas[1][k]) / 4 - h[k] / a for k in theta0},
+                       atol=1e-5)
+
+
+# ---- FedRoD ------------------------------------------------------------------------------------------------
+def test_fedrod_balanced_generic_loss_and_detached_personal_head_on_a_hand_example(fd):
+    from fedmosaic.protocol.context import LocalContext
+
+    fed = Federation(make_cfg(algorithm={"name": "fedrod"}), fd)
+    algo = fed.algo
+    d, C = 8, algo.num_classes
+    z = torch.randn(3, d, requires_grad=True)
+    zg = torch.randn(3, C, requires_grad=True)
+    phead = {"fc.weight": torch.randn(C, d, requires_grad=True), "fc.bias": torch.randn(C, requires_grad=True)}
+    y = torch.tensor([0, 2, 2])
+    n = torch.tensor([1.0, 0.0, 4.0, 2.0, 3.0][:C])
+    ctx = LocalContext(lambda p, x, slot=None: (z, zg), {"model": {}, "phead": phead}, {},
+                       {"own": {"received": {"counts": {"n": n}}}}, torch.zeros(3, 1), y, torch.ones(3))
+    loss = algo.loss(ctx)
+    log_n = torch.log(n)  # log 0 = -inf: class 1 is never this client's label
+    bsm = torch.nn.functional.cross_entropy(zg + log_n, y)
+    zp = z @ phead["fc.weight"].T + phead["fc.bias"]
+    personal = torch.nn.functional.cross_entropy(zg + zp, y)
+    torch.testing.assert_close(loss, bsm + personal)
+    loss.backward()
+    zg_only = torch.autograd.grad(bsm, zg)[0]  # the personal term reaches neither the features nor z_g
+    torch.testing.assert_close(zg.grad, zg_only)
+    assert z.grad is None  # (the features reach the loss only detached)
+    assert phead["fc.weight"].grad.abs().sum() > 0
+
+
+def test_fedrod_personal_model_predicts_with_the_sum_of_both_heads(fd):
+    fed = train(make_cfg(algorithm={"name": "fedrod"}), fd, rounds=2)
+    g, algo = fed.groups[0], fed.algo
+    state = client_state(fed, 1)
+    payload = algo.broadcast(fed.server, 2)
+    x = fed.split["test"].x[:5]
+    z, zg = g.apply(fed.server["model"], x)
+    zp = z @ state["phead"]["fc.weight"].T + state["phead"]["fc.bias"]
+    _, personal = g.apply(algo.personal_params(state, payload), x)
+    torch.testing.assert_close(personal, zg + zp, atol=1e-5, rtol=1e-5)
+    assert not torch.equal(state["phead"]["fc.weight"], parts(fed, g.init)[1]["fc.weight"])
