@@ -43,6 +43,7 @@ NEW = [
     {"name": "fedbabu", "ft_epochs": 1},
     {"name": "feddyn", "alpha": 0.1},
     {"name": "fedrod"},
+    {"name": "apfl", "alpha": 0.4},
 ]
 
 

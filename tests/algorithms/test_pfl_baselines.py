@@ -160,3 +160,29 @@ def test_fedrod_personal_model_predicts_with_the_sum_of_both_heads(fd):
     _, personal = g.apply(algo.personal_params(state, payload), x)
     torch.testing.assert_close(personal, zg + zp, atol=1e-5, rtol=1e-5)
     assert not torch.equal(state["phead"]["fc.weight"], parts(fed, g.init)[1]["fc.weight"])
+
+
+# ---- APFL (Deng et al.) ------------------------------------------------------------------------------------
+def test_apfl_at_alpha_0_is_fedavg_and_at_alpha_1_its_personal_models_are_local(fd):
+    avg = train(make_cfg(algorithm={"name": "fedavg"}), fd)
+    zero = train(make_cfg(algorithm={"name": "apfl", "alpha": 0.0}), fd)
+    assert_trees_close(zero.server["model"], avg.server["model"], exact=True)  # w steps first, on its own loss
+    local = train(make_cfg(algorithm={"name": "local"}), fd)
+    one = train(make_cfg(algorithm={"name": "apfl", "alpha": 1.0}), fd)
+    assert_trees_close(one.groups[0].store["personal"], local.groups[0].store["model"], exact=True)
+    assert zero.evaluate(2)["personal"]["acc"] == zero.evaluate(2)["global_clients"]["acc"]  # w(x) alone
+    assert one.evaluate(2)["personal"]["acc"] == local.evaluate(2)["personal"]["acc"]  # v(x) alone
+
+
+def test_apfl_mixes_outputs_not_parameters_on_a_hand_example(fd):
+    fed = train(make_cfg(algorithm={"name": "apfl", "alpha": 0.3}), fd, rounds=2)
+    g, algo = fed.groups[0], fed.algo
+    state = client_state(fed, 2)
+    x = fed.split["test"].x[:4]
+    _, lv = g.apply(state["personal"], x)
+    _, lw = g.apply(fed.server["model"], x)
+    _, mixed = algo.personal_forward(g.apply, algo.personal_params(state, algo.broadcast(fed.server, 2)), x)
+    torch.testing.assert_close(mixed, 0.3 * lv + 0.7 * lw)
+    _, of_mixed_weights = g.apply({k: 0.3 * state["personal"][k] + 0.7 * fed.server["model"][k]
+                                   for k in state["personal"]}, x)
+    assert not torch.allclose(mixed, of_mixed_weights)  # (the MLP is not linear)

@@ -3,6 +3,7 @@
 from ..protocol.algorithm import ALGORITHMS, AlgoConfig, Algorithm, register_algorithm
 from . import (  # noqa: F401  (registration)
     ahf,
+    apfl,
     apfl_pd,
     central,
     cfed,

@@ -289,7 +289,7 @@ class ClientRuntime:
             correct = {k: np.zeros(K) for k in splits}
             for g in self.groups:
                 mine = {**self.personal(g, t, payload, assignment), **g.buffers}
-                apply = partial(g.apply, slot=self.algo.personal_slot)
+                apply = partial(self.algo.personal_forward, partial(g.apply, slot=self.algo.personal_slot))
                 if cross is not None:
                     cross[g.clients] = ev.cross_correct(apply, mine, test.x, test.y, test.ptr, self.transform,
                                                         logits_fn, g.trainer.vectorize)
@@ -327,8 +327,8 @@ class ClientRuntime:
             params, bufs = self.predictors(g, t, payload, assignment, None)
             mine = torch.as_tensor(rows[lo : lo + k], device=self.device)
             lo += k
-            hits.append(ev.judged_correct(g.apply, {**params, **bufs}, x, y, mine, self.transform,
-                                          g.trainer.vectorize, masked).cpu().numpy())
+            hits.append(ev.judged_correct(partial(self.algo.personal_forward, g.apply), {**params, **bufs}, x, y,
+                                          mine, self.transform, g.trainer.vectorize, masked).cpu().numpy())
         return np.concatenate(hits)
 
     # ---- store --------------------------------------------------------------------------------------

@@ -228,6 +228,12 @@ class Algorithm:
         ``finetune``."""
         return None
 
+    def personal_forward(self, apply, params: dict, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(features, logits) of a client's personal model on ``x``: ``params`` is :meth:`personal_params` (with
+        the model's buffers), ``apply(tree, x)`` runs the architecture. Default: the tree is the model; APFL
+        mixes the outputs of two."""
+        return apply(params, x)
+
     def client_report(self, state: dict) -> dict:
         """Tensors a client reports of its state with every evaluation (one client; vmapped), for :meth:`report`."""
         return {}
@@ -249,7 +255,7 @@ ALGORITHMS: dict[str, type[Algorithm]] = {}
 #: hooks that run where a client's data is: they see what it was sent (the broadcast, its assignment), never the
 #: server's state, so the same algorithm runs with the server in another process or on another machine
 CLIENT_HOOKS = ("init_client", "after_warmup", "local_init", "program", "probes", "accumulate", "finish",
-                "end_task", "personal_params", "client_report", "eval_logits")
+                "end_task", "personal_params", "personal_forward", "client_report", "eval_logits")
 
 
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
