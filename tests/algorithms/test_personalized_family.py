@@ -44,6 +44,7 @@ NEW = [
     {"name": "feddyn", "alpha": 0.1},
     {"name": "fedrod"},
     {"name": "apfl", "alpha": 0.4},
+    {"name": "fedbn"},
 ]
 
 

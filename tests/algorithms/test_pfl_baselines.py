@@ -186,3 +186,31 @@ def test_apfl_mixes_outputs_not_parameters_on_a_hand_example(fd):
     _, of_mixed_weights = g.apply({k: 0.3 * state["personal"][k] + 0.7 * fed.server["model"][k]
                                    for k in state["personal"]}, x)
     assert not torch.allclose(mixed, of_mixed_weights)  # (the MLP is not linear)
+
+
+# ---- FedBN -------------------------------------------------------------------------------------------------
+def test_fedbn_on_a_model_without_batchnorm_is_fedavg_exactly(fd):
+    avg = train(make_cfg(algorithm={"name": "fedavg"}), fd)
+    bn = train(make_cfg(algorithm={"name": "fedbn"}), fd)
+    assert bn.algo.setting.norm_keys == ()
+    assert_trees_close(bn.server["shared"], avg.server["model"], exact=True)
+
+
+def test_fedbn_keeps_each_clients_batchnorm_weights_and_statistics_and_averages_the_rest(fd):
+    cfg = make_cfg(algorithm={"name": "fedbn"}, model={"name": "resnet10", "options": {"norm": "batch", "width": 0.125}},
+                   train={"clients_per_round": 6}, engine={"backend": "sequential"})
+    fed = Federation(cfg, fd)
+    g, keys = fed.groups[0], set(fed.algo.setting.norm_keys)
+    modules = dict(g.module.named_modules())
+    assert keys and all(isinstance(modules[k.rsplit(".", 1)[0]], torch.nn.BatchNorm2d) for k in keys)
+    assert any("bn" not in k for k in keys)  # a shortcut's BatchNorm: found by its type (the authors' name rule misses it)
+    init = g.init
+    fed.round(0)
+    uploads_like = {k for k in fed.server["shared"]}
+    assert uploads_like == set(init) - keys  # no BatchNorm parameter reaches the server
+    a, b = client_state(fed, 0)["norm"], client_state(fed, 1)["norm"]
+    assert set(a) == keys and not torch.equal(a["bn1.weight"], b["bn1.weight"])  # each its own
+    stats = g.buffers["bn1.running_mean"]
+    assert not torch.equal(stats[int(fed.row_of[0])], stats[int(fed.row_of[1])])  # and its own statistics
+    mine = fed.algo.personal_params(client_state(fed, 1), fed.algo.broadcast(fed.server, 1))
+    assert_trees_close(mine, {**fed.server["shared"], **b}, exact=True)

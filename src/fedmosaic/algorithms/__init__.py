@@ -12,6 +12,7 @@ from . import (  # noqa: F401  (registration)
     fedala,
     fedavg,
     fedavgm,
+    fedbn,
     fedcurv,
     feddf,
     feddyn,

@@ -17,7 +17,7 @@ from ..config import RunConfig
 from ..data.federated import FederatedData, build
 from ..data.partition.tasks import task_streams
 from ..errors import ConfigError, CorruptDataError
-from ..models import head_keys
+from ..models import head_keys, norm_keys
 from ..protocol.algorithm import Algorithm, registered
 from ..protocol.program import Setting
 from ..protocol.tree import nbytes, take
@@ -153,7 +153,7 @@ class Federation:
                           cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module),
                           {s: {k: v.detach().clone() for k, v in m.named_parameters()} for s, m in self.extra.items()},
                           cfg.train.rounds, tc.rounds_per_task if tc else 0, tc.n_tasks if tc else 0,
-                          self.groups[0].init)
+                          self.groups[0].init, norm_keys(self.groups[0].module))
         self.algo = algo_cls(algo_cfg, setting)
         if self.algo.pooled:
             self._pool_train_split()

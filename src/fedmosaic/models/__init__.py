@@ -122,6 +122,13 @@ def _construct(name: str, shape: tuple, num_classes: int, options: dict, where: 
     return model if project is None else Projected(model, project, num_classes)
 
 
+def norm_keys(model: nn.Module) -> tuple[str, ...]:
+    """The names of the parameters of the model's BatchNorm layers (their affine weight and bias), found by the
+    layers' type, however they are named: what FedBN keeps on each client."""
+    return tuple(f"{m}.{p}" if m else p for m, mod in model.named_modules()
+                 if isinstance(mod, nn.modules.batchnorm._BatchNorm) for p, _ in mod.named_parameters(recurse=False))
+
+
 def head_keys(model: FedModel) -> tuple[str, ...]:
     """The names of the parameters ``model.head`` uses (the classifier; the rest is the feature extractor), found
     by differentiating the head's output on a feature batch: any FedModel, however its modules are named."""
@@ -150,4 +157,5 @@ def parameter_count(name: str, input_shape, num_classes: int, **options) -> int:
     return sum(t.numel() for t in [*model.parameters(), *model.buffers()])
 
 
-__all__ = ["FedModel", "Wrapped", "MODELS", "register_model", "build_model", "construct", "head_keys", "parameter_count"]
+__all__ = ["FedModel", "Wrapped", "MODELS", "register_model", "build_model", "construct", "head_keys", "norm_keys",
+           "parameter_count"]

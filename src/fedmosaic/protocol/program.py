@@ -142,6 +142,7 @@ class Setting:
     rounds_per_task: int = 0  # data.tasks.rounds_per_task (0: no task stream); FedWeIT's server fills its knowledge base
     n_tasks: int = 0  # data.tasks.n_tasks: the most tasks a client's stream holds (FedWeIT's knowledge-base size)
     init: dict = field(default_factory=dict)  # the run's initial model (the first architecture's): FedWeIT's B_0
+    norm_keys: tuple[str, ...] = ()  # the parameters of the model's BatchNorm layers (FedBN keeps them local)
 
 
 @dataclass
