@@ -305,6 +305,18 @@ class AdaptiveClipConfig(Schema):
     count_noise: float = Field(description="std of the noise on the count of unclipped updates (the paper: m / 20)")
 
 
+class ParticipationConfig(Schema):
+    """Who takes part in the rounds (the simulation settings of FL-bench and PFLlib): every draw from the run seed,
+    the round and the client, so every algorithm, backend and pool of a comparison sees the same clients."""
+
+    dropout: float = Field(0.0, ge=0, lt=1, description="the chance that a client chosen for a round drops out before "
+                           "it answers (drawn per seed, round and client); the round aggregates the others, and if "
+                           "every chosen client dropped, the one with the lowest draw stays")
+    held_out: float = Field(0.0, ge=0, lt=1, description="the fraction of clients that never train (drawn once from "
+                            "the seed, at least one): evaluated apart as they are — the global model, or their "
+                            "personal model untrained or fine-tuned — under held_out in the metrics")
+
+
 class PrivacyConfig(Schema):
     """Client-level differential privacy, central (DP-FedAvg, McMahan et al. 2018): every update clipped to ``clip``,
     the cohort's uniform mean, Gaussian noise of std ``noise`` * clip / m added on the server; the privacy spent is
@@ -400,6 +412,8 @@ class RunConfig(Schema):
                                                   "algorithm's own weighted mean)")
     attack: AttackConfig | None = Field(None, description="simulated attacking clients (none: every client honest)")
     privacy: PrivacyConfig | None = Field(None, description="client-level differential privacy (none: off)")
+    participation: ParticipationConfig | None = Field(None, description="clients that drop out of rounds and clients "
+                                                      "held out of training (none: every chosen client answers)")
     checkpoint_every: int = Field(10, ge=1, le=MAX_COUNT)
     compare: list[AlgorithmConfig] | None = Field(
         None, min_length=1,

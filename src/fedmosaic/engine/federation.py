@@ -80,6 +80,9 @@ class Federation:
         precision(cfg.engine.deterministic, cfg.engine.tf32, dev)
         check_precision(cfg.engine.precision, dev)
         robust.check(cfg, registered()[cfg.algorithm.name])  # before any data are read
+        if cfg.participation is not None and cfg.participation.held_out and cfg.data.tasks is not None:
+            raise ConfigError("participation.held_out: held-out clients are evaluated on their own splits, which a "
+                              "task stream's class-incremental evaluation does not use; drop one of the two")
         budget = lambda: memory_bytes(dev) if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20  # noqa
         if fd is None:  # a model that cannot fit is refused before the data are laid out (a copy of the dataset)
             spec = data_spec(cfg)
@@ -424,6 +427,8 @@ class Federation:
             "train_loss": float(loss.mean()),
             **self._terms([p["terms"] for p in parts]),
             "clients": len(cohort),
+            **({"dropped": np.setdiff1d(srv.chosen(t), cohort).tolist()} if self.cfg.participation
+               and self.cfg.participation.dropout else {}),
             "local_steps_max": int(steps.max(initial=0)),
             **traffic(self.algo, len(cohort), header, broadcast, assignment, parts, public),
             **self.pool.notes(),
@@ -487,10 +492,14 @@ class Federation:
             "report": type(self.algo).client_report is not Algorithm.client_report,
             # personal models judge their continual rows in the same message (one message round, not two)
             **({} if plan is None or self.algo.global_model else {"continual": plan["request"]})})
+        apart = np.isin(np.arange(self.num_clients), self.srv.held_out)  # (participation.held_out: never trained)
         for key, split in (("global_clients", "test"), ("global_val", "val"), ("personal", "test"),
                            ("personal_val", "val")):
             if key in reply:
-                out[key] = ev.client_summary(reply[key].cpu().numpy(), reply["sizes"][split].cpu().numpy())
+                correct, sizes = reply[key].cpu().numpy(), reply["sizes"][split].cpu().numpy()
+                out[key] = ev.client_summary(correct * ~apart, sizes * ~apart)
+                if apart.any():
+                    out.setdefault("held_out", {})[key] = ev.client_summary(correct * apart, sizes * apart)
         if "cross" in reply and int(reply["sizes"]["test"].sum()):
             out["cross"] = ev.cross_summary(reply["cross"].cpu().numpy(), reply["sizes"]["test"].cpu().numpy())
             names = self.fd.dataset.group_names

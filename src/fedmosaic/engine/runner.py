@@ -80,7 +80,7 @@ def _identity(fed: Federation) -> dict:
 
 #: settings added after runs were made, with the value that means "as before": left out of the hash at that value,
 #: so those runs' checkpoints still resume
-ADDED_LATER = {"aggregation": None, "attack": None, "privacy": None, "privacy.mode": "central"}
+ADDED_LATER = {"aggregation": None, "attack": None, "privacy": None, "privacy.mode": "central", "participation": None}
 
 
 def run_hash(cfg: RunConfig) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 (COHORT, BATCHES, INIT, AUGMENT, VIEWS, FINETUNE, POOL, WARMUP, PUBLIC, SERVER, TASKS, MEMORY,
- TASK_END, CONTINUAL_EVAL) = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
+ TASK_END, CONTINUAL_EVAL, PARTICIPATION) = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
 
 
 def rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
@@ -20,6 +20,25 @@ def sample_cohort(num_clients: int, per_round: int, seed: int, round_idx: int,
     pool = num_clients if among is None else len(among)
     picked = rng(seed, COHORT, round_idx).choice(pool, size=min(per_round, pool), replace=False)
     return np.sort(picked if among is None else np.asarray(among)[picked])
+
+
+def held_out(num_clients: int, fraction: float, seed: int) -> np.ndarray:
+    """The clients that never train (sorted): ``fraction`` of them, at least one when it is above 0, never all."""
+    if fraction <= 0 or num_clients < 2:
+        return np.zeros(0, dtype=np.int64)
+    n = min(num_clients - 1, max(1, round(fraction * num_clients)))
+    return np.sort(rng(seed, PARTICIPATION, 2).choice(num_clients, size=n, replace=False))
+
+
+def drop_out(chosen: np.ndarray, rate: float, num_clients: int, seed: int, round_idx: int) -> np.ndarray:
+    """The ``chosen`` clients of round ``round_idx`` that answer: each drops with chance ``rate``, by a draw of its
+    own (one per client of the federation: the same whichever others were chosen); if all dropped, the one with
+    the lowest draw stays."""
+    if rate <= 0 or not len(chosen):
+        return chosen
+    u = rng(seed, PARTICIPATION, 1, round_idx).random(num_clients)[chosen]
+    kept = chosen[u >= rate]
+    return kept if len(kept) else chosen[[int(np.argmin(u))]]
 
 
 def batch_plan(counts: np.ndarray, clients: np.ndarray, epochs: int, batch: int, seed: int, round_idx: int,

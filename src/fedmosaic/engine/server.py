@@ -20,7 +20,7 @@ from . import robust
 from .build import Group
 from .calendar import TaskCalendar
 from .client import ids_of
-from .seeding import sample_cohort
+from .seeding import drop_out, held_out, sample_cohort
 from .tensors import ClientTensors, cat_trees
 
 
@@ -47,13 +47,23 @@ class ServerRuntime:
         self.opt_state: dict | None = None
         #: ``privacy``: the clip of the next round (adaptive clipping moves it)
         self.dp_clip: float | None = None
+        #: ``participation.held_out``: the clients that never train
+        self.held_out = held_out(num_clients, cfg.participation.held_out if cfg.participation else 0.0, cfg.seed)
 
     # ---- what goes down ---------------------------------------------------------------------------
-    def cohort(self, t: int) -> np.ndarray:
-        """The clients of round ``t``: ``clients_per_round`` drawn among those with a task in that round's stage
-        (a client whose task stream has ended drops out), or among all."""
+    def chosen(self, t: int) -> np.ndarray:
+        """The clients chosen for round ``t``: ``clients_per_round`` drawn among those with a task in that round's
+        stage (a client whose task stream has ended drops out), or among all, never a held-out client."""
         live = self.calendar.live(t) if self.calendar is not None else None
+        if len(self.held_out):
+            live = np.setdiff1d(np.arange(self.num_clients) if live is None else live, self.held_out)
         return sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t, live)
+
+    def cohort(self, t: int) -> np.ndarray:
+        """The clients of round ``t`` that answer: the chosen ones but those that drop out
+        (``participation.dropout``)."""
+        pc = self.cfg.participation
+        return drop_out(self.chosen(t), pc.dropout if pc else 0.0, self.num_clients, self.cfg.seed, t)
 
     def lr(self, t: int) -> float:
         return self.algo.round_lr(self.state, t, self.cfg.train.optimizer.lr_at(t) * self.plateau["scale"])

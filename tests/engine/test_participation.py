@@ -1,0 +1,99 @@
+"""``participation``: clients that drop out of a round after being chosen, and clients held out of training and
+evaluated apart — each drawn from (seed, round, client), so every algorithm and every pool sees the same."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from fedtest import BLOBS6, CONTINUAL, blobs6_partition, merged, with_overrides
+
+from fedmosaic.engine.federation import Federation
+from fedmosaic.engine.runner import run_hash
+from fedmosaic.engine.seeding import drop_out
+from fedmosaic.errors import ConfigError
+
+TWENTY = merged(BLOBS6, {"data": {"clients": 20}, "train": {"clients_per_round": 8, "rounds": 4}})
+
+
+def cfg_of(raw, **over):
+    return with_overrides(merged(copy.deepcopy(raw), over))
+
+
+def rounds(fed: Federation, n: int) -> list[dict]:
+    out = []
+    for t in range(n):
+        rec = fed.round(t)
+        rec.update(fed.evaluate(t))
+        out.append({k: v for k, v in rec.items() if not k.startswith("time")})
+    return out
+
+
+def test_a_client_drops_by_a_draw_of_its_own_and_if_all_drop_one_stays():
+    chosen = np.array([1, 4, 7, 9])
+    kept = drop_out(chosen, 0.5, 12, seed=3, round_idx=2)
+    assert set(kept) <= set(chosen) and len(kept) < len(chosen)
+    for k in kept:  # a client's fate does not depend on who else was chosen
+        assert np.array_equal(drop_out(np.array([k, 11]), 0.5, 12, seed=3, round_idx=2)[:1], [k])
+    assert np.array_equal(drop_out(chosen, 0.0, 12, 3, 2), chosen)
+    assert len(drop_out(chosen, 0.999, 12, 3, 2)) == 1  # nobody would answer: the lowest draw stays
+
+
+def test_dropped_clients_neither_train_nor_count_and_every_algorithm_sees_the_same_rounds(blob_data):
+    fd = blobs6_partition(blob_data)
+    cfg = cfg_of(BLOBS6, algorithm={"name": "ditto"}, participation={"dropout": 0.4})
+    fed = Federation(cfg, fd)
+    t = next(t for t in range(20) if len(fed.srv.cohort(t)) < len(fed.srv.chosen(t)))  # a round with dropouts
+    for r in range(t):
+        fed.round(r)
+    before = copy.deepcopy(fed.groups[0].store)
+    rec = fed.round(t)
+    chosen, answered = fed.srv.chosen(t), fed.srv.cohort(t)
+    assert rec["dropped"] == np.setdiff1d(chosen, answered).tolist() and rec["dropped"]
+    assert rec["clients"] == len(answered)
+    for k in rec["dropped"]:  # its personal model untouched
+        row = int(fed.row_of[k])
+        assert all(torch.equal(a[row], b[row]) for a, b in zip(
+            fed.groups[0].store["personal"].values(), before["personal"].values(), strict=True))
+    other = Federation(cfg_of(BLOBS6, algorithm={"name": "fedavg"}, participation={"dropout": 0.4}), fd)
+    assert all(np.array_equal(other.srv.cohort(t), fed.srv.cohort(t)) for t in range(5))
+
+
+def test_held_out_clients_never_train_and_are_evaluated_apart():
+    fed = Federation(cfg_of(TWENTY, algorithm={"name": "ditto"}, participation={"held_out": 0.25}))
+    held = fed.srv.held_out
+    assert len(held) == 5
+    init = copy.deepcopy(fed.groups[0].store)
+    last = rounds(fed, 4)[-1]
+    assert not any(np.isin(fed.srv.cohort(t), held).any() for t in range(4))
+    rows = [int(fed.row_of[k]) for k in held]
+    for a, b in zip(fed.groups[0].store["personal"].values(), init["personal"].values(), strict=True):
+        assert torch.equal(a[rows], b[rows])  # never trained
+    tested = fed.split["test"].sizes > 0
+    assert last["held_out"]["personal"]["clients"] == int(tested[held].sum())
+    assert last["personal"]["clients"] == int(tested.sum() - tested[held].sum())
+    assert last["personal"]["acc"] > last["held_out"]["personal"]["acc"]  # their personal models are untrained
+
+
+def test_participation_is_the_same_on_the_wire_pool_and_off_it_changes_nothing(blob_data):
+    fd = blobs6_partition(blob_data)
+    raw = {"algorithm": {"name": "ditto"}, "participation": {"dropout": 0.3, "held_out": 0.2},
+           "engine": {"backend": "sequential"}}
+    a = rounds(Federation(cfg_of(BLOBS6, **raw), fd), 3)
+    b = rounds(Federation(cfg_of(BLOBS6, **raw), fd, pool="wire"), 3)
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("bytes", "payload_bytes"))}  # noqa: E731
+                        for r in rs]
+    assert strip(a) == strip(b) and "held_out" in a[0] and any(r.get("dropped") for r in a)
+    plain = cfg_of(BLOBS6, algorithm={"name": "ditto"})
+    off = cfg_of(BLOBS6, algorithm={"name": "ditto"}, participation={"dropout": 0.0, "held_out": 0.0})
+    assert rounds(Federation(plain, fd), 2) == rounds(Federation(off, fd), 2)
+    assert run_hash(plain) == run_hash(with_overrides(merged(copy.deepcopy(BLOBS6), {"algorithm": {"name": "ditto"},
+                                                                                     "participation": None})))
+
+
+def test_held_out_clients_with_a_task_stream_are_refused_in_one_line():
+    with pytest.raises(ConfigError, match=r"^participation.held_out: .*task stream") as e:
+        Federation(cfg_of(merged(BLOBS6, CONTINUAL), algorithm={"name": "fedlwf"}, participation={"held_out": 0.2}))
+    assert "\n" not in str(e.value)
