@@ -312,6 +312,9 @@ class ParticipationConfig(Schema):
     dropout: float = Field(0.0, ge=0, lt=1, description="the chance that a client chosen for a round drops out before "
                            "it answers (drawn per seed, round and client); the round aggregates the others, and if "
                            "every chosen client dropped, the one with the lowest draw stays")
+    stragglers: float = Field(0.0, ge=0, le=1, description="the chance that a client of a round is a straggler: it "
+                              "runs only a share of each phase's local steps, drawn uniformly in (0, 1] (at least one "
+                              "step), per seed, round and client (FedProx's systems heterogeneity)")
     held_out: float = Field(0.0, ge=0, lt=1, description="the fraction of clients that never train (drawn once from "
                             "the seed, at least one): evaluated apart as they are — the global model, or their "
                             "personal model untrained or fine-tuned — under held_out in the metrics")

@@ -12,7 +12,7 @@ from fedtest import BLOBS6, CONTINUAL, blobs6_partition, merged, with_overrides
 
 from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.runner import run_hash
-from fedmosaic.engine.seeding import drop_out
+from fedmosaic.engine.seeding import drop_out, work_shares
 from fedmosaic.errors import ConfigError
 
 TWENTY = merged(BLOBS6, {"data": {"clients": 20}, "train": {"clients_per_round": 8, "rounds": 4}})
@@ -79,7 +79,7 @@ def test_held_out_clients_never_train_and_are_evaluated_apart():
 
 def test_participation_is_the_same_on_the_wire_pool_and_off_it_changes_nothing(blob_data):
     fd = blobs6_partition(blob_data)
-    raw = {"algorithm": {"name": "ditto"}, "participation": {"dropout": 0.3, "held_out": 0.2},
+    raw = {"algorithm": {"name": "ditto"}, "participation": {"dropout": 0.3, "held_out": 0.2, "stragglers": 0.5},
            "engine": {"backend": "sequential"}}
     a = rounds(Federation(cfg_of(BLOBS6, **raw), fd), 3)
     b = rounds(Federation(cfg_of(BLOBS6, **raw), fd, pool="wire"), 3)
@@ -97,3 +97,31 @@ def test_held_out_clients_with_a_task_stream_are_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^participation.held_out: .*task stream") as e:
         Federation(cfg_of(merged(BLOBS6, CONTINUAL), algorithm={"name": "fedlwf"}, participation={"held_out": 0.2}))
     assert "\n" not in str(e.value)
+
+
+def test_a_straggler_runs_the_first_share_of_its_steps_and_the_others_all(blob_data):
+    """FedProx's systems heterogeneity: a straggler (a draw of its own per round) stops after ceil(share x steps) of
+    its plan, at least one — its model is exactly that of the same client given that many steps."""
+    from fedmosaic.protocol.program import Phase
+
+    assert work_shares(np.arange(4), 0.0, 0, 1) is None
+    shares = work_shares(np.arange(30), 0.5, 0, 1)
+    assert ((shares > 0) & (shares <= 1)).all() and 0 < (shares < 1).sum() < 30
+    assert work_shares(np.array([7]), 0.5, 0, 1)[0] == shares[7]  # whoever else trains that round
+    fd = blobs6_partition(blob_data)
+    fed = Federation(cfg_of(BLOBS6, algorithm={"name": "fedavg"}, train={"local_epochs": 3},
+                            engine={"backend": "sequential"}), fd)
+    g, clients = fed.groups[0], np.arange(6)
+    args = (fed.split["train"], clients, fed.algo.broadcast(fed.server, 0), g.store, g.buffers)
+    kw = {"lr": 0.05, "seed": 5, "round_idx": 2, "own": fed.runtime.own(fed._assign(clients), clients)}
+    full = g.trainer.train(*args, **kw)
+    some = g.trainer.train(*args, stragglers=0.6, **kw)
+    share = work_shares(clients, 0.6, 5, 2)
+    want = np.where(share < 1, np.maximum(1, np.ceil(share * full.steps)), full.steps)
+    assert np.array_equal(some.steps, want) and (want < full.steps).any()
+    k = int(np.argmax(want < full.steps))
+    alone = g.trainer.train(fed.split["train"], clients[k:k + 1], args[2], g.store, g.buffers,
+                            program=[Phase(steps=int(want[k]))], **{**kw, "own": fed.runtime.own(
+                                fed._assign(clients[k:k + 1]), clients[k:k + 1])})
+    for name, v in some.uploads["model"].items():
+        assert torch.equal(v[k], alone.uploads["model"][name][0])

@@ -185,7 +185,8 @@ class ClientRuntime:
             g.module.train()
             out = g.trainer.train(train, members, pay, take(g.store, rows), bufs, own=own,
                                   program=self.algo.program(t), probes=self.algo.probes(t, pay), lr=lr,
-                                  seed=self.cfg.seed, round_idx=t)
+                                  seed=self.cfg.seed, round_idx=t,
+                                  stragglers=self.cfg.participation.stragglers if self.cfg.participation else 0.0)
             parts.append((g, members, out, bufs))
         self._check_finite(t, parts)
         uploads, p = [], self.cfg.privacy

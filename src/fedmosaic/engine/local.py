@@ -41,7 +41,7 @@ from .mapping import for_each_client
 from .objective import TERMS, Objective, _sub
 from .plans import SHARED, plan_phase
 from .probes import Probes
-from .seeding import FINETUNE, SERVER, TASK_END, WARMUP
+from .seeding import FINETUNE, SERVER, TASK_END, WARMUP, work_shares
 from .tensors import ClientTensors, cat_trees, gather, to_device
 
 
@@ -177,10 +177,11 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
     # ---- a cohort's round -----------------------------------------------------------------------------
     def train(self, data: ClientTensors, clients: np.ndarray, payload: dict, states, buffers, *, lr: float,
               seed: int, round_idx: int, own: dict | None = None, program: list[Phase] | None = None,
-              probes: list[Probe] = (), epochs: int | None = None, batch: int | None = None):
+              probes: list[Probe] = (), epochs: int | None = None, batch: int | None = None, stragglers: float = 0.0):
         """Train ``clients`` (their per-client payload ``own``, persistent ``states`` and model ``buffers`` stacked in
         the same order; the buffers — BatchNorm running statistics — are updated in place). ``program`` defaults to
-        one phase of ``epochs`` (default: the trainer's) with ``batch``.
+        one phase of ``epochs`` (default: the trainer's) with ``batch``. ``stragglers``: the chance that a client
+        runs only a share of its steps (``participation.stragglers``; ``seeding.work_shares``).
 
         Returns :class:`Trained`, stacked in the order of ``clients``.
         """
@@ -189,7 +190,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
             own = {"cid": torch.as_tensor(clients, device=data.x.device)}
         with self._threads():
             outs = [self._train_chunk(data, clients[sl], payload, *self._rows((own, states, buffers), sl), program,
-                                      probes, lr, seed, round_idx, ())
+                                      probes, lr, seed, round_idx, (), stragglers)
                     for sl in self._chunks(len(clients))]
         uploads, new_states, losses, steps, terms = zip(*outs)
         return Trained(cat_trees(list(uploads)), cat_trees(list(new_states)), torch.cat(losses), np.concatenate(steps),
@@ -294,15 +295,17 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
     def _rows(trees, sl):
         return tmap(lambda t: t[sl], trees)
 
-    def _train_chunk(self, data, clients, payload, own, states, buffers, program, probes, lr, seed, round_idx, keys):
+    def _train_chunk(self, data, clients, payload, own, states, buffers, program, probes, lr, seed, round_idx, keys,
+                     stragglers=0.0):
         n, dev = len(clients), data.x.device
+        work = work_shares(clients, stragglers, seed, round_idx)
         params = self._init(payload, own, states)
         loss_sum, step_sum, acc_sum = torch.zeros(n, device=dev), np.zeros(n, dtype=np.int64), {}
         stats, first, terms = {}, None, {}
         for p, phase in enumerate(program):
             params, states, plan, loss, steps, acc, own = self._phase(
                 data, clients, params, states, payload, own, buffers, phase, p, lr, seed, round_idx, keys,
-                probes=[pr for pr in probes if pr.at == "received"] if p == 0 else [], stats=stats)
+                probes=[pr for pr in probes if pr.at == "received"] if p == 0 else [], stats=stats, work=work)
             first = first or (None if phase.view.part == "public" else plan)  # (probes read the client's data)
             loss_sum += loss
             step_sum += steps
@@ -327,12 +330,12 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
 
     # ---- one phase ---------------------------------------------------------------------------------------
 
-    def _plan(self, data, clients, phase: Phase, p: int, seed: int, round_idx: int, keys: tuple) -> dict:
+    def _plan(self, data, clients, phase: Phase, p: int, seed: int, round_idx: int, keys: tuple, work=None) -> dict:
         return plan_phase(data, clients, phase, p, seed, round_idx, keys, phase.batch or self.batch,
-                          phase.epochs or self.epochs, self.augment)
+                          phase.epochs or self.epochs, self.augment, work)
 
     def _phase(self, data, clients, params, states, payload, own, buffers, phase, p, lr, seed, round_idx, keys,
-               probes=(), stats=None):
+               probes=(), stats=None, work=None):
         """Hooks, probes at the received parameters (first phase), the phase's steps."""
         if phase.before is not None:
             params, states = self._hook(phase.before)(params, states, payload, own)
@@ -341,7 +344,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
                 raise ConfigError(f"algorithm {self.algo.name!r} trains on the public stream: set data.public "
                                   "(e.g. {source: noise, size: 5000})")
             data = self.public
-        plan = self._plan(data, clients, phase, p, seed, round_idx, keys)
+        plan = self._plan(data, clients, phase, p, seed, round_idx, keys, None if phase.view.part == "public" else work)
         for pr in probes:
             stats[pr.name] = self._probe(data, plan, params, states, payload, own, buffers, pr)
         if probes:  # the phases' objectives see them too (ctx.payload["own"][RECEIVED])

@@ -28,11 +28,12 @@ def view_offsets(view: View, n: int, seed: int, client: int, round_idx: int) -> 
 
 
 def plan_phase(data: ClientTensors, clients: np.ndarray, phase: Phase, p: int, seed: int, round_idx: int, keys: tuple,
-               batch: int, epochs: int, augment_cfg: AugmentConfig | None) -> dict:
+               batch: int, epochs: int, augment_cfg: AugmentConfig | None, work: np.ndarray | None = None) -> dict:
     """The batches of ``phase`` (its ``p``-th of the round) for ``clients``, of ``batch`` samples for ``epochs``
     epochs unless the phase says otherwise: device tensors, step-major (a step's slice is contiguous: torch.compile guards
     on strides): ``rows``/``mask`` [S, n, B], augmentation ``draws``, the paired batch's ``rows2``/``mask2``,
-    and per client ``steps`` and ``per_epoch`` (numpy)."""
+    and per client ``steps`` and ``per_epoch`` (numpy). ``work``: per client the share of its steps it runs
+    (``participation.stragglers``: the first ceil(share x steps), at least one; the batches are the full plan's)."""
     dev = data.x.device
     public = phase.view.part == "public"
     base = None  # the samples each client may draw from (a subset of its rows: the current task), or all
@@ -70,6 +71,11 @@ def plan_phase(data: ClientTensors, clients: np.ndarray, phase: Phase, p: int, s
     else:
         rows, mask, steps, per_epoch = rows_of(phase.view, (), phase.steps)
         plan = {"rows": rows, "mask": mask}
+    if work is not None:  # stragglers stop early: their later steps masked, as a smaller client's are padded
+        steps = np.where((work < 1) & (steps > 0), np.maximum(1, np.ceil(work * steps)), steps).astype(np.int64)
+        S = int(steps.max(initial=0))
+        live = torch.as_tensor(np.arange(S)[:, None] < steps[None, :], device=dev)[..., None]
+        plan = {k: v[:S] * live if k.startswith("mask") else v[:S] for k, v in plan.items()}
     plan.update(steps=steps, per_epoch=per_epoch, batch=batch)
     if phase.pair is not None and phase.pair.part != "next":
         rows2, mask2, *_ = rows_of(phase.pair, (1,), steps)

@@ -41,6 +41,15 @@ def drop_out(chosen: np.ndarray, rate: float, num_clients: int, seed: int, round
     return kept if len(kept) else chosen[[int(np.argmin(u))]]
 
 
+def work_shares(clients: np.ndarray, rate: float, seed: int, round_idx: int) -> np.ndarray | None:
+    """Per client of round ``round_idx`` the share of its local steps it runs: 1, or for a straggler (chance
+    ``rate``, a draw of its own) a share drawn uniformly in (0, 1]. None: no stragglers."""
+    if rate <= 0:
+        return None
+    draws = np.array([rng(seed, PARTICIPATION, 3, round_idx, int(k)).random(2) for k in clients]).reshape(-1, 2)
+    return np.where(draws[:, 0] < rate, 1.0 - draws[:, 1], 1.0)
+
+
 def batch_plan(counts: np.ndarray, clients: np.ndarray, epochs: int, batch: int, seed: int, round_idx: int,
                keys: tuple[int, ...] = (), steps: int | np.ndarray | None = None):
     """Local batch schedule of each client: a fresh permutation per epoch, cut into batches (last one partial).
