@@ -45,6 +45,7 @@ NEW = [
     {"name": "fedrod"},
     {"name": "apfl", "alpha": 0.4},
     {"name": "fedbn"},
+    {"name": "ifca", "clusters": 3},
 ]
 
 

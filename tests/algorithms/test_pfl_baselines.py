@@ -214,3 +214,37 @@ def test_fedbn_keeps_each_clients_batchnorm_weights_and_statistics_and_averages_
     assert not torch.equal(stats[int(fed.row_of[0])], stats[int(fed.row_of[1])])  # and its own statistics
     mine = fed.algo.personal_params(client_state(fed, 1), fed.algo.broadcast(fed.server, 1))
     assert_trees_close(mine, {**fed.server["shared"], **b}, exact=True)
+
+
+# ---- IFCA ----------------------------------------------------------------------------------------------------
+def test_ifca_with_one_cluster_is_fedavg_exactly(fd):
+    avg = train(make_cfg(algorithm={"name": "fedavg"}), fd)
+    one = train(make_cfg(algorithm={"name": "ifca", "clusters": 1}), fd)
+    assert_trees_close(tmap(lambda t: t[0], one.server["models"]), avg.server["model"], exact=True)
+
+
+def test_ifca_clients_choose_the_model_of_lowest_train_loss_and_each_model_averages_its_choosers(fd):
+    import torch.nn.functional as F
+
+    fed = Federation(make_cfg(algorithm={"name": "ifca", "clusters": 3}, train={"clients_per_round": 6}), fd)
+    g, init, k = fed.groups[0], fed.groups[0].init, 3
+    received = tmap(torch.clone, fed.server["models"])
+    for name, t in init.items():  # three different draws of one initialisation
+        assert torch.equal(received[name][0], t)
+        assert torch.equal(received[name][2].flatten().sort().values, t.flatten().sort().values)
+    assert not torch.equal(received["body.0.weight"][1], received["body.0.weight"][0])
+    fed.round(0)
+    tr, choice = fed.split["train"], {}
+    for c in range(6):
+        x, y = tr.x[tr.ptr[c] : tr.ptr[c + 1]], tr.y[tr.ptr[c] : tr.ptr[c + 1]]
+        losses = [F.cross_entropy(g.apply(tmap(lambda t, j=j: t[j], received), x)[1], y).item() for j in range(k)]
+        choice[c] = int(torch.tensor(losses).argmin())
+        assert int(client_state(fed, c)["choice"].argmax()) == choice[c]
+    for j in range(k):
+        if j not in choice.values():  # a model nobody chose is kept
+            assert_trees_close(tmap(lambda t, j=j: t[j], fed.server["models"]),
+                               tmap(lambda t, j=j: t[j], received), exact=True)
+    chosen = next(iter(set(choice.values())))
+    assert not torch.equal(fed.server["models"]["body.0.weight"][chosen], received["body.0.weight"][chosen])
+    mine = fed.algo.personal_params(client_state(fed, 0), fed.algo.broadcast(fed.server, 1))
+    assert_trees_close(mine, tmap(lambda t: t[choice[0]], fed.server["models"]), exact=True)

@@ -31,6 +31,7 @@ from . import (  # noqa: F401  (registration)
     fedsi,
     fedweit,
     glfc,
+    ifca,
     local,
     meta,
     moon,
