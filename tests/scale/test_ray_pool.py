@@ -39,10 +39,11 @@ def records(fed: Federation) -> list[dict]:
 #: FedAvg under attack and defence: flipped labels in the actors' data, local DP noise added by their client
 #: runtimes, a server optimizer on the driver
 ROBUST = {"attack": {"kind": "label_flip", "fraction": 0.4}, "privacy": {"mode": "local", "noise": 0.5, "clip": 1.0},
-          "aggregation": {"optimizer": "adam"}}
+          "aggregation": {"optimizer": "adam"}, "participation": {"dropout": 0.3, "stragglers": 0.5, "held_out": 0.2}}
 
 
-# every family exactly on the sequential path (and FedAvg attacked and defended); the vectorized path (the same
+# every family exactly on the sequential path (and FedAvg attacked and defended, with dropouts, stragglers and a
+# held-out client); the vectorized path (the same
 # runtime code on actors) for two families, one global and one continual with personal state (each pair costs ~7 s
 # of CI)
 @pytest.mark.parametrize("family, backend, tol", [*((f, "sequential", 0.0) for f in [*FAMILIES, "robust"]),
