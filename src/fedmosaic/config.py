@@ -399,6 +399,17 @@ class EvalConfig(Schema):
         "when models x samples fit, e.g. a global model on CIFAR-100's 10,000)")
     tensorboard: bool = Field(False, description="also write every round's numbers as TensorBoard event files in "
                               "<run>/tensorboard (needs the tensorboard package: pip install 'fedmosaic[tensorboard]')")
+    trackers: list[Literal["mlflow", "wandb"]] = Field(
+        default_factory=list, max_length=2, description="experiment trackers that also get every round's numbers, "
+        "the config and the summary: mlflow ($MLFLOW_TRACKING_URI, else a SQLite store <run>/mlflow.db; pip install "
+        "'fedmosaic[mlflow]'), wandb ($WANDB_MODE, default offline: <run>/wandb; pip install 'fedmosaic[wandb]')")
+
+    @field_validator("trackers")
+    @classmethod
+    def _trackers(cls, v):
+        if len(set(v)) != len(v):
+            raise ValueError(f"each tracker once (got {v})")
+        return v
 
 
 class RunConfig(Schema):

@@ -29,7 +29,7 @@ from ..data.federated import FederatedData
 from ..errors import ClientsLost, FedMosaicError, RunError
 from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
 from ..protocol.tree import layout
-from . import robust, stopping
+from . import robust, stopping, trackers
 from .client import NonFiniteLoss
 from .continual import continual_summary
 from .federation import Federation
@@ -375,8 +375,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         if not (out / "config.yaml").is_file():
             raise FedMosaicError(not_a_run(out))
         changes = config_changes(load_config(out / "config.yaml"), cfg, out / "config.yaml", amend)
-    if cfg.eval.tensorboard:
-        tensorboard_writer()
+    trackers.check(trackers.wanted(cfg))
     # before creating anything: a config or data error leaves no empty run directory
     fed = Federation(cfg, fd, _started_threads(out) if resume else None, pool)
     print(f"fedmosaic: execution: {fed.execution}", flush=True)  # stdout: stderr is for warnings and errors
@@ -545,54 +544,54 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
             stop_after: int | None) -> dict:
     rounds = cfg.train.rounds
     bar = _progress(range(start, rounds), cfg.name, progress, start, rounds)
-    # TensorBoard, step = rounds done: the events of rounds from `start` on (recomputed after a crash) replace those
-    # written before
-    board = tensorboard_writer()(str(out / "tensorboard"), purge_step=start + 1) if cfg.eval.tensorboard else None
-    with open(out / "metrics.jsonl", "a") as metrics, _stop_between_rounds() as stop, \
-            contextlib.closing(board) if board else contextlib.nullcontext():
-        for t in bar:
-            if _over_budget(cfg, fed, t):
-                last = latest_checkpoint(out)
-                if t > 0 and (last is None or int(last.stem[6:]) != t - 1):
-                    _save_checkpoint(out, fed, t - 1)
+    track = trackers.Trackers(cfg, out, start, _flat(cfg.model_dump(mode="json"))) if trackers.wanted(cfg) else None
+    summary = None
+    try:
+        with open(out / "metrics.jsonl", "a") as metrics, _stop_between_rounds() as stop:
+            for t in bar:
+                if _over_budget(cfg, fed, t):
+                    last = latest_checkpoint(out)
+                    if t > 0 and (last is None or int(last.stem[6:]) != t - 1):
+                        _save_checkpoint(out, fed, t - 1)
+                        write_csv(out / "metrics.csv", records)
+                    break
+                t0 = time.perf_counter()
+                try:
+                    rec = fed.round(t)
+                except NonFiniteLoss as e:
+                    last = latest_checkpoint(out)
+                    if last is None or int(last.stem.split("_")[1]) != t - 1:
+                        last = _save_checkpoint(out, fed, t - 1) if t > 0 else None
+                    lr = cfg.train.optimizer.lr_at(t)
+                    where = f"after round {t - 1}, whose state is saved" if last else "in the first round"
+                    smaller = float(f"{cfg.train.optimizer.lr / 10:.3g}")
+                    _note_divergence(out, t)
+                    raise RunError(f"{e} (learning rate {lr:g}); stopped {where}",
+                                   amend=f"train.optimizer.lr={yaml_scalar(smaller)}", diverged=t) from None
+                rec["time_round_s"] = time.perf_counter() - t0
+                if (t + 1) % cfg.eval.every == 0 or t == rounds - 1 or fed.task_ends(t):
+                    t1 = time.perf_counter()
+                    rec.update(fed.evaluate(t))
+                    rec["time_eval_s"] = time.perf_counter() - t1
+                metrics.write(json.dumps(rec) + "\n")
+                metrics.flush()
+                records.append(rec)
+                if track is not None:  # step = rounds done
+                    track.log(scalars(rec, "/"), t + 1)
+                if (t + 1) % cfg.checkpoint_every == 0 or t == rounds - 1 or stop.asked:
+                    _save_checkpoint(out, fed, t)
                     write_csv(out / "metrics.csv", records)
-                break
-            t0 = time.perf_counter()
-            try:
-                rec = fed.round(t)
-            except NonFiniteLoss as e:
-                last = latest_checkpoint(out)
-                if last is None or int(last.stem.split("_")[1]) != t - 1:
-                    last = _save_checkpoint(out, fed, t - 1) if t > 0 else None
-                lr = cfg.train.optimizer.lr_at(t)
-                where = f"after round {t - 1}, whose state is saved" if last else "in the first round"
-                smaller = float(f"{cfg.train.optimizer.lr / 10:.3g}")
-                _note_divergence(out, t)
-                raise RunError(f"{e} (learning rate {lr:g}); stopped {where}",
-                               amend=f"train.optimizer.lr={yaml_scalar(smaller)}", diverged=t) from None
-            rec["time_round_s"] = time.perf_counter() - t0
-            if (t + 1) % cfg.eval.every == 0 or t == rounds - 1 or fed.task_ends(t):
-                t1 = time.perf_counter()
-                rec.update(fed.evaluate(t))
-                rec["time_eval_s"] = time.perf_counter() - t1
-            metrics.write(json.dumps(rec) + "\n")
-            metrics.flush()
-            records.append(rec)
-            if board is not None:
-                for tag, value in scalars(rec, "/").items():
-                    board.add_scalar(tag, value, global_step=t + 1)
-                board.flush()
-            if (t + 1) % cfg.checkpoint_every == 0 or t == rounds - 1 or stop.asked:
-                _save_checkpoint(out, fed, t)
-                write_csv(out / "metrics.csv", records)
-            stop.now()  # a stop asked during the round: it is saved, stop here
-            if hasattr(bar, "set_postfix"):
-                bar.set_postfix(_postfix(rec), refresh=False)
-            if stop_after is not None and t >= stop_after:
-                return {}
-    summary = summarize(records, cfg)
-    atomic_write(out / "summary.json", json.dumps(summary, indent=2).encode())
-    return summary
+                stop.now()  # a stop asked during the round: it is saved, stop here
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(_postfix(rec), refresh=False)
+                if stop_after is not None and t >= stop_after:
+                    return {}
+        summary = summarize(records, cfg)
+        atomic_write(out / "summary.json", json.dumps(summary, indent=2).encode())
+        return summary
+    finally:
+        if track is not None:  # (a run that stops unfinished closes them as such)
+            track.close(None if summary is None else scalars(summary, "/"))
 
 
 def _over_budget(cfg: RunConfig, fed: Federation, t: int) -> bool:
@@ -635,17 +634,6 @@ def write_csv(path: Path, records: list[dict]) -> Path:
     writer.writeheader()
     writer.writerows(rows)
     return atomic_write(path, buf.getvalue().encode())
-
-
-def tensorboard_writer():
-    """torch's SummaryWriter (the tensorboard package's event writer, no TensorFlow), or one line saying what to
-    install."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        raise FedMosaicError("eval.tensorboard: needs the tensorboard package: pip install 'fedmosaic[tensorboard]' "
-                             "(or set it to false)") from None
-    return SummaryWriter
 
 
 class _Stop:
