@@ -48,7 +48,17 @@ def wandb_records(run_dir) -> tuple[list[dict], dict]:
     return history, summary
 
 
-def test_mlflow_and_wandb_get_every_round_the_config_and_the_summary_across_a_resume(tmp_path, monkeypatch):
+@pytest.fixture
+def wandb_service():
+    """W&B runs its runs through a service process it starts at the first init: stopped when the test ends."""
+    import wandb
+
+    yield
+    wandb.teardown()
+
+
+def test_mlflow_and_wandb_get_every_round_the_config_and_the_summary_across_a_resume(tmp_path, monkeypatch,
+                                                                                    wandb_service):
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
