@@ -248,3 +248,13 @@ def test_ifca_clients_choose_the_model_of_lowest_train_loss_and_each_model_avera
     assert not torch.equal(fed.server["models"]["body.0.weight"][chosen], received["body.0.weight"][chosen])
     mine = fed.algo.personal_params(client_state(fed, 0), fed.algo.broadcast(fed.server, 1))
     assert_trees_close(mine, tmap(lambda t: t[choice[0]], fed.server["models"]), exact=True)
+
+
+def test_fedrod_refuses_a_head_that_is_not_one_linear_layer_in_one_line():
+    from fedmosaic.algorithms.fedrod import FedRoD
+    from fedmosaic.errors import ConfigError
+    from fedmosaic.protocol.program import Setting
+
+    with pytest.raises(ConfigError, match=r"^fedrod: the personal head .* has 1 parameters$"):
+        FedRoD(setting=Setting(head_keys=("fc.weight",)))
+    FedRoD(setting=Setting(head_keys=("fc.weight", "fc.bias")))

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import ConfigError
 from ..protocol.algorithm import Algorithm, register_algorithm
 from ..protocol.context import LocalContext, onehot
 from ..protocol.program import RECEIVED, Probe
@@ -22,6 +23,12 @@ from ..protocol.program import RECEIVED, Probe
 class FedRoD(Algorithm):
     name = "fedrod"
     personalized = True
+
+    def __init__(self, cfg=None, setting=None):
+        super().__init__(cfg, setting)
+        if setting is not None and len(self.setting.head_keys) != 2:
+            raise ConfigError("fedrod: the personal head is a copy of the model's head, which must be one linear layer "
+                              f"(weight and bias); this model's head has {len(self.setting.head_keys)} parameters")
 
     def _head(self, tree: dict) -> dict:
         return {k: v for k, v in tree.items() if k in self.setting.head_keys}
