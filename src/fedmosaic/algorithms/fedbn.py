@@ -11,7 +11,7 @@ BatchNorm FedBN is FedAvg exactly. There is no global model (each client predict
 from __future__ import annotations
 
 from ..protocol.algorithm import Algorithm, register_algorithm
-from ..protocol.tree import weighted_mean
+from ..protocol.tree import split_keys, weighted_mean
 
 
 @register_algorithm
@@ -22,8 +22,7 @@ class FedBN(Algorithm):
     shares_weights = True  # every parameter but the BatchNorm layers' averaged: one architecture
 
     def _part(self, tree: dict, norm: bool) -> dict:
-        keys = set(self.setting.norm_keys)
-        return {k: v for k, v in tree.items() if (k in keys) == norm}
+        return split_keys(tree, self.setting.norm_keys)[norm]
 
     def init_server(self, init_params):
         return {"shared": self._part(init_params[0], False)}

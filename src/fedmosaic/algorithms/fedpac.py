@@ -44,7 +44,7 @@ from pydantic import Field
 from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
 from ..protocol.context import LocalContext, TaskLoss
 from ..protocol.program import Phase, Probe, Step
-from ..protocol.tree import cumsum, repeat, tmap, weighted_mean
+from ..protocol.tree import cumsum, repeat, split_keys, tmap, weighted_mean
 from .terms import PrototypeMSE, class_sums
 
 BOTH = ("body", "head")
@@ -104,8 +104,7 @@ class FedPAC(Algorithm):
     personalized = True
 
     def _split(self, tree: dict) -> tuple[dict, dict]:
-        head = set(self.setting.head_keys)
-        return {k: v for k, v in tree.items() if k not in head}, {k: v for k, v in tree.items() if k in head}
+        return split_keys(tree, self.setting.head_keys)
 
     def init_server(self, init_params):
         model = init_params[0]

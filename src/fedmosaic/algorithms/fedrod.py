@@ -17,6 +17,7 @@ from ..errors import ConfigError
 from ..protocol.algorithm import Algorithm, register_algorithm
 from ..protocol.context import LocalContext, onehot
 from ..protocol.program import RECEIVED, Probe
+from ..protocol.tree import split_keys
 
 
 @register_algorithm
@@ -30,11 +31,8 @@ class FedRoD(Algorithm):
             raise ConfigError("fedrod: the personal head is a copy of the model's head, which must be one linear layer "
                               f"(weight and bias); this model's head has {len(self.setting.head_keys)} parameters")
 
-    def _head(self, tree: dict) -> dict:
-        return {k: v for k, v in tree.items() if k in self.setting.head_keys}
-
     def init_client(self, init_params):
-        return {"phead": self._head(init_params)}
+        return {"phead": split_keys(init_params, self.setting.head_keys)[1]}
 
     def local_init(self, payload, state):
         return {"model": payload["global"], "phead": state["phead"]}

@@ -25,7 +25,7 @@ from pydantic import Field
 from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
 from ..protocol.context import TaskLoss
 from ..protocol.program import Phase, Step
-from ..protocol.tree import weighted_mean
+from ..protocol.tree import split_keys, weighted_mean
 
 BOTH = ("body", "head")
 
@@ -43,8 +43,7 @@ class SplitModel(Algorithm):
         return "head" if self.shared == "body" else "body"
 
     def part(self, tree: dict, which: str) -> dict:
-        head = set(self.setting.head_keys)
-        return {k: v for k, v in tree.items() if (k in head) == (which == "head")}
+        return split_keys(tree, self.setting.head_keys)[which == "head"]
 
     def init_server(self, init_params):
         return {"shared": self.part(init_params[0], self.shared)}
@@ -122,10 +121,7 @@ class FedBABU(Algorithm):
     personalized = True
 
     def local_init(self, payload, state):
-        head = set(self.setting.head_keys)
-        model = payload["global"]
-        return {"body": {k: v for k, v in model.items() if k not in head},
-                "head": {k: v for k, v in model.items() if k in head}}
+        return dict(zip(BOTH, split_keys(payload["global"], self.setting.head_keys), strict=True))
 
     def terms(self):
         return [TaskLoss(BOTH)]

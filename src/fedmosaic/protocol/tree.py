@@ -52,6 +52,13 @@ def nbytes(tree) -> int:
     return sum(t.numel() * t.element_size() for t in leaves(tree))
 
 
+def split_keys(tree: dict, keys) -> tuple[dict, dict]:
+    """(the entries of ``tree`` whose names are not in ``keys``, those that are): a model cut into its body and
+    head (``Setting.head_keys``), or its BatchNorm layers and the rest (``Setting.norm_keys``)."""
+    keys = set(keys)
+    return {k: v for k, v in tree.items() if k not in keys}, {k: v for k, v in tree.items() if k in keys}
+
+
 def weighted_mean(stacked, weights: torch.Tensor):
     """Σ_i w_i x_i / Σ_i w_i along the client axis."""
     w = weights / weights.sum()
