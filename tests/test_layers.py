@@ -63,3 +63,76 @@ def test_client_hooks_never_take_the_servers_state():
                                         r"server's state; .*: personal_params\(state, payload\)$"):
         register_algorithm(Old)
     assert "old-style" not in registered() and "probes" in CLIENT_HOOKS
+
+
+def module_graph(root: Path = SRC) -> dict[str, set[str]]:
+    """Per fedmosaic module the fedmosaic modules its module-level imports load (``from ..x import y`` counts as
+    ``x.y`` when that is a module, else ``x``; imports inside functions — lazy on purpose — do not count)."""
+    mods = {}
+    for p in root.rglob("*.py"):
+        rel = p.relative_to(root.parent).with_suffix("")
+        mods[".".join(rel.parts[:-1] if rel.name == "__init__" else rel.parts)] = p
+    graph = {}
+    for name, p in mods.items():
+        pkg = name if p.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, ast.ImportFrom):
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1] if node.level else []
+                m = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                deps |= {f"{m}.{a.name}" if f"{m}.{a.name}" in mods else m for a in node.names}
+            elif isinstance(node, ast.Import):
+                deps |= {a.name for a in node.names}
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (Tarjan)."""
+    index, low, stack, on, found, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            group = []
+            while not group or group[-1] != v:
+                group.append(stack.pop())
+                on.discard(group[-1])
+            if len(group) > 1:
+                found.append(sorted(group))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_two_modules_import_each_other_at_load_time():
+    assert cycles(module_graph()) == []
+
+
+def test_the_cycle_scan_finds_a_cycle(tmp_path):
+    pkg = tmp_path / "fedmosaic"
+    (pkg / "engine").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "engine" / "__init__.py").write_text("")
+    (pkg / "engine" / "a.py").write_text("from . import b\n")
+    (pkg / "engine" / "b.py").write_text("from .a import x\n\ndef f():\n    from . import c\n")
+    (pkg / "engine" / "c.py").write_text("from .b import f\n")
+    assert cycles(module_graph(pkg)) == [["fedmosaic.engine.a", "fedmosaic.engine.b"]]
+
+
+def test_only_the_command_line_imports_the_command_line():
+    """The Python API and the library below it stand on their own: nothing outside ``cli`` imports it."""
+    bad = sorted(str(p.relative_to(SRC)) for p in SRC.rglob("*.py")
+                 if p.parent.name != "cli" and "cli" in imported_packages(p))
+    assert not bad, bad

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import plugins
-from .config import RunConfig, advise, load_config
+from .config import RunConfig, advise, algorithm_spec, load_config
 from .data.registry import register_dataset
 from .engine.runner import new_run_dir, read_metrics, summarize
 from .errors import ConfigError, FedMosaicError
 from .models import register_model
+from .presets import config_path
 from .reports.compare import dir_name, run_all
 
 __all__ = ["Result", "compare", "register_dataset", "register_model", "run"]
@@ -118,16 +119,14 @@ def compare(config, algorithms: list[str | dict] | None = None, out: str | Path 
 
 def _config(config, algorithms: list[str | dict] | None = None, seeds: list[int] | None = None) -> RunConfig:
     """A validated config from any of the accepted forms, the algorithms to compare replacing its own."""
-    from .cli.main import _algorithm_spec, _config_path
-
     plugins.load()  # $FEDMOSAIC_PLUGINS and installed plug-ins, as the CLI sees them
     updates: dict = {} if seeds is None else {"seeds": list(seeds)}
     if algorithms is not None:
         if isinstance(algorithms, (str, dict)) or not algorithms:
             raise ConfigError("algorithms: a non-empty list of names or dicts, e.g. ['fedavg', 'fedprox:mu=0.1']")
-        updates["compare"] = [copy.deepcopy(a) if isinstance(a, dict) else _algorithm_spec(a) for a in algorithms]
+        updates["compare"] = [copy.deepcopy(a) if isinstance(a, dict) else algorithm_spec(a) for a in algorithms]
     if isinstance(config, (str, Path)):
-        return load_config(_config_path(str(config)), updates=updates)
+        return load_config(config_path(str(config)), updates=updates)
     if isinstance(config, RunConfig):
         config = config.model_dump(mode="json")
     if not isinstance(config, dict):

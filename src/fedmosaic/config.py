@@ -740,3 +740,32 @@ def dump(cfg: RunConfig) -> str:
     """The resolved config as YAML; a comparison's without the top-level algorithm, which does not run."""
     return yaml.safe_dump(cfg.model_dump(mode="json", exclude={"algorithm"} if cfg.compare else None),
                           sort_keys=False)
+
+
+_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?inf|nan")
+
+
+def _scalar(text: str):
+    """A ``--algorithms`` value: an integer, a float, true/false, or else the text itself (for the schema to judge).
+    Deliberately not YAML, which reads ``1:2`` as 62 and ``0x10`` as 16."""
+    if re.fullmatch(r"[-+]?\d{1,18}", text):
+        return int(text)
+    if _NUMBER.fullmatch(text.lower()):
+        return float(text)
+    return {"true": True, "false": False}.get(text, text)
+
+
+def algorithm_spec(text: str) -> dict:
+    """``fedprox:mu=0.1,foo=2`` → ``{"name": "fedprox", "mu": 0.1, "foo": 2}`` (``--algorithms``, ``api.compare``)."""
+    from .errors import FedMosaicError
+
+    name, _, params = text.partition(":")
+    spec: dict = {"name": name}
+    for item in filter(None, params.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise FedMosaicError(f"--algorithms {text!r}: expected NAME[:KEY=VALUE,...], e.g. fedprox:mu=0.1")
+        if key.strip() in spec:
+            raise FedMosaicError(f"--algorithms {text!r}: {key.strip()!r} is given twice")
+        spec[key.strip()] = _scalar(value.strip())
+    return spec

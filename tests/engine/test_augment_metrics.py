@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
-from fedmosaic.cli.main import _algorithm_spec
-from fedmosaic.errors import FedMosaicError
+from fedmosaic.config import algorithm_spec
 from fedmosaic.engine import augment
 from fedmosaic.engine.augment import AugmentConfig
 from fedmosaic.engine.runner import forgetting
+from fedmosaic.errors import FedMosaicError
 
 
 def test_crop_flip_cutout_match_a_hand_made_example():
@@ -56,18 +56,18 @@ def test_forgetting_is_mean_of_per_class_drops_from_the_best_earlier_round():
 
 
 def test_algorithm_specs_become_config_entries():
-    assert _algorithm_spec("fedprox:mu=0.1") == {"name": "fedprox", "mu": 0.1}
-    assert _algorithm_spec("fedavg") == {"name": "fedavg"}
-    assert _algorithm_spec("fedntd:beta=1,tau=2.5e-1") == {"name": "fedntd", "beta": 1, "tau": 0.25}
+    assert algorithm_spec("fedprox:mu=0.1") == {"name": "fedprox", "mu": 0.1}
+    assert algorithm_spec("fedavg") == {"name": "fedavg"}
+    assert algorithm_spec("fedntd:beta=1,tau=2.5e-1") == {"name": "fedntd", "beta": 1, "tau": 0.25}
     # not YAML: 1:2 (base 60 = 62), 0x10 and 1_0 stay text for the schema to refuse; no injected entries
-    assert _algorithm_spec("fedprox:mu=1:2") == {"name": "fedprox", "mu": "1:2"}
-    assert _algorithm_spec("fedprox:mu=0x10,x=1_0") == {"name": "fedprox", "mu": "0x10", "x": "1_0"}
+    assert algorithm_spec("fedprox:mu=1:2") == {"name": "fedprox", "mu": "1:2"}
+    assert algorithm_spec("fedprox:mu=0x10,x=1_0") == {"name": "fedprox", "mu": "0x10", "x": "1_0"}
     with pytest.raises(FedMosaicError, match="expected NAME"):  # no YAML to inject a third variant into
-        _algorithm_spec("fedprox:mu=0.1}, {name: fedavg")
+        algorithm_spec("fedprox:mu=0.1}, {name: fedavg")
     with pytest.raises(FedMosaicError, match="'mu' is given twice"):
-        _algorithm_spec("fedprox:mu=0.1,mu=0.2")
+        algorithm_spec("fedprox:mu=0.1,mu=0.2")
     with pytest.raises(FedMosaicError, match="expected NAME"):
-        _algorithm_spec("fedprox:mu")
+        algorithm_spec("fedprox:mu")
 
 
 def test_in_local_and_out_local_accuracy_weights_class_accuracy_by_the_label_distribution():

@@ -11,7 +11,6 @@ import argparse
 import contextlib
 import logging
 import os
-import re
 import shlex
 import signal
 import sys
@@ -20,48 +19,9 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import FedMosaicError, RunError, Stopped, environment_error, one_line
+from ..presets import config_path
 
 MAX_MESSAGE = 1000
-
-
-def _config_path(source: str) -> Path:
-    from ..presets import preset_choices, preset_names, preset_path
-
-    path = Path(source)
-    if path.is_file():
-        return path
-    found = preset_path(source) if source in preset_names() else None
-    if found is None:
-        what = "a directory, not a config file" if path.is_dir() else "neither a file nor a preset"
-        raise FedMosaicError(f"config {source!r} is {what}; {preset_choices(source)}")
-    return found
-
-
-_NUMBER = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?|[-+]?inf|nan")
-
-
-def _scalar(text: str):
-    """A ``--algorithms`` value: an integer, a float, true/false, or else the text itself (for the schema to judge).
-    Deliberately not YAML, which reads ``1:2`` as 62 and ``0x10`` as 16."""
-    if re.fullmatch(r"[-+]?\d{1,18}", text):
-        return int(text)
-    if _NUMBER.fullmatch(text.lower()):
-        return float(text)
-    return {"true": True, "false": False}.get(text, text)
-
-
-def _algorithm_spec(text: str) -> dict:
-    """``fedprox:mu=0.1,foo=2`` → ``{"name": "fedprox", "mu": 0.1, "foo": 2}``."""
-    name, _, params = text.partition(":")
-    spec: dict = {"name": name}
-    for item in filter(None, params.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise FedMosaicError(f"--algorithms {text!r}: expected NAME[:KEY=VALUE,...], e.g. fedprox:mu=0.1")
-        if key.strip() in spec:
-            raise FedMosaicError(f"--algorithms {text!r}: {key.strip()!r} is given twice")
-        spec[key.strip()] = _scalar(value.strip())
-    return spec
 
 
 class _Terminated(KeyboardInterrupt):
@@ -96,7 +56,7 @@ def _deploy(args) -> None:
     from ..paths import data_dirs
 
     flower()  # before anything is written: one line if the extra is missing
-    cfg = load_config(_config_path(args.config), args.set)
+    cfg = load_config(config_path(args.config), args.set)
     data = os.pathsep.join(str(Path(d).absolute()) for d in data_dirs())
     print(prepare(cfg, Path(args.out), host=args.host, port=args.port, link_port=args.link_port,
                   node_port=args.node_port, data_dir=data), end="")
@@ -119,12 +79,12 @@ def _gateway(args) -> None:
 
 
 def _run(args) -> None:
-    from ..config import advise, load_config
+    from ..config import advise, algorithm_spec, load_config
     from ..engine.runner import new_run_dir, not_a_run
     from ..reports.compare import run_all
 
     algorithms = getattr(args, "algorithms", None)
-    updates = {"compare": [_algorithm_spec(a) for a in algorithms]} if algorithms else {}
+    updates = {"compare": [algorithm_spec(a) for a in algorithms]} if algorithms else {}
     if args.seeds:
         updates["seeds"] = args.seeds
     if args.amend and not args.resume:
@@ -138,7 +98,7 @@ def _run(args) -> None:
             raise FedMosaicError(not_a_run(out, "config.yaml, comparison.yaml or seeds.yaml"))
         cfg = load_config(saved[0], args.set, updates)
     else:
-        cfg = load_config(_config_path(args.config or "quickstart"), args.set, updates)
+        cfg = load_config(config_path(args.config or "quickstart"), args.set, updates)
         if args.command == "compare" and not cfg.compare:
             raise FedMosaicError("compare: name the algorithms (--algorithms fedavg fedprox:mu=0.1) or give a config "
                                  "with a compare: list")

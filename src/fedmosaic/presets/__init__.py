@@ -21,3 +21,17 @@ def preset_choices(name: str) -> str:
     names = preset_names()
     near = difflib.get_close_matches(name, names, n=1)
     return f"{f'did you mean {near[0]!r}? ' if near else ''}presets: {', '.join(names)}"
+
+
+def config_path(source: str) -> Path:
+    """The config file ``source`` names: a file, else a preset; neither is one line naming the nearest preset."""
+    from ..errors import FedMosaicError
+
+    path = Path(source)
+    if path.is_file():
+        return path
+    found = preset_path(source) if source in preset_names() else None
+    if found is None:
+        what = "a directory, not a config file" if path.is_dir() else "neither a file nor a preset"
+        raise FedMosaicError(f"config {source!r} is {what}; {preset_choices(source)}")
+    return found
