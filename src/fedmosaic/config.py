@@ -665,6 +665,9 @@ def check_family(cfg: RunConfig, algo) -> None:
                           "is a plain federated method): set data.tasks (e.g. {n_tasks: 5, rounds_per_task: 10})")
     if cfg.eval.cross_clients and not algo.personalized:
         raise ConfigError(f"eval.cross_clients: {name!r} has no per-client models to cross-test; set it to false")
+    if cfg.participation is not None and cfg.participation.held_out and cfg.data.tasks is not None:
+        raise ConfigError("participation.held_out: held-out clients are evaluated on their own splits, which a "
+                          "task stream's class-incremental evaluation does not use; drop one of the two")
 
 
 def parse_value(text: str) -> Any:

@@ -80,9 +80,6 @@ class Federation:
         precision(cfg.engine.deterministic, cfg.engine.tf32, dev)
         check_precision(cfg.engine.precision, dev)
         robust.check(cfg, registered()[cfg.algorithm.name])  # before any data are read
-        if cfg.participation is not None and cfg.participation.held_out and cfg.data.tasks is not None:
-            raise ConfigError("participation.held_out: held-out clients are evaluated on their own splits, which a "
-                              "task stream's class-incremental evaluation does not use; drop one of the two")
         budget = lambda: memory_bytes(dev) if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20  # noqa
         if fd is None:  # a model that cannot fit is refused before the data are laid out (a copy of the dataset)
             spec = data_spec(cfg)
