@@ -15,9 +15,10 @@ import torch
 
 from ..errors import ConfigError
 from ..protocol.algorithm import Algorithm, register_algorithm
-from ..protocol.context import LocalContext, onehot
+from ..protocol.context import LocalContext, onehot, per_sample_task_loss
 from ..protocol.program import RECEIVED, Probe
 from ..protocol.tree import split_keys
+from .terms import linear_head
 
 
 @register_algorithm
@@ -47,10 +48,10 @@ class FedRoD(Algorithm):
         z, zg = ctx.forward("model")
         n = ctx.payload["own"][RECEIVED]["counts"]["n"]
         log_n = torch.where(n > 0, n.clamp(min=1).log(), torch.full_like(n, -torch.inf))
-        generic = ctx.term("bsm", ctx.mean(_ce(zg + log_n, ctx.y)))
-        w, b = sorted(self.setting.head_keys, key=lambda k: -ctx.params["phead"][k].dim())  # [C, d] weight, [C] bias
+        generic = ctx.term("bsm", ctx.mean(per_sample_task_loss("ce", zg + log_n, ctx.y)))
+        w, b = linear_head(ctx.params["phead"], self.setting.head_keys)
         zp = z.detach() @ ctx.params["phead"][w].T + ctx.params["phead"][b]
-        return generic + ctx.term("personal", ctx.mean(_ce(zg.detach() + zp, ctx.y)))
+        return generic + ctx.term("personal", ctx.mean(per_sample_task_loss("ce", zg.detach() + zp, ctx.y)))
 
     def finish(self, params, state, payload, stats):
         return {"model": params["model"]}, {"phead": params["phead"]}
@@ -59,7 +60,3 @@ class FedRoD(Algorithm):
         model = payload["global"]
         return {**model, **{k: model[k] + state["phead"][k] for k in self.setting.head_keys}}
 
-
-def _ce(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Per-sample cross-entropy (log-softmax and gather: vmap-safe, -inf columns allowed)."""
-    return -logits.log_softmax(-1).gather(-1, y[:, None])[:, 0]

@@ -63,7 +63,7 @@ from ..protocol.program import RECEIVED, Probe
 from ..protocol.tree import clone
 from .continual import UNKNOWN, KeepsTeacher, soft_ce
 from .fedproto import PrototypeServer
-from .terms import class_sums
+from .terms import class_sums, linear_head
 
 
 class ProtoFCLConfig(AlgoConfig):
@@ -235,7 +235,7 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         # argmax 2 z.p_k - ||p_k||^2, so weight 2P and bias -||P||^2 (classes without one: never chosen); cosine:
         # argmin ||z/|z| - p_k/|p_k||| is argmax z.p_k/|p_k|, so weight P/|P| and bias 0
         model, p, has = state["model"], state["protos"], state["has"]
-        w, b = sorted(self.setting.head_keys, key=lambda k: -model[k].dim())  # the [C, d] weight, the [C] bias
+        w, b = linear_head(model, self.setting.head_keys)
         if self.cfg.distance == "cosine":
             return {**model, w: F.normalize(p, dim=-1), b: torch.where(has > 0, 0.0, UNKNOWN)}
         return {**model, w: 2 * p, b: torch.where(has > 0, -(p * p).sum(1), UNKNOWN)}

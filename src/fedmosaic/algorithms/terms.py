@@ -25,6 +25,12 @@ def class_sums(ctx: LocalContext, num_classes: int, slot: str | tuple[str, ...] 
     return {"sum": hot.T @ z, "count": hot.sum(0)}
 
 
+def linear_head(tree: dict, head_keys) -> tuple[str, str]:
+    """The names of the [C, d] weight and the [C] bias of a head that is one linear layer (``Setting.head_keys``)."""
+    w, b = sorted(head_keys, key=lambda k: -tree[k].dim())
+    return w, b
+
+
 def ce_classes_field():
     """The ``ce_classes`` option of the class-incremental baselines that train the current task's classes."""
     return Field("task", description="output columns of the cross-entropy: the current task's classes (and a "
