@@ -26,6 +26,7 @@ import json
 import os
 import platform
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -33,7 +34,9 @@ import torch
 
 from fedmosaic.config import load_config, validate
 from fedmosaic.engine import evaluate as ev
-from fedmosaic.engine.federation import Federation, data_spec
+from fedmosaic.engine.federation import Federation
+from fedmosaic.setup.groups import data_spec
+from fedmosaic.setup.world import build_federation
 
 
 def config(algorithm: str, tasks: int, clients: int, sample: int | None) -> object:
@@ -65,7 +68,7 @@ def old_continual(fed: Federation, t: int) -> dict:
     ok = []
     for g in fed.groups[:1] if fed.algo.global_model else fed.groups:
         g.module.eval()
-        params, bufs = fed._predictors(g, t, 1 if fed.algo.global_model else None)
+        params, bufs = fed.predictors(g, t, 1 if fed.algo.global_model else None)
         ok.append(ev.stacked_correct(g.apply, {**params, **bufs}, x, y, fed.transform, g.trainer.vectorize,
                                      logits_fn=masked).double())
     hit = torch.cat(ok).mean(0)
@@ -75,7 +78,8 @@ def old_continual(fed: Federation, t: int) -> dict:
 
 
 def with_sample(fed: Federation, sample: int | None) -> None:
-    fed.cfg = fed.cfg.model_copy(update={"eval": fed.cfg.eval.model_copy(update={"continual_sample": sample})})
+    s = fed.settings
+    fed.world.settings = replace(s, eval=s.eval.model_copy(update={"continual_sample": sample}))
 
 
 def trained(checkpoint: Path, seeds: int) -> dict:
@@ -83,7 +87,7 @@ def trained(checkpoint: Path, seeds: int) -> dict:
     drawn with ``seeds`` different sampling seeds (the run's own data seed first) — how far the sample's numbers are
     from the exact ones on trained models."""
     run_dir = checkpoint.parent.parent
-    fed = Federation(load_config(run_dir / "config.yaml"))
+    fed = build_federation(load_config(run_dir / "config.yaml"))
     state = torch.load(checkpoint, weights_only=True, map_location=fed.device)
     fed.load_state_dict(state)
     t = state["round"]
@@ -94,7 +98,7 @@ def trained(checkpoint: Path, seeds: int) -> dict:
     with_sample(fed, validate({}).eval.continual_sample)
     for s in range(seeds):
         if s:  # another fixed sample: the ranks from another seed
-            fed._test_ranks = ev.class_ranks(fed.fd.y_global, data_spec(fed.cfg).seed + s)
+            fed.test_ranks = ev.class_ranks(fed.fd.y_global, data_spec(fed.cfg).seed + s)
         t0 = time.perf_counter()
         out = fed._continual(t)
         res["sampled"].append({**out, "eval_s": time.perf_counter() - t0})
@@ -124,7 +128,7 @@ def main() -> None:
                                                    load_at_start, "load_at_end": os.getloadavg(), **res}, indent=2))
         return
     default = validate({}).eval.continual_sample
-    fed = Federation(config(args.algorithm, args.tasks, args.clients, default))
+    fed = build_federation(config(args.algorithm, args.tasks, args.clients, default))
     print(f"execution: {fed.execution}", flush=True)
     ways = {"old": lambda t: old_continual(fed, t),
             "full": lambda t: (with_sample(fed, None), fed._continual(t))[1],

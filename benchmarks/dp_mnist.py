@@ -20,8 +20,9 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from fedmosaic.config import load_config  # noqa: E402
-from fedmosaic.engine.runner import read_metrics, run  # noqa: E402
 from fedmosaic.presets import preset_path  # noqa: E402
+from fedmosaic.runs.records import read_metrics  # noqa: E402
+from fedmosaic.runs.runner import run
 
 
 def main() -> None:

@@ -37,10 +37,12 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fedmosaic.config import load_config, validate
 from fedmosaic.data.federated import build
-from fedmosaic.engine.federation import Federation, data_spec
+from fedmosaic.engine.client.transforms import make_normalizer
+from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.seeding import sample_cohort
-from fedmosaic.engine.transforms import make_normalizer
 from fedmosaic.models import build_model
+from fedmosaic.setup.groups import data_spec
+from fedmosaic.setup.world import build_federation
 
 #: The end-to-end run: the APFL MNIST preset with FedAvg alone.
 E2E_PRESET = "apfl-mnist"
@@ -187,7 +189,7 @@ def time_precisions(rounds: int, device: str, model: str = "fedavg_cnn") -> dict
     rows = {}
     variants = PRECISIONS + (CUDA_PRECISIONS if device.startswith("cuda") else [])
     for name, engine in [("plain", {}), *variants]:
-        fed = Federation(config("b", 10, False, global_test=True, model_name=model, device=device, **engine), fd)
+        fed = build_federation(config("b", 10, False, global_test=True, model_name=model, device=device, **engine), fd)
         plain = PlainLoop(fed) if name == "plain" else None
         times = []
         for t in range(rounds):
@@ -376,15 +378,15 @@ def main() -> None:
         rounds = {"a": R if m == 10 else max(3, R // 2), "b": 2 if args.quick else 3}[setting]
         label = f"({setting}) {base.data.dataset} {base.model.name}, {m}/round, " + ("eval every round" if ev else "train only")
         res = {"setting": label}
-        fed = Federation(base, fd)
+        fed = build_federation(base, fd)
         res["execution"] = fed.execution
         res["plain"] = time_plain(fed, rounds, 1, ev)
         res["default"] = time_fedmosaic(fed, rounds, 1)
-        res["sequential"] = time_fedmosaic(Federation(config(setting, m, ev, "sequential", False), fd), rounds, 1)
-        res["vectorized"] = time_fedmosaic(Federation(config(setting, m, ev, "vectorized", False), fd), rounds, 1)
+        res["sequential"] = time_fedmosaic(build_federation(config(setting, m, ev, "sequential", False), fd), rounds, 1)
+        res["vectorized"] = time_fedmosaic(build_federation(config(setting, m, ev, "vectorized", False), fd), rounds, 1)
         if setting == "a" or args.compile_b:
             t0 = time.perf_counter()
-            comp = Federation(config(setting, m, ev, "vectorized", compile=True), fd)
+            comp = build_federation(config(setting, m, ev, "vectorized", compile=True), fd)
             # compile once for the cohort shapes a run meets (at most ~8 power-of-two buckets, plain and fused);
             # this one-time cost is reported separately as compile_warmup_s
             for t in range(30 if setting == "a" else 3):

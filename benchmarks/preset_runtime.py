@@ -31,8 +31,10 @@ import torch.nn.functional as F
 from fedmosaic.config import load_config, validate
 from fedmosaic.data.registry import find_layout, get_spec, register_dataset
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.runner import read_metrics, run
 from fedmosaic.presets import preset_names, preset_path
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.world import build_federation
 
 #: datasets that are not offline here: (train, test, shape, classes) of the real one, and how its clients split it
 #: (a per-domain split becomes an even split of the same totals; per domain its test set is its client's)
@@ -121,7 +123,7 @@ def runtime(name: str, budget: float, measure_up_to: float) -> dict:
     if standin:
         cfg = stand_in(cfg)
     t0 = time.perf_counter()
-    fed = Federation(cfg)
+    fed = build_federation(cfg)
     setup = time.perf_counter() - t0
     rounds, every = cfg.train.rounds, cfg.eval.every
     train, evaluate, how = from_steps(fed)

@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from fedmosaic.config import validate
-from fedmosaic.engine.federation import Federation
 from fedmosaic.protocol.codec import tensor_bytes
 from fedmosaic.protocol.tree import leaves
+from fedmosaic.setup.world import build_federation
 
 BASE = {
     "seed": 11,
@@ -80,7 +80,7 @@ def golden(name: str, backend: str) -> dict:
     raw = merged(BASE, over) | {"algorithm": algo}
     raw["engine"] = {**raw.get("engine", {}), "backend": backend}
     cfg = validate(raw)
-    fed = Federation(cfg)
+    fed = build_federation(cfg)
     records = []
     for t in range(cfg.train.rounds):
         rec = fed.round(t)

@@ -34,9 +34,9 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # a benchmark: no token file
 
 from fedmosaic.config import validate  # noqa: E402
 from fedmosaic.data.registry import register_dataset  # noqa: E402
-from fedmosaic.engine.federation import Federation  # noqa: E402
-from fedmosaic.engine.raypool import peak_rss_mb  # noqa: E402
+from fedmosaic.engine.pools.ray import peak_rss_mb  # noqa: E402
 from fedmosaic.errors import FedMosaicError  # noqa: E402
+from fedmosaic.setup.world import build_federation
 
 
 def synthetic(n: int, seed: int = 0, features: int = 60, classes: int = 10) -> tuple[np.ndarray, np.ndarray]:
@@ -78,7 +78,7 @@ def timed_run(raw: dict) -> dict:
     with open("/proc/self/clear_refs", "w") as f:  # restart this process's peak RSS (VmHWM) from here
         f.write("5")
     t0 = time.perf_counter()
-    fed = Federation(cfg)
+    fed = build_federation(cfg)
     built = time.perf_counter() - t0
     try:
         t1, recs = time.perf_counter(), []
@@ -144,7 +144,7 @@ def big(clients: int, actors: list[int], memory_mb: int, quick: bool, wire: bool
     dataset, out = register("synthetic60-big", 10 * clients), []  # ~4 train and 4 test samples per client
     raw = config(dataset, clients, 100, rounds, "auto", "local", 1, memory_mb, client_test=0.5)
     try:
-        Federation(validate(raw))
+        build_federation(validate(raw))
         refused = None
     except FedMosaicError as e:
         refused = str(e)

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from fedmosaic.config import load_config
-from fedmosaic.engine.runner import read_metrics, run
 from fedmosaic.reports.plots import learning_curves
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
 
 REPO = Path(__file__).resolve().parents[1]
 ATTACKS = {"honest": None, "x1000": {"kind": "scale", "fraction": 0.2, "factor": 1000.0},

@@ -7,8 +7,8 @@ import signal
 
 import torch
 
-from fedmosaic.engine.federation import Federation
 from fedmosaic.protocol.tree import leaves
+from fedmosaic.setup.world import build_federation
 
 #: The small federation most engine tests train: 8 blob clients, Dirichlet(0.5), an MLP, momentum and weight decay.
 BLOBS8 = {
@@ -88,7 +88,7 @@ def with_overrides(raw: dict, **over):
 
 def train(cfg, fd, rounds=None):
     """A federation after ``rounds`` rounds (default: the config's)."""
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     for t in range(rounds or cfg.train.rounds):
         fed.round(t)
     return fed

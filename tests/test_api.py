@@ -22,9 +22,9 @@ import fedmosaic
 from fedmosaic import plugins
 from fedmosaic.cli.main import main
 from fedmosaic.data.federated import PartitionSpec, build
-from fedmosaic.engine.runner import read_metrics
 from fedmosaic.errors import ConfigError, FedMosaicError
 from fedmosaic.models import Wrapped, build_model, head_keys, register_model
+from fedmosaic.runs.records import read_metrics
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from fedtest import HANG_S, TimeLimit
 
 from fedmosaic.cli.main import main
-from fedtest import HANG_S, TimeLimit
 
 CORPUS = Path(__file__).parent / "fuzz" / "corpus"
 SEED = int(os.environ.get("FEDMOSAIC_FUZZ_SEED", "0"))

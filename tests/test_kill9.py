@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from test_recovery import cli, metrics, reference, write_cfg  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.slow  # a child process (torch import) per case
@@ -47,7 +46,7 @@ if point == "link":
 elif point == "replace":
     os.replace = killing(os.replace, lambda src, dst, *a, **k: os.path.basename(str(dst)).startswith("round_"))
 elif point == "metrics":
-    import fedmosaic.engine.runner as runner
+    import fedmosaic.runs.runner as runner
     runner.Federation.round = killing(runner.Federation.round)
 elif point == "variant_done":
     compare.read_metrics = killing(compare.read_metrics)

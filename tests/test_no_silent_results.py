@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_recovery import SMALL, cli, error_line, metrics, reference, write_cfg  # noqa: F401 (a fixture)
 
 from fedmosaic.config import load_config
-from fedmosaic.engine.runner import read_metrics, run
-from test_recovery import SMALL, cli, error_line, metrics, reference, write_cfg  # noqa: F401 (a fixture)
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
 
 
 # ---- 1: compare --algorithms X runs X ------------------------------------------------------------------------

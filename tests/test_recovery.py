@@ -19,7 +19,8 @@ import yaml
 
 from fedmosaic.cli.main import main
 from fedmosaic.errors import FedMosaicError
-from fedmosaic.engine.runner import TIMING_KEYS, latest_checkpoint, read_metrics
+from fedmosaic.runs.checkpoints import latest_checkpoint
+from fedmosaic.runs.records import TIMING_KEYS, read_metrics
 
 SMALL = {
     "name": "small", "seed": 1,
@@ -185,7 +186,7 @@ def test_a_really_full_disk(tmp_path):
 def _cut(tmp_path, after: int) -> Path:
     """A run "killed" once round ``after`` is done (checkpoints every round)."""
     from fedmosaic.config import load_config
-    from fedmosaic.engine.runner import run
+    from fedmosaic.runs.runner import run
 
     out = tmp_path / "cut"
     run(load_config(write_cfg(tmp_path)), out, progress=False, stop_after=after)
@@ -349,7 +350,7 @@ def test_amend_with_a_damaged_meta_json_and_report_of_it(tmp_path):
 
 
 def test_runs_started_together_get_their_own_directories(tmp_path):
-    from fedmosaic.engine.runner import claim, new_run_dir
+    from fedmosaic.runs.dirs import claim, new_run_dir
 
     made = [new_run_dir(tmp_path / "runs", "same") for _ in range(3)]  # within one second: same time stamp
     assert len(set(made)) == 3 and all(p.is_dir() for p in made)
@@ -397,7 +398,7 @@ def test_metrics_lines_that_summaries_cannot_read_count_as_damaged(tmp_path, ref
 
 def test_a_checkpoint_of_another_run_is_set_aside(tmp_path, reference):
     from fedmosaic.config import load_config
-    from fedmosaic.engine.runner import run
+    from fedmosaic.runs.runner import run
 
     out = _cut(tmp_path, 2)
     other = tmp_path / "other"

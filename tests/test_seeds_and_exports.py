@@ -8,10 +8,10 @@ import json
 
 import numpy as np
 import pytest
+from test_recovery import cli, metrics, write_cfg
 
 import fedmosaic
-from fedmosaic.engine.runner import read_metrics, scalars
-from test_recovery import cli, metrics, write_cfg
+from fedmosaic.runs.records import read_metrics, scalars
 
 COMPARE = [{"name": "fedavg"}, {"name": "fedprox", "mu": 0.5}]
 
@@ -76,7 +76,7 @@ def _report(*dirs):
 
 def test_a_seeds_run_resumes_from_where_it_was_stopped(seeded, tmp_path):
     from fedmosaic.config import load_config
-    from fedmosaic.engine.runner import run
+    from fedmosaic.runs.runner import run
 
     cfg = load_config(seeded / "seeds.yaml")
     out = tmp_path / "s"
@@ -132,7 +132,7 @@ def test_tensorboard_event_files_hold_the_rounds_and_a_resume_replaces_the_recom
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from fedmosaic.config import load_config
-    from fedmosaic.engine.runner import run
+    from fedmosaic.runs.runner import run
 
     out = tmp_path / "r"
     cfg = load_config(write_cfg(tmp_path, eval={"tensorboard": True}))

@@ -13,7 +13,8 @@ import pytest
 from fedtest import BLOBS6, merged, with_overrides
 
 from fedmosaic.cli.main import main
-from fedmosaic.engine.runner import read_metrics, run
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
 
 pytest.importorskip("mlflow")
 pytest.importorskip("wandb")

@@ -5,7 +5,7 @@ algorithm: ``register_algorithm``, ``Algorithm``, ``AlgoConfig``, ``TaskLoss`` a
 algorithm").
 """
 
-__version__ = "0.1.0"
+from .version import __version__
 
 #: name -> the module it comes from (imported on first use)
 _FROM = {**dict.fromkeys(("Result", "compare", "register_dataset", "register_model", "run"), "api"),

@@ -14,11 +14,12 @@ from pathlib import Path
 from . import plugins
 from .config import RunConfig, advise, algorithm_spec, load_config
 from .data.registry import register_dataset
-from .engine.runner import new_run_dir, read_metrics, summarize
 from .errors import ConfigError, FedMosaicError
 from .models import register_model
 from .presets import config_path
 from .reports.compare import dir_name, run_all
+from .runs.dirs import new_run_dir
+from .runs.records import read_metrics, summarize
 
 __all__ = ["Result", "compare", "register_dataset", "register_model", "run"]
 

@@ -14,8 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from . import plugins
 from .data.partition.tasks import count_range
-from .engine.augment import AugmentConfig
-from .engine.optim import OptimizerConfig
+from .engine.client.augment import AugmentConfig
+from .engine.client.optim import OptimizerConfig
 from .errors import ConfigError
 from .protocol.algorithm import registered
 from .schema import MAX_COUNT, MAX_SEED, Schema

@@ -12,11 +12,11 @@ from test_continual_family import make_cfg
 from fedmosaic.algorithms.fedpmr import FedPMR
 from fedmosaic.algorithms.fedrecon import FedRecon
 from fedmosaic.algorithms.fedsi import FedSI
-from fedmosaic.engine.federation import Federation
 from fedmosaic.errors import ConfigError
 from fedmosaic.protocol.context import LocalContext
 from fedmosaic.protocol.program import Setting, Signals
 from fedmosaic.protocol.tree import leaves
+from fedmosaic.setup.world import build_federation
 
 
 # ---- FedRecon --------------------------------------------------------------------------------------------------
@@ -27,7 +27,7 @@ def test_fedrecon_merged_prototypes_are_the_centralised_class_means_of_every_emb
     task, each class met has the mean of the frozen encoder's embeddings of all the clients' examples of it."""
     cfg = make_cfg(algorithm={"name": "fedrecon", "encoder": "initial"}, data__clients=clients,
                    train__clients_per_round=clients)
-    fed = Federation(cfg)
+    fed = build_federation(cfg)
     g = fed.groups[0]
     data = fed.split["train"]
     with torch.no_grad():

@@ -11,14 +11,15 @@ import torch
 from fedtest import assert_trees_close, train, with_overrides
 
 from fedmosaic.algorithms.protofcl import ProtoFCL, distances
-from fedmosaic.engine import memory as mem
-from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run, summarize
+from fedmosaic.engine.client import memory as mem
 from fedmosaic.engine.seeding import TASK_END
 from fedmosaic.errors import ConfigError
 from fedmosaic.protocol.context import LocalContext
 from fedmosaic.protocol.program import Phase, Setting, Signals
 from fedmosaic.protocol.tree import leaves
+from fedmosaic.runs.records import TIMING_KEYS, read_metrics, summarize
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.world import build_federation
 
 R = 2  # rounds per task
 
@@ -44,7 +45,7 @@ def strip_timing(records):
 
 # ---- exemplar memory ---------------------------------------------------------------------------------------
 def test_batches_come_only_from_the_current_task_and_the_memory():
-    fed = Federation(make_cfg(train__clients_per_round=4))
+    fed = build_federation(make_cfg(train__clients_per_round=4))
     trainer, seen = fed.groups[0].trainer, []
     plan = trainer._plan
 
@@ -74,10 +75,10 @@ def test_batches_come_only_from_the_current_task_and_the_memory():
 
 def test_a_client_whose_task_stream_ends_drops_out_of_the_cohort(tmp_path):
     over = {"data__tasks__tasks_per_client": [2, 5], "data__tasks__order": "random", "train__clients_per_round": 4}
-    lengths = [len(st) for st in Federation(make_cfg(train__rounds=4, **over)).tasks]
+    lengths = [len(st) for st in build_federation(make_cfg(train__rounds=4, **over)).tasks]
     assert len(set(lengths)) > 1
     with pytest.raises(ConfigError, match=rf"longest client task stream \({max(lengths)} tasks of {R} rounds\)"):
-        Federation(make_cfg(train__rounds=R * max(lengths) + 1, **over))
+        build_federation(make_cfg(train__rounds=R * max(lengths) + 1, **over))
     cfg = make_cfg(train__rounds=R * max(lengths), **over)
     run(cfg, tmp_path / "r", progress=False)
     records = read_metrics(tmp_path / "r")
@@ -88,7 +89,7 @@ def test_a_client_whose_task_stream_ends_drops_out_of_the_cohort(tmp_path):
 
 @pytest.mark.parametrize("budget", [{"per_class": 3}, {"total": 7}])
 def test_the_memory_never_exceeds_its_budget_and_shrinks_by_keeping_prefixes(budget):
-    fed = Federation(make_cfg(data__tasks__memory=budget, train__clients_per_round=4))
+    fed = build_federation(make_cfg(data__tasks__memory=budget, train__clients_per_round=4))
     tr, before = fed.split["train"], [{} for _ in range(4)]
     for t in range(10):
         fed.round(t)
@@ -126,7 +127,7 @@ def test_rank_by_hand():
 
 
 def test_the_memory_holds_the_samples_nearest_to_each_class_prototype_under_the_clients_model():
-    fed = Federation(make_cfg(train__clients_per_round=4))
+    fed = build_federation(make_cfg(train__clients_per_round=4))
     for t in range(R):
         fed.round(t)
     g, tr = fed.groups[0], fed.split["train"]
@@ -200,14 +201,14 @@ def test_fedewc_anchors_at_the_global_model_with_the_fisher_of_the_task():
 # ---- ProtoFCL -----------------------------------------------------------------------------------------------
 @pytest.mark.cpu
 def test_protofcls_teacher_knows_the_classes_its_library_holds():
-    fed = Federation(make_cfg(train__clients_per_round=1, data__tasks__order="random",
+    fed = build_federation(make_cfg(train__clients_per_round=1, data__tasks__order="random",
                               algorithm={"name": "protofcl", "prototypes": "global"}))
     fed.round(0), fed.round(1)  # the end of task 0, one client in each round
     has, seen = fed.server["has"], torch.as_tensor(fed.seen_classes(0), dtype=torch.float32)
     assert has.sum() < seen.sum()  # some classes met by clients whose prototypes never reached the server
     assert (fed.groups[0].store["known"] == has).all()
     # the paper's reading: each client's teacher knows the classes of its own library
-    fed = Federation(make_cfg(train__clients_per_round=1, data__tasks__order="random"))
+    fed = build_federation(make_cfg(train__clients_per_round=1, data__tasks__order="random"))
     fed.round(0), fed.round(1)
     store = fed.groups[0].store
     assert (store["known"] == store["has"] * seen).all() and (store["known"].sum(1) > 0).sum() == 2
@@ -459,11 +460,11 @@ def test_resume_in_the_middle_of_a_task_equals_uninterrupted(algo, tmp_path):
 
 def test_a_plateau_schedule_that_can_never_fire_is_warned_about():
     with pytest.warns(UserWarning, match="a task of 5 rounds compares 4 losses .* patience 3: the learning rate is"):
-        Federation(make_cfg(data__tasks__rounds_per_task=5, train__optimizer={"plateau": {"patience": 3}}))
+        build_federation(make_cfg(data__tasks__rounds_per_task=5, train__optimizer={"plateau": {"patience": 3}}))
 
 
 def test_the_learning_rate_falls_on_plateaus_and_starts_again_with_each_task():
-    fed = Federation(make_cfg(data__tasks__rounds_per_task=3, train__optimizer={
+    fed = build_federation(make_cfg(data__tasks__rounds_per_task=3, train__optimizer={
         "lr": 0.1, "plateau": {"patience": 0, "factor": 0.5, "min_lr": 0.03, "skip": 0}}))
     scales = []
     for t, loss in enumerate([1.0, 1.0, 0.5, 1.0, 0.9, 0.9]):
@@ -477,7 +478,7 @@ def test_the_learning_rate_falls_on_plateaus_and_starts_again_with_each_task():
         fed.srv._track_plateau(t, 1.0)
         assert fed.plateau["scale"] == pytest.approx(0.3)
     # skip 1: a task's first loss is not compared (not even as the best so far)
-    fed = Federation(make_cfg(data__tasks__rounds_per_task=3, train__optimizer={
+    fed = build_federation(make_cfg(data__tasks__rounds_per_task=3, train__optimizer={
         "lr": 0.1, "plateau": {"patience": 0, "factor": 0.5, "skip": 1}}))
     for t, loss in enumerate([0.1, 1.0, 1.0]):
         fed.srv._track_plateau(t, loss)
@@ -522,7 +523,7 @@ def test_task_ends_are_always_evaluated_and_summarised_as_an_accuracy_matrix(tmp
 
 
 def test_bytes_protofcl_sends_prototypes_not_models():
-    fed = Federation(make_cfg(train__clients_per_round=4))
+    fed = build_federation(make_cfg(train__clients_per_round=4))
     rec = fed.round(0)
     C, d = fed.fd.num_classes, 16
     assert rec["payload_bytes_up"] == 4 * 4 * (C * d + C)
@@ -538,7 +539,7 @@ def test_memory_and_plateau_settings_are_one_line_errors():
     cfg = make_cfg(compare=[{"name": "fedavg", "memory": False}, {"name": "fedavg"}])
     a, b = cfg.variants()
     assert a.exemplar_memory() is None and b.exemplar_memory().per_class == 3
-    assert Federation(a).exemplars is None and Federation(b).exemplars is not None
+    assert build_federation(a).exemplars is None and build_federation(b).exemplars is not None
 
 
 # ---- GLFC, CFeD, FedWeIT by hand ------------------------------------------------------------------------------
@@ -581,7 +582,7 @@ def test_glfc_loss_by_hand():
 
 
 def test_cfed_reviews_on_the_surrogate_stream_after_learning_the_task():
-    fed = Federation(make_cfg(algorithm={"name": "cfed", "review_steps": 2}, data__public=SURROGATE))
+    fed = build_federation(make_cfg(algorithm={"name": "cfed", "review_steps": 2}, data__public=SURROGATE))
     first, review = fed.algo.program(0)
     assert first.view.part == "all" and review.view.part == "public" and review.steps == 2
     rec = fed.round(0)
@@ -589,9 +590,9 @@ def test_cfed_reviews_on_the_surrogate_stream_after_learning_the_task():
 
 
 def test_fedweit_starts_as_its_base_and_fills_its_knowledge_base_at_each_task_end():
-    fed = Federation(make_cfg(algorithm={"name": "fedweit"}, train__clients_per_round=4))
+    fed = build_federation(make_cfg(algorithm={"name": "fedweit"}, train__clients_per_round=4))
     g = fed.groups[0]
-    mine = fed._personal(g, 0)
+    mine = fed.personal(g, 0)
     for k, v in fed.server["B"].items():  # the authors' start: mask logits 0 (sigmoid 1/2), A = B_0 / 3, no knowledge
         torch.testing.assert_close(mine[k][0], v / 2 + v / 3)
     model = sum(v.numel() for v in fed.server["B"].values()) * 4  # bytes of one model
@@ -608,7 +609,7 @@ def test_fedweit_starts_as_its_base_and_fills_its_knowledge_base_at_each_task_en
     assert_trees_close(fed.server["B_prev"], fed.server["B"], exact=True)
     # each client keeps the task it learned: the stored entry (the cohort's mean A) mixed in with alpha 1
     assert g.store["alpha"].tolist() == [[1.0, 0, 0, 0, 0]] * 4
-    after = fed._personal(g, 1)
+    after = fed.personal(g, 1)
     for k, b in fed.server["B"].items():
         torch.testing.assert_close(after[k], (b / 2 + fed.algo.setting.init[k] / 3 + fed.server["kb"][k][0]).expand_as(
             after[k]))
@@ -617,7 +618,7 @@ def test_fedweit_starts_as_its_base_and_fills_its_knowledge_base_at_each_task_en
     fed.round(3)  # the end of task 1
     assert fed.server["kb_has"].tolist() == [1.0, 1.0, 0, 0, 0] and (g.store["alpha"][:, 1] == 1).all()
     # the knowledge base has one entry per task, whatever train.rounds says (a resume may amend it)
-    assert Federation(make_cfg(algorithm={"name": "fedweit"}, train__rounds=3)).server["kb_has"].shape == (5,)
+    assert build_federation(make_cfg(algorithm={"name": "fedweit"}, train__rounds=3)).server["kb_has"].shape == (5,)
 
 
 def test_a_continual_comparison_writes_its_matrices_table_and_accuracy_per_task(tmp_path):

@@ -14,11 +14,11 @@ from fedtest import BLOBS6, assert_trees_close, blobs6_partition, train, with_ov
 from pydantic import ValidationError
 
 from fedmosaic.algorithms import ALGORITHMS
-from fedmosaic.engine.federation import Federation
 from fedmosaic.engine.seeding import FINETUNE
 from fedmosaic.protocol.algorithm import Algorithm
 from fedmosaic.protocol.program import Phase, Step
 from fedmosaic.protocol.tree import leaves, tmap
+from fedmosaic.setup.world import build_federation
 
 #: momentum and weight decay in the run's optimiser: internal plain steps must ignore both
 HEAVY = {"lr": 0.05, "momentum": 0.9, "weight_decay": 0.01}
@@ -77,7 +77,7 @@ class Repeats(Algorithm):
 def test_phase_until_runs_the_same_batches_again_per_client(fd, monkeypatch, backend, cap):
     monkeypatch.setitem(ALGORITHMS, "repeats_test", Repeats)
     monkeypatch.setattr(Repeats, "max_repeats", cap)
-    fed = Federation(make_cfg(algorithm={"name": "repeats_test"}, engine={"backend": backend}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "repeats_test"}, engine={"backend": backend}), fd)
     g, tr = fed.groups[0], fed.split["train"]
     clients = np.arange(6)
     phase = fed.algo.program(0)[0]
@@ -126,7 +126,7 @@ def test_fedala_start_phase_trains_a_until_the_loss_std_settles(fd):
     eta, thr, window = 2.0, 0.02, 3
     cfg = make_cfg(algorithm={"name": "fedala", "p": 0, "eta": eta, "sample": 0.5, "threshold": thr,
                               "window": window, "max_start_passes": 60})
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     algo, g, tr = fed.algo, fed.groups[0], fed.split["train"]
     glob = tmap(torch.clone, fed.server["model"])
     gen = torch.Generator().manual_seed(0)
@@ -162,7 +162,7 @@ def test_fedala_start_phase_trains_a_until_the_loss_std_settles(fd):
 def test_fedala_start_phase_is_capped(fd):
     """A threshold no pass can reach: the start phase stops after max_start_passes passes."""
     cfg = make_cfg(algorithm={"name": "fedala", "threshold": 1e-30, "max_start_passes": 4, "sample": 0.5})
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     algo, g, tr = fed.algo, fed.groups[0], fed.split["train"]
     state = algo.init_client(fed.server["model"])
     state = {**state, "local": tmap(lambda t: t + 0.3, state["local"]), "seen": torch.tensor(1.0)}
@@ -180,7 +180,7 @@ def test_pfedme_local_rounds_are_plain_moreau_steps(fd):
     theirs 0.001), all plain although the run's optimiser has momentum and weight decay."""
     lam, eta_p, eta, mu = 15.0, 0.01, 0.05, 0.001
     cfg = make_cfg(algorithm={"name": "pfedme", "R": 3, "K": 2, "lam": lam, "personal_lr": eta_p, "mu": mu})
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     algo, g, tr = fed.algo, fed.groups[0], fed.split["train"]
     clients = np.array([1, 4])
     phase = algo.program(0)[0]
@@ -217,7 +217,7 @@ def test_pfedme_beta_up_to_the_papers_four_extrapolates():
 def test_perfedavg_batches_d_and_d_prime_are_disjoint_halves_of_one_shuffle(fd):
     """Each step's D and D' share no sample, and per epoch D and D' together hold every train sample once (2B
     samples of one permutation per step, as PFLlib's clientperavg): ceil(n / 2B) steps an epoch."""
-    fed = Federation(make_cfg(algorithm={"name": "perfedavg"}, train__local_epochs=2), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "perfedavg"}, train__local_epochs=2), fd)
     g, tr = fed.groups[0], fed.split["train"]
     clients = np.arange(6)
     plan = g.trainer._plan(tr, clients, fed.algo.program(0)[0], 0, 5, 0, ())
@@ -238,7 +238,7 @@ def test_perfedavg_beta_step_is_plain(fd):
     """w <- w - beta grad f(w - alpha grad f(w; D); D') (first order), plain although the run's optimiser has
     momentum and weight decay (the authors' MySGD.step(beta=...))."""
     alpha, beta = 0.3, 0.2
-    fed = Federation(make_cfg(algorithm={"name": "perfedavg", "alpha": alpha, "beta": beta}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "perfedavg", "alpha": alpha, "beta": beta}), fd)
     algo, g, tr = fed.algo, fed.groups[0], fed.split["train"]
     clients = np.array([2])
     phase = algo.program(0)[0]
@@ -260,7 +260,7 @@ def test_maml_personalization_takes_plain_alpha_steps(fd, name):
     """The personal model: adapt_steps = 2 steps w <- w - alpha grad f(w) on train batches, plain (MAML's
     adaptation) although the run's optimiser has momentum and weight decay."""
     alpha = 0.3
-    fed = Federation(make_cfg(algorithm={"name": name, "alpha": alpha, "adapt_steps": 2}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": name, "alpha": alpha, "adapt_steps": 2}), fd)
     algo, g, tr = fed.algo, fed.groups[0], fed.split["train"]
     clients = np.array([0, 5])
     phases = algo.finetune()

@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from fedtest import BLOBS6, assert_trees_close, blobs6_partition, with_overrides
 
 from fedmosaic.algorithms.fedpac import collaboration_weights
-from fedmosaic.engine.federation import Federation
 from fedmosaic.protocol.context import LocalContext
 from fedmosaic.protocol.program import Signals
 from fedmosaic.protocol.tree import tmap
+from fedmosaic.setup.world import build_federation
 
 
 def make_cfg(**over):
@@ -83,7 +83,7 @@ def test_fedpac_heads_combine_by_the_authors_variance_and_bias(fd):
     """Three clients' features given per sample; V_k, h_k and the weights computed as the authors' loops do
     (V_k = [sum_c p_c tr(F_c^T F_c) / n_c − sum_c p_c^2 ||mu_c||^2] / n_k); each new head = those weights applied to
     the uploaded heads. (The previous code used p_c for p_c^2 and no / n_k: it mixed far more of the others.)"""
-    fed = Federation(make_cfg(algorithm={"name": "fedpac"}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedpac"}), fd)
     algo, server = fed.algo, fed.server
     C, d = algo.num_classes, algo.feature_dim
     g = torch.Generator().manual_seed(1)
@@ -119,11 +119,11 @@ def test_fedpac_heads_combine_by_the_authors_variance_and_bias(fd):
 def test_fedpac_statistics_are_taken_at_the_received_model(fd):
     """h and V come from one pass over the client's data at the model it received (the global body, its own head),
     before local training; the centroid sums from one pass at its final model."""
-    fed = Federation(make_cfg(algorithm={"name": "fedpac"}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedpac"}), fd)
     fed.round(0)  # (heads of their own, centroids on the server)
     g, algo = fed.groups[0], fed.algo
     clients = np.array([0, 3])
-    own = fed._own(clients)
+    own = fed.own(clients)
     up = g.trainer.train(fed.split["train"], clients, algo.broadcast(fed.server, 1), tmap(lambda t: t[:2], g.store),
                          {}, own=own, lr=0.1, seed=0, round_idx=1, program=algo.program(1),
                          probes=algo.probes(1, fed.algo.broadcast(fed.server, 1)))[0]
@@ -145,7 +145,7 @@ def test_fedpac_statistics_are_taken_at_the_received_model(fd):
 def test_fedpac_a_class_absent_from_the_cohort_keeps_no_stale_centroid(fd):
     """The server's centroids are this round's cohort's: a class nobody in it has loses its centroid (the
     authors' server replaces its centroid dict every round), so the next round aligns no sample of it."""
-    fed = Federation(make_cfg(algorithm={"name": "fedpac"}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedpac"}), fd)
     algo = fed.algo
     C, d = algo.num_classes, algo.feature_dim
     server = {**fed.server, "protos": torch.ones(C, d), "has": torch.ones(C)}  # every class had one before
@@ -166,10 +166,10 @@ def test_fedpac_head_learning_rate_is_its_own(fd):
     """head_lr = 0.3 at a round learning rate of 0.1 trains the head exactly as the round's rate 0.3 does, and the
     body exactly as 0.1 does."""
     def first_round(lr, head_lr):
-        fed = Federation(make_cfg(algorithm={"name": "fedpac", "head_lr": head_lr}, train__optimizer__lr=lr), fd)
+        fed = build_federation(make_cfg(algorithm={"name": "fedpac", "head_lr": head_lr}, train__optimizer__lr=lr), fd)
         g, algo, clients = fed.groups[0], fed.algo, np.array([0, 3])
         return g.trainer.train(fed.split["train"], clients, algo.broadcast(fed.server, 0),
-                               tmap(lambda t: t[:2], g.store), {}, own=fed._own(clients), lr=lr, seed=0,
+                               tmap(lambda t: t[:2], g.store), {}, own=fed.own(clients), lr=lr, seed=0,
                                round_idx=0, program=algo.program(0)[:1],
                                probes=algo.probes(0, algo.broadcast(fed.server, 0)))[0]
 
@@ -201,12 +201,12 @@ def test_fedkd_distillation_is_the_authors_element_mean(fd):
     torch.testing.assert_close(kd_mentee, (p_t * (p_t.log() - p_s.log())).sum() / 8)
     kd_mentor = kl_div(F.log_softmax(real_t, -1), p_s)
     want = ce_s + ce_t + (kd_mentee + kd_mentor) / (ce_s + ce_t)
-    fed = Federation(make_cfg(algorithm={"name": "fedkd"}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedkd"}), fd)
     ctx = kd_context(ls, lt, y, mask)
     torch.testing.assert_close(fed.algo.loss(ctx), want)
     assert set(ctx.terms) == {"ce_mentee", "ce_mentor", "kd_mentee", "kd_mentor"}
     torch.testing.assert_close(ctx.terms["kd_mentee"], kd_mentee / (ce_s + ce_t))
-    per_sample = Federation(make_cfg(algorithm={"name": "fedkd", "kd_reduction": "sample"}), fd)
+    per_sample = build_federation(make_cfg(algorithm={"name": "fedkd", "kd_reduction": "sample"}), fd)
     want = ce_s + ce_t + 4 * (kd_mentee + kd_mentor) / (ce_s + ce_t)
     torch.testing.assert_close(per_sample.algo.loss(kd_context(ls, lt, y, mask)), want)
 
@@ -214,6 +214,6 @@ def test_fedkd_distillation_is_the_authors_element_mean(fd):
 def test_fedkd_svd_energy_follows_the_authors_schedule(fd):
     """run.py: energy = tmin + (1 + round) / rounds · (tmax − tmin), round counted from 0: above t_start already in
     the first round, t_end in the last."""
-    fed = Federation(make_cfg(algorithm={"name": "fedkd", "t_start": 0.9, "t_end": 0.98}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedkd", "t_start": 0.9, "t_end": 0.98}), fd)
     got = [float(fed.algo.broadcast(fed.server, r)["energy"]) for r in range(4)]
     assert got == pytest.approx([0.9 + (r + 1) / 4 * 0.08 for r in range(4)])

@@ -14,9 +14,9 @@ from fedmosaic.algorithms.fccl import FCCL, FCCLConfig, cross_correlation_loss
 from fedmosaic.algorithms.feddf import FedDF, FedDFConfig
 from fedmosaic.algorithms.rhfl import RHFL, RHFLConfig, sce_parts
 from fedmosaic.data.federated import PartitionSpec, compute
-from fedmosaic.engine.federation import Federation
 from fedmosaic.errors import ConfigError
 from fedmosaic.protocol.context import LocalContext
+from fedmosaic.setup.world import build_federation
 
 D = torch.float64
 
@@ -109,7 +109,7 @@ def test_fccl_private_teachers_are_the_previous_round_model_and_the_frozen_warm_
 
 
 def test_fccl_private_phase_distils_from_the_model_the_client_started_the_round_from(fd):
-    fed = Federation(make_cfg(engine={"backend": "sequential"}), fd)
+    fed = build_federation(make_cfg(engine={"backend": "sequential"}), fd)
     fed.round(0)
     start = {g.gid: {k: v.clone() for k, v in g.store["model"].items()} for g in fed.groups}
     pre = {g.gid: {k: v.clone() for k, v in g.store["pre"].items()} for g in fed.groups}
@@ -182,7 +182,7 @@ def test_rhfl_public_loss_weighs_each_peer_by_its_share_of_the_softmax_over_all(
 @pytest.mark.cpu
 def test_rhfl_reweights_from_round_one_with_the_drop_of_the_symmetric_ce_over_the_round(fd):
     cfg = make_cfg(algorithm={"name": "rhfl"}, train__clients_per_round=6, engine={"backend": "sequential"})
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     sent, models = [], []
     exchange = fed.algo.exchange
 

@@ -13,9 +13,9 @@ import torch.nn.functional as F
 from fedtest import BLOBS6, assert_trees_close, blobs6_partition, with_overrides
 
 from fedmosaic.algorithms import ALGORITHMS
-from fedmosaic.engine.federation import Federation
 from fedmosaic.protocol.program import Signals
 from fedmosaic.protocol.tree import tmap
+from fedmosaic.setup.world import build_federation
 
 
 def make_cfg(**over):
@@ -42,7 +42,7 @@ def test_pfedsrb_server_takes_the_plain_mean_by_default_and_the_sample_weighted_
 
 
 def test_pfedsrb_round_averages_the_cohorts_uploads_with_equal_weights(fd):
-    fed = Federation(make_cfg(algorithm={"name": "pfedsrb", "R": 2}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "pfedsrb", "R": 2}), fd)
     seen = {}
     aggregate = fed.algo.aggregate
 
@@ -75,7 +75,7 @@ def test_apfl_plateau_detector_reads_the_global_models_training_loss(fd):
     the global model's losses of rounds 1 and 2. EWC is on (mu = 1, importance refreshed in round 0) and the model
     decomposes from round 1, so the cohort's running loss differs from this one."""
     algo = {"name": "apfl_pd", "z": 1, "refresh_first": 1, "window": 2, "delta_mu": 50.0, "delta_sigma": 50.0}
-    fed = Federation(make_cfg(algorithm=algo), fd)
+    fed = build_federation(make_cfg(algorithm=algo), fd)
     hand, running = [], []
     for t in range(3):
         received = tmap(torch.clone, fed.server["model"])
@@ -93,14 +93,14 @@ def test_apfl_plateau_detector_reads_the_global_models_training_loss(fd):
 def test_apfl_thresholds_apply_to_the_global_loss(fd):
     """delta_mu just above / just below the window mean of the global model's losses decides the refresh."""
     algo = {"name": "apfl_pd", "z": 1, "refresh_first": 1, "window": 2, "delta_sigma": 50.0}
-    probe = Federation(make_cfg(algorithm={**algo, "delta_mu": 50.0}), fd)
+    probe = build_federation(make_cfg(algorithm={**algo, "delta_mu": 50.0}), fd)
     hand = []
     for t in range(3):
         hand.append(global_train_loss(probe, tmap(torch.clone, probe.server["model"]), probe.cohort(t)))
         probe.round(t)
     mean = float(np.mean(hand[1:]))
     for delta_mu, fires in ((mean * 1.001, True), (mean * 0.999, False)):
-        fed = Federation(make_cfg(algorithm={**algo, "delta_mu": delta_mu}), fd)
+        fed = build_federation(make_cfg(algorithm={**algo, "delta_mu": delta_mu}), fd)
         for t in range(3):
             fed.round(t)
         assert bool(fed.server["flag"]) == fires  # round 3's clients would send their gradients

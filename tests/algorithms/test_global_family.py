@@ -17,10 +17,10 @@ from fedmosaic.algorithms.fednova import local_step_normaliser
 from fedmosaic.algorithms.terms import ControlVariate, CurvaturePenalty, ModelContrastive, NotTrueDistillation
 from fedmosaic.config import validate
 from fedmosaic.data.federated import PartitionSpec, compute
-from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.optim import OptimizerConfig
+from fedmosaic.engine.client.optim import OptimizerConfig
 from fedmosaic.protocol.context import LocalContext
 from fedmosaic.protocol.tree import leaves, tmap
+from fedmosaic.setup.world import build_federation
 
 DIRICHLET = {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}
 
@@ -226,7 +226,7 @@ def test_fednova_ccvr_shifts_gradients_by_the_previous_normalised_update(fd):
     from fedmosaic.algorithms.terms import GradientShift
     from fedmosaic.protocol.context import LocalContext
 
-    fed = Federation(make_cfg({"name": "fednova", "ccvr": True}, rounds=1), fd)
+    fed = build_federation(make_cfg({"name": "fednova", "ccvr": True}, rounds=1), fd)
     calls = spy_aggregate(fed)
     cohort = spy_cohorts(fed)
     fed.round(0)
@@ -258,11 +258,11 @@ def test_fednova_ccvr_off_is_unchanged_and_on_differs(fd):
 @pytest.mark.cpu
 def test_fednova_aggregation_matches_formula(fd):
     """Ragged step counts and momentum: w^{t+1} = w^t - (sum p_i a_i) sum p_i (w^t - w_i) / a_i, by hand."""
-    fed = Federation(make_cfg({"name": "fednova"}, rounds=1), fd)
+    fed = build_federation(make_cfg({"name": "fednova"}, rounds=1), fd)
     calls = spy_aggregate(fed)
     cohorts = spy_cohorts(fed)
     # the uploads are normalised already; recover w_i from a FedAvg run over the same cohort and batches
-    avg = Federation(make_cfg({"name": "fedavg"}, rounds=1), fd)
+    avg = build_federation(make_cfg({"name": "fedavg"}, rounds=1), fd)
     avg_calls = spy_aggregate(avg)
     fed.round(0)
     avg.round(0)
@@ -282,7 +282,7 @@ def test_fednova_aggregation_matches_formula(fd):
 
 
 def test_fedavgm_server_momentum_recursion(fd):
-    fed = Federation(make_cfg({"name": "fedavgm", "beta": 0.9}, rounds=3), fd)
+    fed = build_federation(make_cfg({"name": "fedavgm", "beta": 0.9}, rounds=3), fd)
     calls = spy_aggregate(fed)
     for t in range(3):
         fed.round(t)
@@ -305,7 +305,7 @@ def test_scaffold_control_variates_match_hand_computation(fd3, momentum):
     lr, batch, epochs = 0.1, 50, 1
     cfg = make_cfg({"name": "scaffold"}, clients=3, client_test=0.0, model={"name": "logreg"}, rounds=3, per_round=2,
                    epochs=epochs, batch=batch, optimizer={"lr": lr, "momentum": momentum})
-    fed = Federation(cfg, fd3)
+    fed = build_federation(cfg, fd3)
     calls, cohorts = spy_aggregate(fed), spy_cohorts(fed)
     sizes = fed.split["train"].sizes
     zeros = {k: torch.zeros_like(t) for k, t in fed.server["model"].items()}
@@ -335,7 +335,7 @@ def test_scaffold_control_variates_match_hand_computation(fd3, momentum):
 
 
 def test_fedcurv_server_sums_track_latest_client_statistics(fd):
-    fed = Federation(make_cfg({"name": "fedcurv", "lam": 1.0}, rounds=3), fd)
+    fed = build_federation(make_cfg({"name": "fedcurv", "lam": 1.0}, rounds=3), fd)
     cohorts = spy_cohorts(fed)
     tr = fed.groups[0].trainer
     seen = []

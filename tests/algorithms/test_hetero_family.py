@@ -15,10 +15,11 @@ from fedmosaic.algorithms.ahf import ahf_loss
 from fedmosaic.algorithms.fccl import cross_correlation_loss
 from fedmosaic.data.federated import PartitionSpec, compute
 from fedmosaic.engine.evaluate import cross_summary
-from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run
 from fedmosaic.errors import ConfigError
 from fedmosaic.protocol.tree import leaves
+from fedmosaic.runs.records import TIMING_KEYS, read_metrics
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.world import build_federation
 
 FAMILY = [{"name": "ahf"}, {"name": "ahf", "pd": "dissimilarity", "use_sd": False}, {"name": "fedmd"},
           {"name": "feddf", "tau": 2.0}, {"name": "rhfl"}, {"name": "fccl"}, {"name": "local"}]
@@ -83,8 +84,8 @@ def test_resume_equals_uninterrupted(fd, algo, tmp_path):
 
 # ---- the engine's pieces -------------------------------------------------------------------------------------
 def test_clients_start_from_their_own_initialisation_and_warm_up(fd):
-    own = Federation(make_cfg(), fd)
-    shared = Federation(make_cfg(model__init="shared"), fd)
+    own = build_federation(make_cfg(), fd)
+    shared = build_federation(make_cfg(model__init="shared"), fd)
     for g_own, g_shared in zip(own.groups, shared.groups):
         w = leaves(g_own.store["model"])[0]
         assert not torch.equal(w[0], w[1])  # two clients of one architecture, two initialisations
@@ -98,7 +99,7 @@ def test_clients_start_from_their_own_initialisation_and_warm_up(fd):
 
 
 def test_the_exchange_carries_every_cohort_clients_logits_and_bytes_count_them(fd):
-    fed = Federation(make_cfg(train__warmup_epochs=0), fd)
+    fed = build_federation(make_cfg(train__warmup_epochs=0), fd)
     seen = {}
     orig = fed.algo.exchange
 
@@ -118,7 +119,7 @@ def test_the_exchange_carries_every_cohort_clients_logits_and_bytes_count_them(f
     rec_up = 4 * n * N0 * C  # float32 logits up; nothing else is uploaded by AHF
     assert rec["payload_bytes_up"] == rec_up
     assert rec["payload_bytes_down"] >= n * (rec_up + 8 * n)  # everybody's logits (and ids) down to every client
-    fresh = Federation(make_cfg(train__warmup_epochs=0), fd)
+    fresh = build_federation(make_cfg(train__warmup_epochs=0), fd)
     row = int(fresh.row_of[k])
     params = {name: t[row] for name, t in fresh.groups[g.gid].store["model"].items()}
     _, logits = fresh.groups[g.gid].apply(params, x)
@@ -126,7 +127,7 @@ def test_the_exchange_carries_every_cohort_clients_logits_and_bytes_count_them(f
 
 
 def test_the_public_stream_is_the_same_batches_for_every_client(fd):
-    fed = Federation(make_cfg(), fd)
+    fed = build_federation(make_cfg(), fd)
     trainer = fed.groups[0].trainer
     from fedmosaic.protocol.program import Phase, View
 
@@ -138,24 +139,24 @@ def test_the_public_stream_is_the_same_batches_for_every_client(fd):
 
 
 def test_noise_is_uniform_in_the_data_range_and_seeded(fd):
-    a, b = Federation(make_cfg(), fd), Federation(make_cfg(), fd)
+    a, b = build_federation(make_cfg(), fd), build_federation(make_cfg(), fd)
     assert torch.equal(a.public.x, b.public.x)
-    c = Federation(make_cfg(data__public={"source": "noise", "size": N0, "seed": 99}), fd)
+    c = build_federation(make_cfg(data__public={"source": "noise", "size": N0, "seed": 99}), fd)
     assert not torch.equal(a.public.x, c.public.x)
     assert a.public.x.shape == (N0, *fd.dataset.input_shape)
 
 
 def test_family_settings_are_one_line_errors(fd):
     with pytest.raises(ConfigError, match="warmup_epochs.*global model"):
-        Federation(make_cfg(model={"name": "mlp"}, algorithm={"name": "fedavg"}), fd)
+        build_federation(make_cfg(model={"name": "mlp"}, algorithm={"name": "fedavg"}), fd)
     with pytest.raises(ConfigError, match="cross_clients.*no per-client models"):
-        Federation(make_cfg(model={"name": "mlp"}, algorithm={"name": "fedavg"}, train__warmup_epochs=0), fd)
+        build_federation(make_cfg(model={"name": "mlp"}, algorithm={"name": "fedavg"}, train__warmup_epochs=0), fd)
     with pytest.raises(ConfigError, match="public stream: set data.public"):
-        Federation(make_cfg(data__public=None), fd)
+        build_federation(make_cfg(data__public=None), fd)
     with pytest.raises(ConfigError, match="feature sizes differ.*project"):
-        Federation(make_cfg(algorithm={"name": "fedproto"}), fd)
+        build_federation(make_cfg(algorithm={"name": "fedproto"}), fd)
     with pytest.raises(ConfigError, match="model.assign: one architecture index per client"):
-        Federation(make_cfg(model__assign=[0, 1]), fd)
+        build_federation(make_cfg(model__assign=[0, 1]), fd)
 
 
 def test_fedproto_runs_on_mixed_architectures_through_a_common_projection(fd):
@@ -261,7 +262,7 @@ def test_resnet10_resnet12_mobilenetv2_and_efficientnet_b0_clients_train_and_eva
         "train": {"rounds": 1, "clients_per_round": 4, "batch_size": 64, "warmup_epochs": 1,
                   "optimizer": {"name": "adam", "lr": 0.001}},
         "eval": {"cross_clients": True, "global_test": False}})
-    fed = Federation(cfg, None)
+    fed = build_federation(cfg, None)
     assert [g.module.__class__.__name__ for g in fed.groups] == ["ResNet", "ResNet", "MobileNetV2", "EfficientNetB0"]
     assert sorted({g.module.feature_dim for g in fed.groups}) == [40, 64, 160]
     before = [leaves(g.store["model"])[-1].clone() for g in fed.groups]
@@ -281,7 +282,7 @@ def test_feddf_with_one_architecture_is_ensemble_distillation_of_the_averaged_mo
     common = {"model": {"name": "mlp", "options": {"hidden": 8}}, "train__warmup_epochs": 0, "train__rounds": 1,
               "eval": {}, "train__optimizer": {"name": "sgd", "lr": 0.05}}
     avg = train(make_cfg(algorithm={"name": "fedavg"}, **common), fd)
-    fed = Federation(make_cfg(algorithm={"name": "feddf_global", "public_batch": N0, "tau": 2.0}, **common), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "feddf_global", "public_batch": N0, "tau": 2.0}, **common), fd)
     seen = {}
     aggregate = fed.algo.aggregate
 
@@ -329,6 +330,6 @@ def test_uploads_of_different_architectures_must_share_a_layout(fd, monkeypatch)
 
     # Local, made to upload its weights: an MLP of width 8 and one of 12-12 cannot be stacked
     monkeypatch.setattr(Local, "finish", lambda self, params, state, payload, stats: ({"w": params["model"]}, state))
-    fed = Federation(make_cfg(algorithm={"name": "local"}, data__public=None, train__warmup_epochs=0), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "local"}, data__public=None, train__warmup_epochs=0), fd)
     with pytest.raises(ConfigError, match="uploads differently shaped tensors from the different architectures"):
         fed.round(0)

@@ -17,14 +17,15 @@ from fedmosaic.algorithms.apfl_pd import plateau_step
 from fedmosaic.algorithms.fedkd import truncated_svd
 from fedmosaic.algorithms.fedpac import collaboration_weights, simplex_projection
 from fedmosaic.algorithms.pfedsrb import soft_threshold
-from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.plans import view_offsets
-from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run
+from fedmosaic.engine.client.plans import view_offsets
 from fedmosaic.errors import ConfigError
 from fedmosaic.protocol.algorithm import Algorithm
 from fedmosaic.protocol.context import LocalContext
 from fedmosaic.protocol.program import Phase, Signals, Step, View
 from fedmosaic.protocol.tree import leaves, tmap
+from fedmosaic.runs.records import TIMING_KEYS, read_metrics
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.world import build_federation
 
 NEW = [
     {"name": "apfl_pd", "z": 1, "refresh_first": 2},
@@ -113,7 +114,7 @@ def test_apfl_decomposition_changes_training(fd):
 def test_apfl_importance_update_matches_hand_computed_two_clients(fd):
     """F after round 0 = lam * 0 + sum_k p_k (grad of client k's mean train loss at the model it received)^2."""
     cfg = make_cfg(algorithm={"name": "apfl_pd", "refresh_first": 1, "lam": 0.5}, train__clients_per_round=2)
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     received = tmap(torch.clone, fed.server["model"])
     g = fed.groups[0]
     cohort = np.sort(np.random.default_rng([cfg.seed, 1, 0]).choice(fed.num_clients, 2, replace=False))
@@ -154,7 +155,7 @@ def test_apfl_plateau_refresh_reaches_the_next_round(fd):
     """A plateau flagged in round t makes the clients of round t + 1 send their gradients (one model more each)."""
     cfg = make_cfg(algorithm={"name": "apfl_pd", "refresh_first": 0, "window": 1, "delta_mu": 100.0,
                               "delta_sigma": 100.0}, train__rounds=4)
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     recs = [fed.round(t) for t in range(4)]
     # round 0: window full, mean > 0: peak; round 1: plateau -> flag; round 2 sends gradients; round 3: peak again
     assert [r["payload_bytes_up"] for r in recs[:2]] == [recs[0]["payload_bytes_up"]] * 2
@@ -206,8 +207,8 @@ def test_pfedsrb_reports_a_sparse_personal_part(fd):
 def test_pfedme_without_moreau_pull_is_local_sgd_from_the_global_model(fd):
     """lam = 0, K = 1: theta does plain SGD at personal_lr on the round's batches (FedAvg's upload at that lr) and
     w_loc gets no gradient, so the server model does not move."""
-    fedavg = Federation(make_cfg(algorithm={"name": "fedavg"}, train__optimizer={"lr": 0.09}), fd)
-    pfedme = Federation(make_cfg(algorithm={"name": "pfedme", "lam": 0.0, "K": 1, "personal_lr": 0.09}), fd)
+    fedavg = build_federation(make_cfg(algorithm={"name": "fedavg"}, train__optimizer={"lr": 0.09}), fd)
+    pfedme = build_federation(make_cfg(algorithm={"name": "pfedme", "lam": 0.0, "K": 1, "personal_lr": 0.09}), fd)
     before = tmap(torch.clone, pfedme.server["model"])
     uploads = []
     orig = fedavg.algo.aggregate
@@ -230,7 +231,7 @@ def _ctx(fed, params, x, y, m, pair):
 @pytest.mark.parametrize("name", ["perfedavg", "fedmeta"])
 def test_meta_gradient_matches_hand_computed_maml(fd, name):
     """Per-FedAvg: grad f(w - a * stopgrad(grad f(w; D)); D'). FedMeta: the same without stopgrad (second order)."""
-    fed = Federation(make_cfg(algorithm={"name": name, "alpha": 0.3}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": name, "alpha": 0.3}), fd)
     tr = fed.split["train"]
     x, y, x2, y2 = tr.x[:8], tr.y[:8], tr.x[8:16], tr.y[8:16]
     m = torch.ones(8)
@@ -246,7 +247,7 @@ def test_meta_gradient_matches_hand_computed_maml(fd, name):
 
 @pytest.mark.cpu
 def test_first_order_and_second_order_meta_gradients_differ(fd):
-    fed = Federation(make_cfg(algorithm={"name": "fedmeta", "alpha": 0.3}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedmeta", "alpha": 0.3}), fd)
     tr = fed.split["train"]
     w, m = fed.server["model"], torch.ones(8)
     ctx = lambda p: _ctx(fed, p, tr.x[:8], tr.y[:8], m, (tr.x[8:16], tr.y[8:16], m))
@@ -259,11 +260,11 @@ def test_first_order_and_second_order_meta_gradients_differ(fd):
 def test_fine_tuning_before_evaluation_never_reads_test_data(fd, name):
     fed = train(make_cfg(algorithm={"name": name}), fd)
     g = fed.groups[0]
-    before = fed._personal(g, 2)
+    before = fed.personal(g, 2)
     test = fed.split["test"]
     test.x.copy_(torch.randn_like(test.x) * 100)  # any use of the test inputs would change the personal models
     test.y.copy_((test.y + 1) % fd.num_classes)
-    assert_trees_close(fed._personal(g, 2), before, exact=True)
+    assert_trees_close(fed.personal(g, 2), before, exact=True)
     assert not torch.allclose(leaves(before)[0], leaves(fed.server["model"])[0][None].expand_as(leaves(before)[0]))
 
 
@@ -284,7 +285,7 @@ def test_support_and_query_views_split_each_client(fd):
 
 
 def test_fedmeta_batches_come_from_support_and_query(fd):
-    fed = Federation(make_cfg(algorithm={"name": "fedmeta"}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedmeta"}), fd)
     g, tr = fed.groups[0], fed.split["train"]
     k = 0
     plan = g.trainer._plan(tr, np.array([k]), fed.algo.program(0)[0], 0, 5, 0, ())
@@ -295,8 +296,8 @@ def test_fedmeta_batches_come_from_support_and_query(fd):
 
 
 def test_central_deals_the_pooled_train_samples_out_again(fd):
-    plain = Federation(make_cfg(algorithm={"name": "fedavg"}), fd)
-    pooled = Federation(make_cfg(algorithm={"name": "central"}), fd)
+    plain = build_federation(make_cfg(algorithm={"name": "fedavg"}), fd)
+    pooled = build_federation(make_cfg(algorithm={"name": "central"}), fd)
     a, b = plain.split["train"], pooled.split["train"]
     assert np.array_equal(a.sizes, b.sizes)
     assert sorted(map(tuple, a.x.tolist())) == sorted(map(tuple, b.x.tolist()))
@@ -314,7 +315,7 @@ def test_a_misspelt_slot_is_one_line_before_training(fd, monkeypatch):
 
     monkeypatch.setitem(ALGORITHMS, "typo", Typo)
     with pytest.raises(ConfigError, match="'modle', but local_init returns only \\['model'\\]"):
-        Federation(make_cfg(algorithm={"name": "typo"}), fd)
+        build_federation(make_cfg(algorithm={"name": "typo"}), fd)
 
 
 def test_every_client_hook_sees_its_own_id(fd):
@@ -332,7 +333,7 @@ def test_every_client_hook_sees_its_own_id(fd):
 
     ALGORITHMS["ids"] = Ids
     try:
-        fed = Federation(make_cfg(algorithm={"name": "ids"}, engine={"chunk_size": 3}), fd)
+        fed = build_federation(make_cfg(algorithm={"name": "ids"}, engine={"chunk_size": 3}), fd)
         fed.round(0)
     finally:
         del ALGORITHMS["ids"]
@@ -341,7 +342,7 @@ def test_every_client_hook_sees_its_own_id(fd):
 
 
 def test_summary_picks_the_round_by_validation_never_by_test():
-    from fedmosaic.engine.runner import summarize
+    from fedmosaic.runs.records import summarize
 
     base = {"bytes_up": 1, "bytes_down": 1, "train_loss": 0.0}
     recs = [{**base, "round": 0, "personal": {"acc": 0.5}, "personal_val": {"acc": 0.9},
@@ -359,7 +360,7 @@ def test_a_client_with_nothing_to_pair_with_trains_without_error(fd):
     meta-gradient is 0 and its model does not move — in a cohort where no client has query samples."""
     from fedmosaic.engine.tensors import ClientTensors
 
-    fed = Federation(make_cfg(algorithm={"name": "fedmeta"}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedmeta"}), fd)
     g, tr = fed.groups[0], fed.split["train"]
     data = ClientTensors(tr.x[:1], tr.y[:1], np.array([0, 1]))
     payload = fed.algo.broadcast(fed.server, 0)
@@ -382,7 +383,7 @@ def test_fedala_first_round_trains_exactly_as_fedavg(fd):
 def test_fedala_weights_follow_the_projected_gradient_on_a_hand_example(fd):
     """One ALA step: A <- clip(A - eta * dL/dmix * (w_glob - w_loc), 0, 1), from A = 1."""
     cfg = make_cfg(algorithm={"name": "fedala", "p": 2, "eta": 50.0, "sample": 1.0}, train__batch_size=500)
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     algo, g = fed.algo, fed.groups[0]
     glob = tmap(torch.clone, fed.server["model"])
     local = {k: v + 0.3 * torch.randn_like(v) for k, v in glob.items()}
@@ -429,7 +430,7 @@ def test_fedpac_server_centroids_heads_and_statistics(fd):
     """aggregate: centroids = count-weighted mean of the class means; each cohort client's new head = its
     collaboration weights (from h = prior x class mean and V = (mean squared norm - sum_c prior^2 ||mean||^2) / n)
     applied to the uploaded heads; other clients keep theirs."""
-    fed = Federation(make_cfg(algorithm={"name": "fedpac"}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedpac"}), fd)
     algo, server = fed.algo, fed.server
     assert algo.setting.head_keys == ("fc.weight", "fc.bias")
     C, d = algo.num_classes, algo.feature_dim
@@ -462,10 +463,10 @@ def own_head(own, i):
 def test_fedpac_phases_train_only_their_part(fd):
     """Without the head phase the uploaded head is the one the client received (its own, from the server), and
     the head phase alone leaves the body at the global one."""
-    fed = Federation(make_cfg(algorithm={"name": "fedpac", "head_epochs": 0}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedpac", "head_epochs": 0}), fd)
     g, algo = fed.groups[0], fed.algo
     clients = np.array([0, 3])
-    own = fed._own(clients)
+    own = fed.own(clients)
     args = (fed.split["train"], clients, algo.broadcast(fed.server, 0), tmap(lambda t: t[:2], g.store), {})
     up = g.trainer.train(*args, own=own, lr=0.1, seed=0, round_idx=0, program=algo.program(0),
                          probes=algo.probes(0, fed.algo.broadcast(fed.server, 0)))[0]
@@ -478,7 +479,7 @@ def test_fedpac_phases_train_only_their_part(fd):
         torch.testing.assert_close(up["count"][i], onehot.sum(0))
     w = up["body"]["body.0.weight"]
     assert not torch.equal(w, fed.server["model"]["body.0.weight"].expand_as(w))
-    fed2 = Federation(make_cfg(algorithm={"name": "fedpac", "head_epochs": 1}), fd)
+    fed2 = build_federation(make_cfg(algorithm={"name": "fedpac", "head_epochs": 1}), fd)
     up = fed2.groups[0].trainer.train(*args, own=own, lr=0.1, seed=0, round_idx=0,
                                       program=fed2.algo.program(0)[:1],
                                       probes=fed2.algo.probes(0, fed2.algo.broadcast(fed2.server, 0)))[0]
@@ -504,7 +505,7 @@ def test_truncated_svd_keeps_the_fewest_components_reaching_the_energy():
 
 def test_fedkd_adaptive_mutual_distillation_on_a_hand_example(fd):
     """loss = L_s + L_t + (KL(p_t||p_s) + KL(p_s||p_t)) / (L_s + L_t) on fixed logits (per-sample KL)."""
-    fed = Federation(make_cfg(algorithm={"name": "fedkd", "tau": 2.0, "kd_reduction": "sample"}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedkd", "tau": 2.0, "kd_reduction": "sample"}), fd)
     ls = torch.tensor([[2.0, 0.0, -1.0], [0.5, 0.5, 0.0]])
     lt = torch.tensor([[1.0, 1.0, 0.0], [0.0, 2.0, 1.0]])
     y = torch.tensor([0, 1])
@@ -534,7 +535,7 @@ def test_fedkd_mentor_has_its_own_architecture_and_evaluates_the_personal_model(
 
 def test_fedkd_bytes_up_count_the_kept_svd_components(fd):
     """payload_bytes_up = the dense tensors (biases) + per client and matrix k (m + n) floats, fewer than the dense update."""
-    fed = Federation(make_cfg(algorithm={"name": "fedkd", "t_start": 0.5, "t_end": 0.5}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedkd", "t_start": 0.5, "t_end": 0.5}), fd)
     seen = {}
     aggregate = fed.algo.aggregate
 

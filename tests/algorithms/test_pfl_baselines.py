@@ -12,6 +12,7 @@ from fedtest import BLOBS6, assert_trees_close, blobs6_partition, train, with_ov
 
 from fedmosaic.engine.federation import Federation
 from fedmosaic.protocol.tree import tmap
+from fedmosaic.setup.world import build_federation
 
 
 def make_cfg(**over):
@@ -52,7 +53,7 @@ def test_a_split_model_federates_one_part_and_its_first_round_is_fedavgs(fd, nam
 
 
 def test_fedrep_trains_the_head_first_then_the_body_and_without_head_epochs_keeps_the_initial_head(fd):
-    fed = Federation(make_cfg(algorithm={"name": "fedrep", "head_epochs": 2}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedrep", "head_epochs": 2}), fd)
     init_body, init_head = parts(fed, fed.groups[0].init)
     phases = fed.algo.program(0)
     assert [p.updates[0].slots for p in phases] == [("head",), ("body",)] and phases[0].epochs == 2
@@ -80,7 +81,7 @@ def test_fedbabu_never_updates_the_head_averages_the_body_and_fine_tunes_the_who
     (ft,) = fed.algo.finetune()
     assert ft.epochs == 5 and ft.updates[0].lr == 1e-3 and ft.updates[0].slots is None  # body and head
     g = fed.groups[0]
-    mine = fed.runtime.personal(g, 1, fed.algo.broadcast(fed.server, 1), fed._assign(g.clients))
+    mine = fed.runtime.personal(g, 1, fed.algo.broadcast(fed.server, 1), fed.assign(g.clients))
     assert set(mine) == set(fed.server["model"])
     assert not torch.equal(mine["fc.weight"][0], init_head["fc.weight"])  # fine-tuned: the head moved too
 
@@ -96,7 +97,7 @@ def test_feddyn_client_and_server_follow_the_papers_algorithm(fd):
     from fedmosaic.protocol.context import LocalContext
     from fedmosaic.protocol.program import Signals
 
-    fed = Federation(make_cfg(algorithm={"name": "feddyn", "alpha": 0.5}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "feddyn", "alpha": 0.5}), fd)
     algo, a, N = fed.algo, 0.5, 6
     theta0 = fed.server["model"]
     gen = torch.Generator().manual_seed(0)
@@ -126,7 +127,7 @@ def test_feddyn_client_and_server_follow_the_papers_algorithm(fd):
 def test_fedrod_balanced_generic_loss_and_detached_personal_head_on_a_hand_example(fd):
     from fedmosaic.protocol.context import LocalContext
 
-    fed = Federation(make_cfg(algorithm={"name": "fedrod"}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "fedrod"}), fd)
     algo = fed.algo
     d, C = 8, algo.num_classes
     z = torch.randn(3, d, requires_grad=True)
@@ -199,7 +200,7 @@ def test_fedbn_on_a_model_without_batchnorm_is_fedavg_exactly(fd):
 def test_fedbn_keeps_each_clients_batchnorm_weights_and_statistics_and_averages_the_rest(fd):
     cfg = make_cfg(algorithm={"name": "fedbn"}, model={"name": "resnet10", "options": {"norm": "batch", "width": 0.125}},
                    train={"clients_per_round": 6}, engine={"backend": "sequential"})
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     g, keys = fed.groups[0], set(fed.algo.setting.norm_keys)
     modules = dict(g.module.named_modules())
     assert keys and all(isinstance(modules[k.rsplit(".", 1)[0]], torch.nn.BatchNorm2d) for k in keys)
@@ -226,7 +227,7 @@ def test_ifca_with_one_cluster_is_fedavg_exactly(fd):
 def test_ifca_clients_choose_the_model_of_lowest_train_loss_and_each_model_averages_its_choosers(fd):
     import torch.nn.functional as F
 
-    fed = Federation(make_cfg(algorithm={"name": "ifca", "clusters": 3}, train={"clients_per_round": 6}), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "ifca", "clusters": 3}, train={"clients_per_round": 6}), fd)
     g, init, k = fed.groups[0], fed.groups[0].init, 3
     received = tmap(torch.clone, fed.server["models"])
     for name, t in init.items():  # three different draws of one initialisation

@@ -9,6 +9,7 @@ import re
 import signal
 import warnings
 
+import fedtest
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -18,8 +19,6 @@ from fedmosaic.data.partition import SCHEMES, Dirichlet, parse_partition
 from fedmosaic.data.partition import dirichlet as dirichlet_module
 from fedmosaic.data.partition.base import largest_remainder
 from fedmosaic.errors import ConfigError
-
-import fedtest
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs signal.setitimer (POSIX)")
 

@@ -256,7 +256,7 @@ def completed(fed, app, run_config=None) -> dict:
 
 def kill_after_round_0(fed: LocalFederation, run_id: int, run_dir: Path, timeout: float = 300, kill=None) -> None:
     """Wait until round 0 of ``run_id`` is in ``run_dir``'s metrics, then ``kill()`` (default: stop node 2)."""
-    from fedmosaic.engine.runner import read_metrics
+    from fedmosaic.runs.records import read_metrics
 
     deadline, polls = time.monotonic() + timeout, 0
     while not (run_dir / "metrics.jsonl").is_file() or not read_metrics(run_dir):

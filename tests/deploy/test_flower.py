@@ -23,7 +23,8 @@ from fedmosaic.cli.main import main
 from fedmosaic.config import dump
 from fedmosaic.deploy.prepare import NODE_KEYS, node_config, node_key
 from fedmosaic.deploy.server import FlowerPool
-from fedmosaic.engine.runner import read_metrics, run
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
 
 HERE = Path(__file__).resolve().parent
 

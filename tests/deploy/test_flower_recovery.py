@@ -16,7 +16,8 @@ pytestmark = pytest.mark.slow
 from cases import config, same_metrics
 from harness import completed, deploy, finished, kill_after_round_0, patient, start, start_node
 
-from fedmosaic.engine.runner import read_metrics, run
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
 
 
 @pytest.fixture(scope="module")

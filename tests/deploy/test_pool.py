@@ -16,9 +16,10 @@ from loopgrid import LoopGrid
 from fedmosaic.config import dump
 from fedmosaic.deploy.common import check_deployable
 from fedmosaic.deploy.server import FlowerPool
-from fedmosaic.engine.runner import read_metrics, run
 from fedmosaic.errors import ConfigError, FedMosaicError, RunError
 from fedmosaic.protocol.algorithm import registered
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
 
 
 def config(family: str = "fedavg", **over):

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from fedmosaic.config import algorithm_spec
-from fedmosaic.engine import augment
-from fedmosaic.engine.augment import AugmentConfig
-from fedmosaic.engine.runner import forgetting
+from fedmosaic.engine.client import augment
+from fedmosaic.engine.client.augment import AugmentConfig
 from fedmosaic.errors import FedMosaicError
+from fedmosaic.runs.records import forgetting
 
 
 def test_crop_flip_cutout_match_a_hand_made_example():
@@ -28,7 +28,7 @@ def test_crop_flip_cutout_match_a_hand_made_example():
 
 def test_crop_pads_with_black_not_with_the_mean():
     """FedNTD crops before normalising: the padding is black, i.e. (0 - mean) / std once normalised."""
-    from fedmosaic.engine.transforms import make_normalizer
+    from fedmosaic.engine.client.transforms import make_normalizer
 
     raw = np.full((2, 3, 4, 4), 200, dtype=np.uint8)
     raw[1] = 50

@@ -5,7 +5,7 @@ import math
 import numpy as np
 import pytest
 
-from fedmosaic.engine.continual import continual_summary
+from fedmosaic.runs.continual import continual_summary
 
 NAN = math.nan
 A = [[0.90, NAN, NAN],

@@ -20,14 +20,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from deploy.cases import DIGITS3
 from fedtest import CONTINUAL, HETERO, merged
 
-from deploy.cases import DIGITS3
 from fedmosaic.config import validate
 from fedmosaic.data.federated import build
 from fedmosaic.engine import federation
-from fedmosaic.engine.build import data_spec
-from fedmosaic.engine.client import ClientRuntime
+from fedmosaic.setup import world
+from fedmosaic.engine.client.runtime import ClientRuntime
+from fedmosaic.setup.groups import data_spec
+from fedmosaic.setup.world import build_federation
 
 META = torch.device("meta")
 PUBLIC = {"data": {"public": {"source": "noise", "size": 16}}}
@@ -42,8 +44,8 @@ ZERO = {"cfed": {"lam": 0.0}, "fedprox": {"mu": 0.0}, "fedntd": {"beta": 0.0}, "
 
 @pytest.fixture
 def on_meta(monkeypatch):
-    monkeypatch.setattr(federation, "resolve_device", lambda name: META)
-    monkeypatch.setattr(federation, "memory_bytes", lambda device: None)  # a meta tensor takes no memory
+    monkeypatch.setattr(world, "resolve_device", lambda name: META)
+    monkeypatch.setattr(world, "memory_bytes", lambda device: None)  # a meta tensor takes no memory
     monkeypatch.setattr(ClientRuntime, "_check_finite", lambda self, t, parts: None)  # the round's one host sync
 
 
@@ -53,7 +55,7 @@ def test_the_client_side_of_a_round_runs_on_a_device_that_is_not_the_cpu(on_meta
     raw = merged(merged(DIGITS3, CASES[name]), {"algorithm": {"name": name, **ZERO.get(name, {})},
                                                 "engine": {"backend": "vectorized", "threads": 1}})
     cfg = validate(raw)
-    fed = federation.Federation(cfg, build(data_spec(cfg)))
+    fed = build_federation(cfg, build(data_spec(cfg)))
     srv, t = fed.srv, 0
     assignment = srv.assign(srv.cohort(t))
     # the protocol's client ids are read on the host (on a GPU: once per message, not in training)
@@ -91,7 +93,7 @@ def test_no_algorithm_makes_a_tensor_without_saying_on_which_device():
 
 
 def test_the_precision_policy_sets_torch_for_a_cuda_run_and_leaves_a_cpu_run_alone(monkeypatch):
-    from fedmosaic.engine.preflight import precision
+    from fedmosaic.setup.preflight import precision
 
     flags = lambda: (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,  # noqa: E731
                      torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
@@ -113,8 +115,8 @@ def test_the_precision_policy_sets_torch_for_a_cuda_run_and_leaves_a_cpu_run_alo
 
 
 def test_fedmosaic_device_says_what_auto_means_and_a_wrong_one_is_one_line(monkeypatch):
-    from fedmosaic.engine.preflight import resolve_device
     from fedmosaic.errors import ConfigError
+    from fedmosaic.setup.preflight import resolve_device
 
     monkeypatch.setenv("FEDMOSAIC_DEVICE", "cpu")
     assert resolve_device("auto") == torch.device("cpu")
@@ -136,7 +138,7 @@ def test_a_compile_that_fails_here_falls_back_to_eager_with_one_warning(monkeypa
 
     from torch._dynamo.exc import BackendCompilerFailed
 
-    from fedmosaic.engine import local
+    from fedmosaic.engine.client import local
 
     def no_compiler(fn, dynamic=False):
         def call(*args):
@@ -151,16 +153,16 @@ def test_a_compile_that_fails_here_falls_back_to_eager_with_one_warning(monkeypa
     monkeypatch.setattr(local.torch, "compile", no_compiler)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fed = federation.Federation(cfg, fd)
+        fed = build_federation(cfg, fd)
         got = [fed.round(t)["train_loss"] for t in range(2)]
     said = [str(w.message) for w in caught if "torch.compile failed" in str(w.message)]
     assert len(said) == 1 and "(RuntimeError: no kernel image for sm_60)" in said[0], said
-    ref = federation.Federation(eager, fd)
+    ref = build_federation(eager, fd)
     assert got == pytest.approx([ref.round(t)["train_loss"] for t in range(2)], rel=1e-6)
 
 
 def test_a_gpu_run_is_sized_against_the_memory_still_free_once_its_data_is_there(monkeypatch):
-    from fedmosaic.engine.preflight import memory_bytes
+    from fedmosaic.setup.preflight import memory_bytes
 
     asked = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (asked.append(device), (3 << 30, 80 << 30))[1])
@@ -170,9 +172,9 @@ def test_a_gpu_run_is_sized_against_the_memory_still_free_once_its_data_is_there
 def test_the_activations_of_the_clients_trained_at_once_are_part_of_the_memory_check():
     """Measured on the meta device: linear in the batch, nothing for the parameters themselves; a chunk whose
     activations do not fit is refused before training, naming the knobs."""
-    from fedmosaic.engine.preflight import activation_bytes, check_training_memory
     from fedmosaic.errors import ConfigError
     from fedmosaic.models import build_model
+    from fedmosaic.setup.preflight import activation_bytes, check_training_memory
 
     mlp = build_model("mlp", (1, 8, 8), 10, hidden=32)
     one, two = activation_bytes(mlp, (1, 8, 8), 50), activation_bytes(mlp, (1, 8, 8), 100)
@@ -193,8 +195,8 @@ def test_measured_activations_are_kept_in_the_cache_and_a_damaged_entry_is_measu
     import subprocess
     import sys
 
-    from fedmosaic.engine import preflight
     from fedmosaic.models import build_model
+    from fedmosaic.setup import preflight
 
     monkeypatch.setenv("FEDMOSAIC_CACHE", str(tmp_path))
     monkeypatch.setattr(preflight, "_ACTIVATIONS", {})
@@ -205,7 +207,7 @@ def test_measured_activations_are_kept_in_the_cache_and_a_damaged_entry_is_measu
     assert preflight.activation_bytes(build_model("mlp", (1, 8, 8), 10, hidden=64), (1, 8, 8), 50) != one
     assert preflight.activation_bytes(mlp, (1, 8, 8), 51) != one
     assert len(list((tmp_path / "activations").iterdir())) == 3
-    script = ("import sys, torch; from fedmosaic.engine.preflight import activation_bytes; "
+    script = ("import sys, torch; from fedmosaic.setup.preflight import activation_bytes; "
               "from fedmosaic.models import build_model; "
               "print(activation_bytes(build_model('mlp', (1, 8, 8), 10, hidden=32), (1, 8, 8), 50), "
               "'torch._dynamo' in sys.modules)")
@@ -223,18 +225,18 @@ def test_a_gpu_run_checks_the_host_memory_its_batch_plans_are_drawn_in(on_meta, 
     from fedmosaic.errors import ConfigError
 
     host = {"memory": None}
-    monkeypatch.setattr(federation, "memory_bytes", lambda device: host["memory"] if device.type == "cpu" else None)
+    monkeypatch.setattr(world, "memory_bytes", lambda device: host["memory"] if device.type == "cpu" else None)
     cfg = validate(merged(DIGITS3, {"algorithm": {"name": "fedavg"}, "engine": {"backend": "vectorized"}}))
-    federation.Federation(cfg)  # the device (meta here, a GPU there) has room, and so has the host
+    build_federation(cfg)  # the device (meta here, a GPU there) has room, and so has the host
     host["memory"] = 1 << 10
     with pytest.raises(ConfigError, match=r"the local batch plan .* more than the 0.0 MiB of memory on cpu"):
-        federation.Federation(cfg)
+        build_federation(cfg)
 
 
 def test_a_model_whose_activations_cannot_be_measured_without_data_still_runs(recwarn):
     from torch import nn
 
-    from fedmosaic.engine.preflight import activation_bytes
+    from fedmosaic.setup.preflight import activation_bytes
 
     class ReadsItsData(nn.Module):
         def __init__(self):

@@ -10,10 +10,11 @@ import pytest
 import torch
 from fedtest import BLOBS8, assert_trees_close, blobs8_partition, train, with_overrides
 
-from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run
 from fedmosaic.errors import FedMosaicError
 from fedmosaic.protocol.tree import leaves
+from fedmosaic.runs.records import TIMING_KEYS, read_metrics
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.world import build_federation
 
 
 def make_cfg(**over):
@@ -72,7 +73,7 @@ def test_vectorized_equals_sequential_and_chunking(fd, algo):
 def test_finished_client_does_not_move_under_momentum_and_weight_decay(fd):
     """A client with few samples stops early in a ragged cohort: its result equals training it alone."""
     cfg = make_cfg(algorithm={"name": "local"}, train__clients_per_round=8)
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     g = fed.groups[0]
     sizes = fed.split["train"].sizes
     small, big = int(np.argmin(sizes)), int(np.argmax(sizes))
@@ -98,7 +99,7 @@ def test_fedproto_two_architectures(fd):
     cfg = make_cfg(algorithm={"name": "fedproto", "lam": 1.0}, train__rounds=4,
                    model={"heterogeneous": [{"name": "mlp", "options": {"hidden": 24}},
                                             {"name": "mlp", "options": {"hidden": [48, 24]}}]})
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     assert len(fed.groups) == 2
     shapes = {tuple(leaves(g.store)[0].shape[1:]) for g in fed.groups}
     assert len(shapes) == 2  # really different architectures
@@ -198,11 +199,11 @@ def test_nan_loss_stops_with_message_and_keeps_last_good_checkpoint(fd, tmp_path
 
 
 def test_bytes_are_measured_from_payloads(fd):
-    fed = Federation(make_cfg(), fd)
+    fed = build_federation(make_cfg(), fd)
     rec = fed.round(0)
     n_params = sum(t.numel() for t in leaves(fed.server["model"]))
     assert rec["payload_bytes_down"] == rec["payload_bytes_up"] == 4 * n_params * rec["clients"]
-    proto = Federation(make_cfg(algorithm={"name": "fedproto"}), fd).round(0)
+    proto = build_federation(make_cfg(algorithm={"name": "fedproto"}), fd).round(0)
     assert proto["payload_bytes_up"] == proto["clients"] * 4 * (fd.num_classes * 16 + fd.num_classes)
 
 
@@ -316,7 +317,7 @@ def test_batchnorm_models_keep_running_statistics_per_client_on_the_sequential_p
 
 
 def test_local_model_in_and_out_local_accuracy_is_recorded(fd):
-    fed = Federation(make_cfg(eval={"local_models": True}), fd)
+    fed = build_federation(make_cfg(eval={"local_models": True}), fd)
     rec = fed.round(0)
     assert 0 <= rec["local_out_acc"] <= 1 and 0 <= rec["local_in_acc"] <= 1
     # local models fit their own classes better than the others (label-skewed blobs)
@@ -329,7 +330,7 @@ def test_an_empty_client_at_the_end_of_the_data_gets_padding_rows_inside_it():
     seed 1, stopped with an IndexError in round 0)."""
     import numpy as np
 
-    from fedmosaic.engine.plans import plan_phase
+    from fedmosaic.engine.client.plans import plan_phase
     from fedmosaic.engine.tensors import ClientTensors
     from fedmosaic.protocol.program import Phase
 
@@ -345,13 +346,12 @@ def test_a_cohort_of_clients_without_samples_trains_and_probes(algo):
     only such clients. Their probes (APFL-PD's importance, FedPAC's class sums) have no batch at all: zeros, not a
     crash (the offline FEMNIST, seed 1, found it)."""
     from fedmosaic.config import validate
-    from fedmosaic.engine.federation import Federation
 
     cfg = validate({"seed": 0, "data": {"dataset": "digits", "clients": 40, "client_test": 0.2,
                                         "partition": {"scheme": "dirichlet", "alpha": 0.01, "min_size": 0}},
                     "model": {"name": "mlp", "options": {"hidden": 8}}, "algorithm": {"name": algo},
                     "train": {"rounds": 12, "clients_per_round": 2, "local_epochs": 1}})
-    fed = Federation(cfg)
+    fed = build_federation(cfg)
     sizes = fed.fd.sizes()
     empty = [t for t in range(12) if sizes[fed.srv.cohort(t)].sum() == 0]
     assert empty, "no round samples only empty clients: the test would prove nothing"

@@ -3,6 +3,8 @@ predictions however many classes have been seen."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -10,7 +12,9 @@ from fedtest import train, with_overrides
 
 from fedmosaic.engine import evaluate as ev
 from fedmosaic.engine.evaluate import personal_correct
-from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run
+from fedmosaic.runs.records import TIMING_KEYS, read_metrics
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.world import build_federation
 
 
 @pytest.mark.parametrize("vectorize", [True, False])
@@ -113,7 +117,8 @@ def continual_fed(algorithm: str):
 
 
 def with_budget(fed, budget):
-    fed.cfg = fed.cfg.model_copy(update={"eval": fed.cfg.eval.model_copy(update={"continual_sample": budget})})
+    s = fed.settings
+    fed.world.settings = replace(s, eval=s.eval.model_copy(update={"continual_sample": budget}))
     return fed._continual(1)
 
 
@@ -138,7 +143,7 @@ def test_a_sampled_continual_evaluation_judges_the_dealt_samples_with_each_clien
     labels, first = fed.fd.y_global, fed.first_met(1)
     seen = np.flatnonzero(first[labels] <= 1)
     rows = ev.deal(labels, ev.class_ranks(labels, 5), seen, 4, budget)
-    params, _ = fed._predictors(g, 1)
+    params, _ = fed.predictors(g, 1)
     with torch.no_grad():
         hits = np.stack([(g.apply({k: v[i] for k, v in params.items()}, x)[1]
                           .masked_fill(torch.as_tensor(first > 1), float("-inf")).argmax(1) == y).numpy()[rows[i]]
@@ -163,12 +168,11 @@ def test_a_sampled_continual_evaluation_resumed_equals_uninterrupted(tmp_path):
 # ---- eval.split: val — choosing hyper-parameters without the test data ------------------------------------------------
 @pytest.mark.cpu
 def test_eval_split_val_judges_the_clients_pooled_validation_splits_not_the_test_split():
-    from fedmosaic.engine.federation import Federation
     raw = {"seed": 1, "data": {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"}, "client_val": 0.2,
                                "tasks": {"n_tasks": 2, "rounds_per_task": 1}},
            "model": {"name": "mlp", "options": {"hidden": 8}}, "algorithm": {"name": "fedlwf"},
            "train": {"rounds": 2, "clients_per_round": 4, "batch_size": 16}, "eval": {"split": "val"}}
-    fed = Federation(with_overrides(raw))
+    fed = build_federation(with_overrides(raw))
     fed.round(0)
     out = fed.evaluate(0)
     x, y = fed.split["val"].x, fed.split["val"].y

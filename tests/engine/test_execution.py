@@ -18,11 +18,11 @@ from fedtest import BLOBS8, assert_trees_close, blobs8_partition, train, with_ov
 from torch import nn
 
 from fedmosaic.config import validate
-from fedmosaic.engine import execution as ex
-from fedmosaic.engine.execution import ModelFacts, RunFacts, choose, step_profile
-from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.runner import run
+from fedmosaic.engine.client import execution as ex
+from fedmosaic.engine.client.execution import ModelFacts, RunFacts, choose, step_profile
 from fedmosaic.errors import ConfigError
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.world import build_federation
 
 DENSE = ModelFacts("LogisticRegression", 7_850, conv=False, buffers=False)
 CONV = ModelFacts("_ConvNet", 2_156_490, conv=True, buffers=False)
@@ -232,7 +232,7 @@ def test_config_errors_name_the_choices():
 def test_mixed_looped_and_mapped_steps_equal_pure_vmap(fd, algo, optimizer):
     """A ragged cohort run with the tail looped (fewer than 3 active clients) equals the same run all mapped."""
     ref = train(make_cfg(algorithm=algo, train__optimizer=optimizer, engine={"backend": "vectorized"}), fd)
-    fed = Federation(make_cfg(algorithm=algo, train__optimizer=optimizer, engine={"backend": "vectorized"}), fd)
+    fed = build_federation(make_cfg(algorithm=algo, train__optimizer=optimizer, engine={"backend": "vectorized"}), fd)
     fed.groups[0].trainer.loop_below = 3
     for t in range(fed.cfg.train.rounds):
         fed.round(t)
@@ -272,7 +272,7 @@ def test_a_convolutional_model_runs_sequential_on_the_cpu_with_the_mapped_number
 
 def test_the_finished_client_stays_put_on_the_looped_path(fd):
     """Packing and looping together: a small client trained in a cohort equals it trained alone."""
-    fed = Federation(make_cfg(algorithm={"name": "local"}, train__clients_per_round=8), fd)
+    fed = build_federation(make_cfg(algorithm={"name": "local"}, train__clients_per_round=8), fd)
     g = fed.groups[0]
     g.trainer.loop_below = 10**6  # every step looped
     sizes = fed.split["train"].sizes

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fedmosaic.engine import optim
+from fedmosaic.engine.client import optim
 
 
 @pytest.mark.parametrize("cfg, make", [

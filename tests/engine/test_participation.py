@@ -11,9 +11,10 @@ import torch
 from fedtest import BLOBS6, CONTINUAL, blobs6_partition, merged, with_overrides
 
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.runner import run_hash
 from fedmosaic.engine.seeding import drop_out, work_shares
 from fedmosaic.errors import ConfigError
+from fedmosaic.runs.checkpoints import run_hash
+from fedmosaic.setup.world import build_federation
 
 TWENTY = merged(BLOBS6, {"data": {"clients": 20}, "train": {"clients_per_round": 8, "rounds": 4}})
 
@@ -44,7 +45,7 @@ def test_a_client_drops_by_a_draw_of_its_own_and_if_all_drop_one_stays():
 def test_dropped_clients_neither_train_nor_count_and_every_algorithm_sees_the_same_rounds(blob_data):
     fd = blobs6_partition(blob_data)
     cfg = cfg_of(BLOBS6, algorithm={"name": "ditto"}, participation={"dropout": 0.4})
-    fed = Federation(cfg, fd)
+    fed = build_federation(cfg, fd)
     t = next(t for t in range(20) if len(fed.srv.cohort(t)) < len(fed.srv.chosen(t)))  # a round with dropouts
     for r in range(t):
         fed.round(r)
@@ -57,12 +58,12 @@ def test_dropped_clients_neither_train_nor_count_and_every_algorithm_sees_the_sa
         row = int(fed.row_of[k])
         assert all(torch.equal(a[row], b[row]) for a, b in zip(
             fed.groups[0].store["personal"].values(), before["personal"].values(), strict=True))
-    other = Federation(cfg_of(BLOBS6, algorithm={"name": "fedavg"}, participation={"dropout": 0.4}), fd)
+    other = build_federation(cfg_of(BLOBS6, algorithm={"name": "fedavg"}, participation={"dropout": 0.4}), fd)
     assert all(np.array_equal(other.srv.cohort(t), fed.srv.cohort(t)) for t in range(5))
 
 
 def test_held_out_clients_never_train_and_are_evaluated_apart():
-    fed = Federation(cfg_of(TWENTY, algorithm={"name": "ditto"}, participation={"held_out": 0.25}))
+    fed = build_federation(cfg_of(TWENTY, algorithm={"name": "ditto"}, participation={"held_out": 0.25}))
     held = fed.srv.held_out
     assert len(held) == 5
     init = copy.deepcopy(fed.groups[0].store)
@@ -81,21 +82,21 @@ def test_participation_is_the_same_on_the_wire_pool_and_off_it_changes_nothing(b
     fd = blobs6_partition(blob_data)
     raw = {"algorithm": {"name": "ditto"}, "participation": {"dropout": 0.3, "held_out": 0.2, "stragglers": 0.5},
            "engine": {"backend": "sequential"}}
-    a = rounds(Federation(cfg_of(BLOBS6, **raw), fd), 3)
-    b = rounds(Federation(cfg_of(BLOBS6, **raw), fd, pool="wire"), 3)
+    a = rounds(build_federation(cfg_of(BLOBS6, **raw), fd), 3)
+    b = rounds(build_federation(cfg_of(BLOBS6, **raw), fd, pool="wire"), 3)
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("bytes", "payload_bytes"))}  # noqa: E731
                         for r in rs]
     assert strip(a) == strip(b) and "held_out" in a[0] and any(r.get("dropped") for r in a)
     plain = cfg_of(BLOBS6, algorithm={"name": "ditto"})
     off = cfg_of(BLOBS6, algorithm={"name": "ditto"}, participation={"dropout": 0.0, "held_out": 0.0})
-    assert rounds(Federation(plain, fd), 2) == rounds(Federation(off, fd), 2)
+    assert rounds(build_federation(plain, fd), 2) == rounds(build_federation(off, fd), 2)
     assert run_hash(plain) == run_hash(with_overrides(merged(copy.deepcopy(BLOBS6), {"algorithm": {"name": "ditto"},
                                                                                      "participation": None})))
 
 
 def test_held_out_clients_with_a_task_stream_are_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^participation.held_out: .*task stream") as e:
-        Federation(cfg_of(merged(BLOBS6, CONTINUAL), algorithm={"name": "fedlwf"}, participation={"held_out": 0.2}))
+        build_federation(cfg_of(merged(BLOBS6, CONTINUAL), algorithm={"name": "fedlwf"}, participation={"held_out": 0.2}))
     assert "\n" not in str(e.value)
 
 
@@ -109,11 +110,11 @@ def test_a_straggler_runs_the_first_share_of_its_steps_and_the_others_all(blob_d
     assert ((shares > 0) & (shares <= 1)).all() and 0 < (shares < 1).sum() < 30
     assert work_shares(np.array([7]), 0.5, 0, 1)[0] == shares[7]  # whoever else trains that round
     fd = blobs6_partition(blob_data)
-    fed = Federation(cfg_of(BLOBS6, algorithm={"name": "fedavg"}, train={"local_epochs": 3},
+    fed = build_federation(cfg_of(BLOBS6, algorithm={"name": "fedavg"}, train={"local_epochs": 3},
                             engine={"backend": "sequential"}), fd)
     g, clients = fed.groups[0], np.arange(6)
     args = (fed.split["train"], clients, fed.algo.broadcast(fed.server, 0), g.store, g.buffers)
-    kw = {"lr": 0.05, "seed": 5, "round_idx": 2, "own": fed.runtime.own(fed._assign(clients), clients)}
+    kw = {"lr": 0.05, "seed": 5, "round_idx": 2, "own": fed.runtime.own(fed.assign(clients), clients)}
     full = g.trainer.train(*args, **kw)
     some = g.trainer.train(*args, stragglers=0.6, **kw)
     share = work_shares(clients, 0.6, 5, 2)
@@ -122,6 +123,6 @@ def test_a_straggler_runs_the_first_share_of_its_steps_and_the_others_all(blob_d
     k = int(np.argmax(want < full.steps))
     alone = g.trainer.train(fed.split["train"], clients[k:k + 1], args[2], g.store, g.buffers,
                             program=[Phase(steps=int(want[k]))], **{**kw, "own": fed.runtime.own(
-                                fed._assign(clients[k:k + 1]), clients[k:k + 1])})
+                                fed.assign(clients[k:k + 1]), clients[k:k + 1])})
     for name, v in some.uploads["model"].items():
         assert torch.equal(v[k], alone.uploads["model"][name][0])

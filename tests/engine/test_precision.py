@@ -13,19 +13,20 @@ from fedtest import BLOBS6, CONTINUAL, merged, with_overrides
 from fedmosaic.cli.main import main
 from fedmosaic.config import validate
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.runner import run
 from fedmosaic.errors import ConfigError, FedMosaicError
 from fedmosaic.protocol.tree import leaves
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.world import build_federation
 
 
 def trained(raw: dict, precision: str, rounds: int) -> tuple[Federation, list[float], dict]:
-    fed = Federation(with_overrides(merged(raw, {"engine": {"precision": precision}})))
+    fed = build_federation(with_overrides(merged(raw, {"engine": {"precision": precision}})))
     losses = [float(fed.round(t)["train_loss"]) for t in range(rounds)]
     return fed, losses, fed.evaluate(rounds - 1)
 
 
 def test_the_forward_runs_in_bf16_and_the_objective_sees_float32():
-    fed = Federation(with_overrides(merged(BLOBS6, {"engine": {"precision": "bf16"}})))
+    fed = build_federation(with_overrides(merged(BLOBS6, {"engine": {"precision": "bf16"}})))
     g = fed.groups[0]
     inside = []
     hook = next(m for m in g.module.modules() if isinstance(m, torch.nn.Linear)).register_forward_hook(
@@ -75,7 +76,7 @@ def test_bf16_trains_the_cifar_cnn_like_float32():
 
 def test_fp16_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"^engine\.precision: 'fp16' needs a dynamic loss scale") as e:
-        Federation(with_overrides(merged(BLOBS6, {"engine": {"precision": "fp16"}})))
+        build_federation(with_overrides(merged(BLOBS6, {"engine": {"precision": "fp16"}})))
     assert "\n" not in str(e.value)
     out = tmp_path / "run"
     assert main(["run", "--no-progress", "--out", str(out), "--set", "engine.precision=fp16"]) != 0
@@ -102,7 +103,7 @@ def test_a_resume_in_another_precision_needs_amend(tmp_path):
 
 def test_bf16_is_refused_on_a_gpu_without_bfloat16_units(monkeypatch):
     """A Turing GPU (compute capability 7.5) emulates bfloat16: refused, naming the GPU; an Ampere one is not."""
-    from fedmosaic.engine.preflight import check_precision
+    from fedmosaic.setup.preflight import check_precision
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
@@ -119,14 +120,14 @@ def test_every_path_honours_bf16(other):
     the local pool, and the vectorized backend runs it like the sequential one (within bf16 rounding of the
     batched products: 1e-2)."""
     raw = merged(BLOBS6, {"algorithm": {"name": "ditto"}, "engine": {"precision": "bf16", "backend": "sequential"}})
-    base = Federation(with_overrides(raw))
+    base = build_federation(with_overrides(raw))
     pool = other.pop("pool", None)
-    alt = Federation(with_overrides(merged(raw, {"engine": other})), **({"pool": pool} if pool else {}))
+    alt = build_federation(with_overrides(merged(raw, {"engine": other})), **({"pool": pool} if pool else {}))
     for t in range(3):
         a, b = base.round(t), alt.round(t)
         tol = 0 if pool else 1e-2
         assert abs(float(a["train_loss"]) - float(b["train_loss"])) <= tol * abs(float(a["train_loss"]))
-    fp32 = Federation(with_overrides(merged(raw, {"engine": {"precision": "fp32"}})))
+    fp32 = build_federation(with_overrides(merged(raw, {"engine": {"precision": "fp32"}})))
     for t in range(3):
         ref = fp32.round(t)
     assert float(ref["train_loss"]) not in (float(a["train_loss"]), float(b["train_loss"]))  # bf16 ran on both

@@ -10,8 +10,10 @@ import torch
 from fedmosaic.cli.main import main
 from fedmosaic.config import validate
 from fedmosaic.engine import robust
-from fedmosaic.engine.runner import read_metrics, run
 from fedmosaic.protocol.tree import weighted_mean
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.world import build_federation
 
 
 def cfg(**over):
@@ -100,10 +102,9 @@ def test_the_attackers_are_fixed_by_the_seed_and_only_their_rows_change():
 def test_label_flipping_poisons_only_the_attackers_training_labels_and_applies_to_any_algorithm(tmp_path):
     """label_flip: the attackers' train labels become C - 1 - y; their test labels and every other client's data
     stay; an algorithm with its own server step (SCAFFOLD) runs with it, and the poisoned run differs."""
-    from fedmosaic.engine.federation import Federation
 
     c = cfg(attack={"kind": "label_flip", "fraction": 0.3}, algorithm={"name": "scaffold"}, train={"rounds": 1})
-    honest, flipped = Federation(cfg(algorithm={"name": "scaffold"})), Federation(c)
+    honest, flipped = build_federation(cfg(algorithm={"name": "scaffold"})), build_federation(c)
     bad = robust.attackers(10, 0.3, c.seed)
     tr, ok = flipped.split["train"], honest.split["train"]
     for k in range(10):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fedmosaic.config import validate
-from fedmosaic.engine.federation import Federation
 from fedmosaic.errors import ConfigError
+from fedmosaic.setup.world import build_federation
 
 
 def make_cfg(**tasks):
@@ -20,7 +20,7 @@ def make_cfg(**tasks):
 
 @pytest.mark.parametrize("order", ["shared", "random"])
 def test_a_clients_batches_in_a_task_come_only_from_that_tasks_classes(order):
-    fed = Federation(make_cfg(order=order))
+    fed = build_federation(make_cfg(order=order))
     trainer, seen = fed.groups[0].trainer, []
     plan = trainer._plan
 
@@ -52,11 +52,11 @@ def test_a_clients_batches_in_a_task_come_only_from_that_tasks_classes(order):
 def test_rounds_beyond_the_last_task_are_a_one_line_error():
     with pytest.raises(ConfigError, match=r"train.rounds: the longest client task stream \(5 tasks of 1 rounds\) ends "
                                           r"after round 5"):
-        Federation(make_cfg(rounds_per_task=1))
+        build_federation(make_cfg(rounds_per_task=1))
 
 
 def test_the_calendar_is_the_servers_view_of_the_streams():
-    from fedmosaic.engine.calendar import TaskCalendar
+    from fedmosaic.engine.server.calendar import TaskCalendar
 
     streams = [[(0, np.array([0, 1])), (1, np.array([2, 3]))],  # two tasks
                [(1, np.array([2, 3])), (2, np.array([4])), (0, np.array([0, 1]))]]  # three, its own order

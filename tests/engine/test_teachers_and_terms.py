@@ -13,13 +13,14 @@ from torch import nn
 from torch.func import functional_call
 
 from fedmosaic.algorithms.protofcl import ProtoFCL, distances, entropy_ratio
-from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.runner import TIMING_KEYS, read_metrics, run, summarize
 from fedmosaic.errors import ConfigError
 from fedmosaic.models import MODELS, Wrapped, register_model
 from fedmosaic.protocol.context import LocalContext
 from fedmosaic.protocol.program import Setting
 from fedmosaic.protocol.tree import tmap
+from fedmosaic.runs.records import TIMING_KEYS, read_metrics, summarize
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.world import build_federation
 
 
 def bn_tiny(input_shape, num_classes):
@@ -67,14 +68,14 @@ def test_the_named_terms_of_the_objective_add_up_to_the_training_loss(tmp_path):
 
 
 def test_a_single_term_objective_records_no_terms(tmp_path):
-    fed = Federation(make_cfg(algorithm={"name": "fedavg"}))
+    fed = build_federation(make_cfg(algorithm={"name": "fedavg"}))
     assert "terms" not in fed.round(0)
 
 
 def test_terms_are_the_same_on_the_vectorized_and_the_sequential_path():
     cfg = {"algorithm": {"name": "fedntd", "beta": 1.0}}
-    a = Federation(make_cfg(engine={"backend": "sequential"}, **cfg)).round(0)["terms"]
-    b = Federation(make_cfg(engine={"backend": "vectorized"}, **cfg)).round(0)["terms"]
+    a = build_federation(make_cfg(engine={"backend": "sequential"}, **cfg)).round(0)["terms"]
+    b = build_federation(make_cfg(engine={"backend": "vectorized"}, **cfg)).round(0)["terms"]
     assert a.keys() == b.keys() == {"task_loss", "not_true_distillation"}
     for k in a:
         assert math.isclose(a[k], b[k], rel_tol=1e-4)
@@ -102,7 +103,7 @@ def test_report_prints_the_terms_table():
 
 # ---- teachers: frozen, eval mode, their own statistics ------------------------------------------------------
 def test_a_batchnorm_teacher_runs_in_eval_mode_on_its_own_statistics_and_moves_nothing():
-    fed = Federation(make_cfg(model={"name": "bn_tiny"}, engine={"backend": "sequential"},
+    fed = build_federation(make_cfg(model={"name": "bn_tiny"}, engine={"backend": "sequential"},
                               algorithm={"name": "fedntd"}))
     g = fed.groups[0]
     tr = fed.split["train"]
@@ -129,7 +130,7 @@ def test_a_batchnorm_teacher_runs_in_eval_mode_on_its_own_statistics_and_moves_n
 
 def test_the_continual_teacher_keeps_the_statistics_of_the_end_of_its_task_and_resumes(tmp_path):
     cfg = continual(model={"name": "bn_tiny"}, algorithm={"name": "fedlwf"}, engine={"backend": "sequential"})
-    fed = Federation(cfg)
+    fed = build_federation(cfg)
     g = fed.groups[0]
     initial = tmap(torch.clone, g.task_buffers)
     fed.round(0)
@@ -181,7 +182,7 @@ def test_teacher_entropy_is_one_for_a_flat_teacher_and_falls_as_it_sharpens():
 
 
 def test_protofcl_reports_its_terms_and_the_teachers_entropy():
-    fed = Federation(continual())
+    fed = build_federation(continual())
     recs = [fed.round(t) for t in range(4)]
     assert set(recs[0]["terms"]) == {"l_c", "l_d", "l_r", "teacher_entropy"}
     assert recs[0]["terms"]["teacher_entropy"] == 0 and recs[0]["terms"]["l_d"] == 0  # no teacher yet
@@ -189,7 +190,7 @@ def test_protofcl_reports_its_terms_and_the_teachers_entropy():
 
 
 def test_protofcl_with_local_prototypes_exchanges_nothing_and_predicts_by_its_own_nearest_prototype():
-    fed = Federation(continual(algorithm={"name": "protofcl", "prototypes": "local"}))
+    fed = build_federation(continual(algorithm={"name": "protofcl", "prototypes": "local"}))
     rec = fed.round(0)
     assert rec["payload_bytes_up"] == 0 and rec["payload_bytes_down"] == 0  # only the protocol's bookkeeping travels
     assert float(fed.server["has"].sum()) == 0  # the server library is never filled

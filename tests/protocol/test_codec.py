@@ -9,10 +9,10 @@ import pytest
 import torch
 from fedtest import BLOBS6, PROTOCOL_CASES, merged, with_overrides
 
-from fedmosaic.engine.federation import Federation
 from fedmosaic.errors import CorruptDataError
 from fedmosaic.protocol import codec
 from fedmosaic.protocol.tree import leaves
+from fedmosaic.setup.world import build_federation
 
 
 def same(a, b) -> bool:
@@ -67,7 +67,7 @@ def test_what_cannot_travel_is_named():
 @pytest.mark.parametrize("algo, over", PROTOCOL_CASES, ids=[c[0]["name"] for c in PROTOCOL_CASES])
 def test_every_familys_payloads_and_state_travel_exactly(algo, over):
     raw = merged({**BLOBS6, "algorithm": algo, "train": {**BLOBS6["train"], "rounds": 2}}, over)
-    fed = Federation(with_overrides(raw))
+    fed = build_federation(with_overrides(raw))
     for t in range(2):
         fed.round(t)
     cohort = torch.as_tensor(fed.cohort(1))

@@ -10,6 +10,7 @@ from fedtest import BLOBS6, assert_trees_close, with_overrides
 from fedmosaic.engine.federation import Federation
 from fedmosaic.protocol import codec
 from fedmosaic.protocol.tree import to
+from fedmosaic.setup.world import build_federation
 
 CONTINUAL = {"dataset": "digits", "clients": 4, "partition": {"scheme": "iid"}, "client_test": 0.0,
              "tasks": {"n_tasks": 5, "rounds_per_task": 1, "memory": {"per_class": 2}}}
@@ -22,7 +23,7 @@ def federation(algo: dict, data: dict | None, wire: bool) -> Federation:
     raw = {**BLOBS6, "algorithm": algo, "train": {**BLOBS6["train"], "rounds": 3}}
     if data is not None:
         raw |= {"data": data, "eval": {"client_test": False}}
-    fed = Federation(with_overrides(raw))
+    fed = build_federation(with_overrides(raw))
     if wire:  # every broadcast crosses as bytes
         live = fed.algo.broadcast
         fed.algo.broadcast = lambda server, t: to(codec.decode(codec.encode("broadcast", live(server, t)))[1],

@@ -15,10 +15,13 @@ import torch
 from fedtest import BLOBS6, PROTOCOL_CASES, assert_trees_close, merged, with_overrides
 
 from fedmosaic.data.federated import build
-from fedmosaic.engine.build import data_spec
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.runner import latest_checkpoint, read_metrics, run
 from fedmosaic.errors import ConfigError
+from fedmosaic.runs.checkpoints import latest_checkpoint
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.groups import data_spec
+from fedmosaic.setup.world import build_federation
 
 IDS = [c[0]["name"] for c in PROTOCOL_CASES]
 
@@ -70,7 +73,7 @@ def close(a, b, tol: float, where: str = "") -> None:
 def parity(algo: dict, over: dict, backend: str, tol: float) -> None:
     cfg = config(algo, over, backend)
     fd = build(data_spec(cfg))
-    local, wire = Federation(cfg, fd), Federation(cfg, fd, pool="wire")
+    local, wire = build_federation(cfg, fd), build_federation(cfg, fd, pool="wire")
     assert len(wire.pool.hosted()) == fd.num_clients
     a, b = records(local, range(cfg.train.rounds)), records(wire, range(cfg.train.rounds))
     close([{k: v for k, v in r.items() if not k.startswith("time")} for r in a], b, tol)
@@ -93,13 +96,13 @@ def test_a_checkpoint_resumes_in_the_other_pool(algo, over):
     """Written by one pool, read by the other: the next rounds are those of an uninterrupted run."""
     cfg = config(algo, over, "sequential")
     fd = build(data_spec(cfg))
-    whole = records(Federation(cfg, fd), range(cfg.train.rounds))
+    whole = records(build_federation(cfg, fd), range(cfg.train.rounds))
     for first, then in (("local", "wire"), ("wire", "local")):
-        before = Federation(cfg, fd, pool=first)
+        before = build_federation(cfg, fd, pool=first)
         records(before, range(2))
         buf = io.BytesIO()
         torch.save(before.state_dict(), buf)
-        after = Federation(cfg, fd, pool=then)
+        after = build_federation(cfg, fd, pool=then)
         after.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
         close({k: v for k, v in whole[2].items() if not k.startswith("time")}, records(after, [2])[0], 0.0)
 
@@ -111,8 +114,8 @@ def test_runtimes_hosting_shards_of_clients_answer_as_one_runtime_hosting_all():
     algo, over = PROTOCOL_CASES[8]  # AHF: two architectures, a warm-up, an exchange
     cfg = config(algo, over, "sequential")
     fd = build(data_spec(cfg))
-    local, sharded = Federation(cfg, fd), Federation(cfg, fd)
-    sharded.pool = sharded._wire_pool([[2, 0, 1], [3, 5, 4]])
+    local, sharded = build_federation(cfg, fd), build_federation(cfg, fd)
+    sharded.pool = sharded.wire_pool([[2, 0, 1], [3, 5, 4]])
     assert [sorted(h.clients.tolist()) for h in sharded.pool.hosted()] == [[0, 1, 2], [3, 4, 5]]
     assert all(len(h.groups) == 2 for h in sharded.pool.hosted())  # each shard holds both architectures
     close([{k: v for k, v in r.items() if not k.startswith("time")} for r in records(local, range(3))],
@@ -128,7 +131,7 @@ def test_a_wire_pool_holding_one_runtime_at_a_time_reaches_the_same_numbers(algo
     task ends with exemplar memories) — and the run is the in-process one exactly; the files go with the pool."""
     cfg = config(algo, over, "sequential")
     fd = build(data_spec(cfg))
-    local, wire = Federation(cfg, fd), Federation(cfg, fd, pool="wire")
+    local, wire = build_federation(cfg, fd), build_federation(cfg, fd, pool="wire")
     wire.pool.keep, most, built = 1, [0], wire.pool.make
 
     def make(shard):
@@ -148,16 +151,16 @@ def test_a_wire_pool_holding_one_runtime_at_a_time_reaches_the_same_numbers(algo
 
 def test_each_metric_says_where_it_is_computed():
     weit, glfc = (config(*PROTOCOL_CASES[i], "sequential") for i in (12, 13))
-    assert Federation(weit).metric_sides()["continual"] == "simulation"  # personal models on the global test set
-    assert Federation(glfc).metric_sides()["continual"] == "server"  # the global model, on the server
-    assert Federation(weit).metric_sides()["cross"] == "simulation"
+    assert build_federation(weit).metric_sides()["continual"] == "simulation"  # personal models on the global test set
+    assert build_federation(glfc).metric_sides()["continual"] == "server"  # the global model, on the server
+    assert build_federation(weit).metric_sides()["cross"] == "simulation"
 
 
 def test_the_wire_pool_refuses_the_cross_matrix_in_one_line():
     cfg = config({"name": "ditto"}, {"eval": {"cross_clients": True}, "engine": {"pool": "wire"}}, "sequential")
     with pytest.raises(ConfigError, match="cross_clients: the K x K matrix needs every client's test split in one "
                                           "process; it is measured with engine.pool: local only"):
-        Federation(cfg)
+        build_federation(cfg)
 
 
 @pytest.mark.parametrize("first, then", [("wire", "local"), ("local", "wire")])

@@ -23,7 +23,8 @@ from deploy.harness import free_port
 from scale.raytools import RAY_ENV, cfg_of, kill, session_pids
 
 from fedmosaic.config import dump
-from fedmosaic.engine.runner import read_metrics, run
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
 
 CLI = [sys.executable, "-m", "fedmosaic.cli.main"]
 pytestmark = pytest.mark.usefixtures("bounded")

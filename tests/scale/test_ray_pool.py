@@ -17,11 +17,12 @@ from fedtest import assert_trees_close
 from scale.raytools import cfg_of
 
 from fedmosaic.data.federated import build
-from fedmosaic.engine.build import data_spec
 from fedmosaic.engine.federation import Federation
-from fedmosaic.engine.raypool import RayPool
-from fedmosaic.engine.runner import read_metrics, run
 from fedmosaic.errors import FedMosaicError
+from fedmosaic.runs.records import read_metrics
+from fedmosaic.runs.runner import run
+from fedmosaic.setup.groups import data_spec
+from fedmosaic.setup.world import build_federation, ray_pool
 
 FAMILIES = ["fedavg", "scaffold", "ditto", "apfl_pd", "ahf", "protofcl"]
 pytestmark = pytest.mark.usefixtures("bounded")
@@ -51,8 +52,8 @@ ROBUST = {"attack": {"kind": "label_flip", "fraction": 0.4}, "privacy": {"mode":
 def test_each_family_on_ray_actors_reaches_the_numbers_of_one_process(ray_runtime, family, backend, tol):
     cfg = cfg_of("fedavg", backend, **ROBUST) if family == "robust" else cfg_of(family, backend)
     fd = build(data_spec(cfg))
-    local = Federation(cfg, fd)
-    sharded = Federation(cfg, fd, pool="ray")
+    local = build_federation(cfg, fd)
+    sharded = build_federation(cfg, fd, pool="ray")
     try:
         hosted = [len(h.clients) for h in sharded.pool.hosted()]
         assert hosted == [3, 2], hosted
@@ -73,7 +74,7 @@ def test_an_actor_killed_mid_run_is_replaced_and_the_run_ends_as_an_uninterrupte
     killed, pools = [], []
 
     def killing(fed):
-        pool = RayPool(fed)
+        pool = ray_pool(fed.cfg, fed)
         pools.append(pool)
         train = pool.train
 
@@ -123,7 +124,7 @@ def test_a_checkpoint_resumes_on_another_number_of_actors(ray_runtime, tmp_path)
 def test_too_few_cpus_for_the_actors_is_one_line(ray_runtime):
     cfg = cfg_of("fedavg", ray={"actors": 3, "cpus_per_actor": 1.0, "start_timeout_s": 2.0})
     with pytest.raises(FedMosaicError, match=r"cannot place 3 actors of 1 CPU within 2 s .* it has 2 CPU") as e:
-        Federation(cfg, pool="ray")
+        build_federation(cfg, pool="ray")
     assert "\n" not in str(e.value)
 
 
@@ -137,28 +138,28 @@ def test_an_impossible_placement_on_this_machines_runtime_is_refused_at_once(ray
                                                                              engine, says):
     """A runtime of this machine's (one fedmosaic started, engine.ray.address: none) cannot grow: a placement it
     cannot hold is refused before any reservation, not after start_timeout_s."""
-    from fedmosaic.engine import raypool
+    from fedmosaic.engine.pools import ray as raypool
 
     monkeypatch.setattr(raypool, "OWN_RUNTIME", [ray_runtime.get_runtime_context().gcs_address])
     cfg = cfg_of("fedavg", ray=ray_over, engine=engine)
     t0 = time.monotonic()
     with pytest.raises(FedMosaicError, match=r"this machine cannot place " + says) as e:
-        Federation(cfg, pool="ray")
+        build_federation(cfg, pool="ray")
     assert "\n" not in str(e.value) and time.monotonic() - t0 < 10
     assert not ray_runtime.util.placement_group_table() or all(
         g["state"] == "REMOVED" for g in ray_runtime.util.placement_group_table().values())
 
 
 def test_a_temporary_folder_too_long_for_rays_sockets_is_one_line_before_ray_starts(monkeypatch, tmp_path):
-    from fedmosaic.engine.raypool import _check_socket_path
+    from fedmosaic.engine.pools.raylib import check_socket_path
 
     monkeypatch.setenv("RAY_TMPDIR", "/tmp")
-    _check_socket_path()  # /tmp: fine
+    check_socket_path()  # /tmp: fine
     deep = tmp_path / ("d" * 60)
     monkeypatch.setenv("RAY_TMPDIR", str(deep))
     with pytest.raises(FedMosaicError, match=r"the temporary folder .* is too long for Ray's sockets \(\d+ bytes; "
                                              r"at most \d+\): set RAY_TMPDIR to a shorter folder"):
-        _check_socket_path()
+        check_socket_path()
 
 
 def test_a_shard_over_the_memory_budget_is_one_line_from_the_actor(ray_runtime):
@@ -167,7 +168,7 @@ def test_a_shard_over_the_memory_budget_is_one_line_from_the_actor(ray_runtime):
     cfg = cfg_of("ditto", engine={"memory_mb": 2}, model={"options": {"hidden": 600}})
     with pytest.raises(FedMosaicError, match=r"a Ray actor failed starting its clients: .*needs about .* more than "
                                              r"the 2.0 MiB of memory on cpu") as e:
-        Federation(cfg, pool="ray")
+        build_federation(cfg, pool="ray")
     assert "\n" not in str(e.value)
 
 
@@ -191,7 +192,7 @@ def test_a_comparison_on_ray_equals_one_in_process_and_leaves_no_actor_or_reserv
 def test_tensors_travel_as_numpy_and_arrive_as_copies_of_their_own(ray_runtime):
     import torch
 
-    from fedmosaic.engine.raypool import register_tensors
+    from fedmosaic.engine.pools.raylib import register_tensors
 
     register_tensors(ray_runtime)
     sent = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3).t(), "b": torch.tensor([1.5, -2.0]).bfloat16(),
@@ -224,8 +225,8 @@ def test_a_model_registered_by_the_users_script_travels_to_the_actors(ray_runtim
     register_model("tiny_of_a_script", Tiny)
     cfg = cfg_of("ditto", model={"name": "tiny_of_a_script"})
     fd = build(data_spec(cfg))
-    sharded = Federation(cfg, fd, pool="ray")
+    sharded = build_federation(cfg, fd, pool="ray")
     try:
-        assert not same_metrics(records(Federation(cfg, fd)), records(sharded), 0.0)
+        assert not same_metrics(records(build_federation(cfg, fd)), records(sharded), 0.0)
     finally:
         sharded.pool.close()

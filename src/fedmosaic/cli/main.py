@@ -17,7 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from .. import __version__
+from ..version import __version__
 from ..errors import FedMosaicError, RunError, Stopped, environment_error, one_line
 from ..presets import config_path
 
@@ -80,8 +80,8 @@ def _gateway(args) -> None:
 
 def _run(args) -> None:
     from ..config import advise, algorithm_spec, load_config
-    from ..engine.runner import new_run_dir, not_a_run
     from ..reports.compare import run_all
+    from ..runs.dirs import new_run_dir, not_a_run
 
     algorithms = getattr(args, "algorithms", None)
     updates = {"compare": [algorithm_spec(a) for a in algorithms]} if algorithms else {}
@@ -164,8 +164,8 @@ def _reproduce(args) -> None:
 
 def _check(cfg, args) -> None:
     """``--check``: what the command would run, once its config is valid, its --out free and its data found."""
-    from ..engine.runner import check_out
     from ..reports.reproduce import missing_data
+    from ..runs.dirs import check_out
 
     if args.out and not args.resume:
         check_out(Path(args.out), resume=False)

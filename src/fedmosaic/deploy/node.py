@@ -72,8 +72,8 @@ def _node(config_path: Path, context):
     """(client id, the node's federation) of this message."""
     from .. import plugins
     from ..config import load_config
-    from ..engine.federation import Federation
     from ..paths import set_data_dirs
+    from ..setup.world import build_federation
 
     nc = context.node_config
     if "partition-id" not in nc:
@@ -86,7 +86,7 @@ def _node(config_path: Path, context):
     try:
         plugins.load()  # the node's own datasets and models: $FEDMOSAIC_PLUGINS, installed entry points
         cfg = load_config(config_path)
-        fed = Federation(cfg, pool="none")  # builds no client state: the node's one client's below
+        fed = build_federation(cfg, pool="none")  # builds no client state: the node's one client's below
     finally:
         if before is not False:
             set_data_dirs(before)
@@ -98,13 +98,13 @@ def _node(config_path: Path, context):
 
 def answer(config_path: Path, rec, context) -> dict:
     """The reply record to one message ``rec`` (``common.RECORD``)."""
-    from ..engine.pools import row, upload_of
+    from ..engine.messages import row, upload_of
     from ..protocol.tree import to
 
     action, t = rec["action"], int(rec["round"])
     client, fed = _node(config_path, context)
     if action == "hello":
-        from .. import __version__
+        from ..version import __version__
 
         return {"client": client, "round": t, "nonce": rec.get("nonce", ""), "rows": rows_hash(fed, client),
                 "public": public_hash(fed), "partition": fed.fd.hash, "train": int(fed.split["train"].sizes[client]),

@@ -186,11 +186,11 @@ def check_model(cfg) -> None:
     refuse is refused here, in one line, before anything is written."""
     import warnings
 
-    from ..engine.federation import Federation
+    from ..setup.world import build_federation
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # (the run warns when it starts)
-        Federation(cfg, pool="none")
+        build_federation(cfg, pool="none")
 
 
 def public_key_pem(pub: Path) -> str:
@@ -210,8 +210,8 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
     import tomli_w
 
     from ..config import dump
-    from ..engine.runner import check_out
     from ..protocol.algorithm import registered
+    from ..runs.dirs import check_out
 
     check_deployable(cfg, registered()[cfg.algorithm.name])
     out = Path(out).absolute()

@@ -34,8 +34,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.client import ids_of, order_parts
-from ..engine.pools import merge_evaluations, merge_logits, row, sub_request, upload_of
+from ..engine.messages import (
+    ids_of,
+    merge_evaluations,
+    merge_logits,
+    order_parts,
+    row,
+    sub_request,
+    upload_of,
+)
 from ..errors import CorruptDataError, FedMosaicError, RunError, one_line
 from ..protocol import codec
 from ..protocol.tree import all_finite, layout, to
@@ -460,8 +467,8 @@ def server_app(config_path: str | Path):
     def main(grid, context) -> None:
         from .. import plugins
         from ..config import load_config
-        from ..engine.runner import run
         from ..paths import set_data_dirs
+        from ..runs.runner import run
 
         rc = context.run_config
         before = set_data_dirs(str(rc["data-dir"])) if rc.get("data-dir") else False  # for this run only

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ import torch
 from ..errors import ConfigError
 from ..protocol.algorithm import Algorithm
 from .seeding import rng
+
+if TYPE_CHECKING:
+    from .settings import RoundSettings
 
 ATTACK, DP_NOISE, DP_LOCAL = 15, 16, 17  # seeding streams: the attackers' choice and their noise; privacy noise
 
@@ -41,13 +45,13 @@ def eligible(algo: type[Algorithm]) -> bool:
     return bool(algo.global_model) and algo.aggregate is Algorithm.aggregate
 
 
-def check(cfg, algo: type[Algorithm]) -> None:
+def check(s: RoundSettings, algo: type[Algorithm], tasks: bool) -> None:
     """One line, before anything runs, when the stage or the attack does not apply to the algorithm or cohort."""
-    agg, attack = cfg.aggregation, cfg.attack
+    agg, attack = s.aggregation, s.attack
     active = agg is not None and agg.rule != "mean"
     opt = agg is not None and agg.optimizer != "none"
     if attack is not None and attack.kind == "label_flip":
-        if cfg.data.tasks is not None:
+        if tasks:
             raise ConfigError("attack: label_flip on a class-incremental stream would move samples out of their "
                               "task's classes; flip labels on a stream of one task, or choose another attack")
         attack = None  # (poisoned data, honest training: defined for every algorithm)
@@ -58,7 +62,7 @@ def check(cfg, algo: type[Algorithm]) -> None:
                           "own), so neither a robust stage nor an upload attack is defined for it; algorithms it "
                           "applies to: those with a global model and the default weighted mean (e.g. fedavg, fedprox, "
                           "fedntd, moon, ditto)")
-    if cfg.privacy is not None:
+    if s.privacy is not None:
         if not eligible(algo):
             raise ConfigError(f"privacy: algorithm {algo.name!r} does not average uploaded models, so DP-FedAvg's "
                               "clipped, noised mean is not defined for it")
@@ -66,15 +70,15 @@ def check(cfg, algo: type[Algorithm]) -> None:
             raise ConfigError(f"privacy: DP-FedAvg is its own aggregation (clipped updates, their mean, noise); "
                               f"aggregation.rule {agg.rule} cannot be combined with it (a server optimizer can)")
         accountant()  # the extra, in one line, before anything runs
-    if active and agg.rule == "krum" and cfg.train.clients_per_round <= 2 * agg.f + 2:
+    if active and agg.rule == "krum" and s.train.clients_per_round <= 2 * agg.f + 2:
         raise ConfigError(f"aggregation: krum with f = {agg.f} needs more than 2f + 2 = {2 * agg.f + 2} clients a "
-                          f"round (train.clients_per_round is {cfg.train.clients_per_round})")
-    if active and agg.rule == "bulyan" and cfg.train.clients_per_round < 4 * agg.f + 3:
+                          f"round (train.clients_per_round is {s.train.clients_per_round})")
+    if active and agg.rule == "bulyan" and s.train.clients_per_round < 4 * agg.f + 3:
         raise ConfigError(f"aggregation: bulyan with f = {agg.f} needs at least 4f + 3 = {4 * agg.f + 3} clients a "
-                          f"round (train.clients_per_round is {cfg.train.clients_per_round})")
-    if active and agg.rule == "krum" and agg.m > cfg.train.clients_per_round - agg.f:
+                          f"round (train.clients_per_round is {s.train.clients_per_round})")
+    if active and agg.rule == "krum" and agg.m > s.train.clients_per_round - agg.f:
         raise ConfigError(f"aggregation: krum keeps m = {agg.m} updates, more than the n - f = "
-                          f"{cfg.train.clients_per_round - agg.f} it can trust")
+                          f"{s.train.clients_per_round - agg.f} it can trust")
 
 
 def attackers(num_clients: int, fraction: float, seed: int) -> np.ndarray:
@@ -83,13 +87,13 @@ def attackers(num_clients: int, fraction: float, seed: int) -> np.ndarray:
     return np.sort(rng(seed, ATTACK).choice(num_clients, size=k, replace=False))
 
 
-def flip_labels(cfg, train, num_classes: int):
+def flip_labels(s: RoundSettings, train, num_classes: int):
     """``train`` (a ``ClientTensors`` split) with the attackers' labels flipped, y -> C - 1 - y, when the attack is
     ``label_flip`` (else ``train`` itself): poisoned data that every pool's clients then train on honestly."""
-    a = cfg.attack
+    a = s.attack
     if a is None or a.kind != "label_flip":
         return train
-    bad = attackers(len(train.ptr) - 1, a.fraction, cfg.seed)
+    bad = attackers(len(train.ptr) - 1, a.fraction, s.seed)
     rows = np.concatenate([np.arange(train.ptr[k], train.ptr[k + 1]) for k in bad])
     y = train.y.clone()
     at = torch.as_tensor(rows, device=y.device)
@@ -127,12 +131,13 @@ def _put(stacked: dict, reference: dict, keys: list, rows: torch.Tensor, delta: 
     return out
 
 
-def attack(cfg, stacked: dict, reference: dict, cohort: np.ndarray, round_idx: int, num_clients: int) -> dict:
-    """The uploads with the attackers' rows replaced (``cfg.attack``; unchanged without one)."""
-    a = cfg.attack
+def attack(s: RoundSettings, stacked: dict, reference: dict, cohort: np.ndarray, round_idx: int,
+           num_clients: int) -> dict:
+    """The uploads with the attackers' rows replaced (``attack``; unchanged without one)."""
+    a = s.attack
     if a is None or a.kind == "label_flip":  # (label_flip poisons the data: :func:`flip_labels`)
         return stacked
-    bad = np.isin(cohort, attackers(num_clients, a.fraction, cfg.seed))
+    bad = np.isin(cohort, attackers(num_clients, a.fraction, s.seed))
     if not bad.any():
         return stacked
     delta, keys = _flat(stacked, reference)
@@ -143,15 +148,15 @@ def attack(cfg, stacked: dict, reference: dict, cohort: np.ndarray, round_idx: i
     elif a.kind == "sign_flip":
         d = -a.factor * d
     elif a.kind == "noise":
-        d = d + a.sigma * _client_noise(cfg.seed, ATTACK, round_idx, cohort[bad], delta)
+        d = d + a.sigma * _client_noise(s.seed, ATTACK, round_idx, cohort[bad], delta)
     else:  # free_rider: the broadcast model sent back
         d = torch.zeros_like(d)
     return _put(stacked, reference, keys, rows, d)
 
 
-def aggregate(cfg, stacked: dict, reference: dict, weights: torch.Tensor) -> tuple[dict, torch.Tensor]:
-    """The rows and weights whose weighted mean is the robust aggregate (``cfg.aggregation``)."""
-    agg = cfg.aggregation
+def aggregate(s: RoundSettings, stacked: dict, reference: dict, weights: torch.Tensor) -> tuple[dict, torch.Tensor]:
+    """The rows and weights whose weighted mean is the robust aggregate (``aggregation``)."""
+    agg = s.aggregation
     if agg is None or agg.rule == "mean":
         return stacked, weights
     delta, keys = _flat(stacked, reference)
@@ -200,13 +205,14 @@ OPTIMIZERS = {"adam": (0.1, 0.9, 0.99, 1e-9), "yogi": (0.01, 0.9, 0.99, 1e-3), "
               "avgm": (1.0, 0.9, 0.0, 0.0)}
 
 
-def server_step(cfg, state: dict | None, current: dict, aggregate: dict, round_idx: int) -> tuple[dict, dict]:
+def server_step(s: RoundSettings, state: dict | None, current: dict, aggregate: dict,
+                round_idx: int) -> tuple[dict, dict]:
     """The global model after a server optimizer step on the pseudo-gradient ``aggregate - current`` (the
     algorithm's aggregate minus the model it broadcast) and the optimizer's new moments ``{"m", "v"}`` (``state``
     None: zeros). The rules of Flower's FedAdam (its bias-corrected rate with server_round + 1, server_round
     counting from 1), FedYogi, FedAdagrad (m is the update itself: no momentum) and FedAvgM (SGD with heavy-ball
     momentum: m <- beta1 m + update, w <- w + eta m; the algorithm fedavgm's rule)."""
-    agg = cfg.aggregation
+    agg = s.aggregation
     eta, b1, b2, tau = (d if v is None else v for v, d in zip((agg.eta, agg.beta1, agg.beta2, agg.tau),
                                                              OPTIMIZERS[agg.optimizer], strict=True))
     if agg.optimizer == "adagrad":
@@ -230,35 +236,36 @@ def server_step(cfg, state: dict | None, current: dict, aggregate: dict, round_i
     return new, {"m": m, "v": v}
 
 
-def private(cfg, stacked: dict, reference: dict, round_idx: int, clip: float | None = None) -> tuple[dict, float]:
+def private(s: RoundSettings, stacked: dict, reference: dict, round_idx: int,
+            clip: float | None = None) -> tuple[dict, float]:
     """DP-FedAvg's aggregate (central) as rows that all hold it, and the clip for the next round: every update
     clipped to norm C (``clip``, default ``privacy.clip``), their uniform mean, plus Gaussian noise of std
     sigma_u C / m (m: the cohort's size; seeded by the round). With ``privacy.adaptive`` (Andrew et al. 2021) the
     next C is C exp(-lr (b - quantile)), b the noised fraction of updates left unclipped, and the budget is shared:
     sigma_u = (sigma^-2 - (2 count_noise)^-2)^-1/2, so the pair accounts as one Gaussian of multiplier sigma."""
-    p, a = cfg.privacy, cfg.privacy.adaptive
+    p, a = s.privacy, s.privacy.adaptive
     c = p.clip if clip is None else clip
     delta, keys = _flat(stacked, reference)
     n = delta.shape[0]
     norm = delta.norm(dim=1, keepdim=True)
     clipped = _clip(delta, norm, c)
     sigma = p.noise if a is None or p.noise == 0 else (p.noise ** -2 - (2 * a.count_noise) ** -2) ** -0.5
-    noise = torch.as_tensor(rng(cfg.seed, DP_NOISE, round_idx).standard_normal(delta.shape[1]), dtype=delta.dtype)
+    noise = torch.as_tensor(rng(s.seed, DP_NOISE, round_idx).standard_normal(delta.shape[1]), dtype=delta.dtype)
     row = clipped.mean(0) + (sigma * c / n) * noise.to(delta.device)
     rows = _put(stacked, reference, keys, torch.arange(n, device=delta.device), row.expand(n, -1))
     if a is None:
         return rows, c
-    unclipped = float((norm <= c).sum()) + a.count_noise * float(rng(cfg.seed, DP_NOISE, round_idx, 1).standard_normal())
+    unclipped = float((norm <= c).sum()) + a.count_noise * float(rng(s.seed, DP_NOISE, round_idx, 1).standard_normal())
     return rows, c * math.exp(-a.lr * (unclipped / n - a.quantile))
 
 
-def local(cfg, uploads: dict, reference: dict, clients: np.ndarray, round_idx: int) -> dict:
+def local(s: RoundSettings, uploads: dict, reference: dict, clients: np.ndarray, round_idx: int) -> dict:
     """``privacy.mode: local``, on the client before it uploads: each client's update clipped to norm C and
     Gaussian noise of std sigma C added (seeded by round and client: the same on every pool and on its node)."""
-    p = cfg.privacy
+    p = s.privacy
     delta, keys = _flat(uploads["model"], reference)
     clipped = _clip(delta, delta.norm(dim=1, keepdim=True), p.clip)
-    noise = _client_noise(cfg.seed, DP_LOCAL, round_idx, clients, delta)
+    noise = _client_noise(s.seed, DP_LOCAL, round_idx, clients, delta)
     rows = torch.arange(len(clients), device=delta.device)
     return {**uploads, "model": _put(uploads["model"], reference, keys, rows, clipped + p.noise * p.clip * noise)}
 
@@ -311,12 +318,12 @@ def _round_rdp(noise: float, poisson: float | None, fixed: tuple[int, int] | Non
     return tuple(acc._rdp)  # (the accountant's own composition: count x this vector)
 
 
-def epsilon(cfg, rounds: int, num_clients: int) -> float:
+def epsilon(s: RoundSettings, rounds: int, num_clients: int) -> float:
     """The client-level epsilon (at ``privacy.delta``) of ``rounds`` rounds: ``train.clients_per_round`` of the
     ``num_clients`` sampled without replacement each round, as the engine samples its cohorts. Local: a client's
     own uploads, as if it took part in every round (its sampling is no secret to it), each a Gaussian mechanism of
     std sigma C on a clipped update that any other data of the client moves by up to 2C (multiplier sigma / 2)."""
-    p = cfg.privacy
+    p = s.privacy
     if p.mode == "local":
         return rdp_epsilon(p.noise / 2, rounds, p.delta)
-    return rdp_epsilon(p.noise, rounds, p.delta, fixed=(num_clients, min(cfg.train.clients_per_round, num_clients)))
+    return rdp_epsilon(p.noise, rounds, p.delta, fixed=(num_clients, min(s.train.clients_per_round, num_clients)))

@@ -1,6 +1,6 @@
 """A stop asked by a signal, seen by the step loops: a round that has not ended ``GRACE_S`` seconds after Ctrl-C or
 SIGTERM stops at its next training step, unfinished (a resume repeats it from the last checkpoint), so that one
-signal ends even a round of hours within a step. The runner arms it (``runner._stop_between_rounds``); the step
+signal ends even a round of hours within a step. The runner arms it (``runs.signals.stop_between_rounds``); the step
 loops call :func:`check`, which costs one comparison while nothing was asked."""
 
 from __future__ import annotations

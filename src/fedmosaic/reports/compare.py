@@ -11,21 +11,22 @@ import numpy as np
 
 from ..config import RunConfig, dump, load_config
 from ..data.federated import build
-from ..engine.federation import Federation, data_spec
-from ..engine.runner import (
-    check_out,
-    claim,
-    config_changes,
-    diverged_round,
-    read_metrics,
-    run,
-    run_hash,
-    summarize,
-    unclaimed,
-)
 from ..errors import FedMosaicError, RunError
 from ..files import atomic_write, remove_temp_files
-from .plots import accuracy_matrix, accuracy_per_task, cross_heatmap, diagnostics, learning_curves, method_colors
+from ..runs.checkpoints import config_changes, run_hash
+from ..runs.dirs import check_out, claim, diverged_round, unclaimed
+from ..runs.records import read_metrics, summarize
+from ..runs.runner import run
+from ..setup.groups import data_spec
+from ..setup.world import build_federation
+from .plots import (
+    accuracy_matrix,
+    accuracy_per_task,
+    cross_heatmap,
+    diagnostics,
+    learning_curves,
+    method_colors,
+)
 
 COLUMNS = (
     ("algorithm", "name", "{}"),
@@ -146,7 +147,7 @@ def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # each variant warns when it runs
             for v in cfg.variants()[1:]:  # (a Ray pool's actors check their shards when the variant runs)
-                Federation(v, fd, pool="none" if v.engine.pool == "ray" else None)
+                build_federation(v, fd, pool="none" if v.engine.pool == "ray" else None)
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -33,9 +33,9 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from ..config import dump, load_config, validate
-from ..engine.runner import check_out, claim
 from ..errors import ConfigError, FedMosaicError, RunError, Stopped
 from ..files import atomic_write
+from ..runs.dirs import check_out, claim
 from ..schema import Schema
 
 CLAIMS = Path(__file__).with_name("claims")

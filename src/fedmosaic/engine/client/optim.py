@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from ..schema import Schema
+from ...schema import Schema
 
 
 class PlateauConfig(Schema):

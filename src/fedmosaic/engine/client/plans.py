@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..protocol.program import Phase, View
+from ...protocol.program import Phase, View
+from ..seeding import VIEWS, batch_plan, rng
+from ..tensors import ClientTensors
 from . import augment
 from .augment import AugmentConfig
-from .seeding import VIEWS, batch_plan, rng
-from .tensors import ClientTensors
 
 #: The "client" whose batch order every client follows on the public stream (beyond any real client id).
 SHARED = 2**40

@@ -37,7 +37,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 #: Per lockstep step of a small model, in milliseconds, measured on the benchmark CPU (docs/benchmarks.md): the
 #: eager vmapped step (logistic regression, B = 10: 0.49 ms with one active client, 0.70 with eight), one looped

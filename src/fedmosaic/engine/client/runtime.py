@@ -12,47 +12,29 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..errors import FedMosaicError
-from ..protocol.algorithm import Algorithm
-from ..protocol.tree import finite, put, repeat, take, tmap
-from . import evaluate as ev
+from ...errors import FedMosaicError
+from ...protocol.algorithm import Algorithm
+from ...protocol.tree import finite, put, repeat, take, tmap
+from .. import evaluate as ev
+from .. import robust
+from ..group import Group
+from ..mapping import for_each_client
+from ..messages import ids_of, order_parts
+from ..seeding import MEMORY, rng
+from ..tensors import ClientTensors
 from . import memory as mem
-from . import robust
-from .build import Group
-from .mapping import for_each_client
-from .seeding import MEMORY, rng
-from .tensors import ClientTensors
+
+if TYPE_CHECKING:
+    from ..settings import RoundSettings
 
 
 class NonFiniteLoss(FedMosaicError):
     pass
-
-
-def ids_of(message: dict) -> np.ndarray:
-    """The client ids a message is about (``ids``: an int64 tensor), as an array."""
-    return message["ids"].cpu().numpy()
-
-
-def order_parts(parts: list[dict]) -> list[dict]:
-    """Stacked parts of several runtimes' answers (each with client ``ids``, and an architecture ``arch`` if it
-    has one) as one part per architecture, rows in (architecture, client id) order — the order a single runtime
-    hosting them all answers in."""
-    out = []
-    for arch in sorted({p.get("arch") for p in parts}, key=lambda a: -1 if a is None else a):
-        mine = [p for p in parts if p.get("arch") == arch]
-        if len(mine) == 1 and bool((mine[0]["ids"][1:] > mine[0]["ids"][:-1]).all()):
-            out.append(mine[0])  # one part, in order already: itself, not a copy
-            continue
-        ids = torch.cat([p["ids"] for p in mine])
-        order = torch.argsort(ids, stable=True)
-        merged = {k: tmap(lambda *ts, order=order: torch.cat(ts)[order.to(ts[0].device)], *[p[k] for p in mine])
-                  for k in mine[0] if k != "arch"}
-        out.append(merged if arch is None else {"arch": arch, **merged})
-    return out
 
 
 @dataclass(frozen=True)
@@ -75,9 +57,9 @@ class ClientRuntime:
     memory, or None; ``global_test``: the dataset's test split, for the evaluations only a simulation makes
     (continual accuracy of personal models)."""
 
-    def __init__(self, cfg, algo: Algorithm, groups: list[Group], split: dict, num_clients: int, num_classes: int,
+    def __init__(self, settings: RoundSettings, algo: Algorithm, groups: list[Group], split: dict, num_clients: int, num_classes: int,
                  batch: int, transform, public, device, tasks=None, exemplars=None, global_test=None):
-        self.cfg, self.algo, self.groups, self.split = cfg, algo, groups, split
+        self.settings, self.algo, self.groups, self.split = settings, algo, groups, split
         self.num_clients, self.num_classes, self.batch = num_clients, num_classes, batch
         self.transform, self.public, self.device = transform, public, device
         self.tasks, self.exemplars, self.global_test = tasks, exemplars, global_test
@@ -146,7 +128,7 @@ class ClientRuntime:
         for g in self.groups:
             g.module.train()
             trained = g.trainer.warm_up(self.split["train"], g.clients, self.own(assignment, g.clients), g.store,
-                                        g.buffers, epochs=self.cfg.train.warmup_epochs, lr=lr, seed=self.cfg.seed)
+                                        g.buffers, epochs=self.settings.train.warmup_epochs, lr=lr, seed=self.settings.seed)
             g.store = for_each_client(self.algo.after_warmup, (0,), False)({**g.store, "model": trained})
 
     def public_logits(self, broadcast: dict, assignment: dict) -> dict:
@@ -185,15 +167,15 @@ class ClientRuntime:
             g.module.train()
             out = g.trainer.train(train, members, pay, take(g.store, rows), bufs, own=own,
                                   program=self.algo.program(t), probes=self.algo.probes(t, pay), lr=lr,
-                                  seed=self.cfg.seed, round_idx=t,
-                                  stragglers=self.cfg.participation.stragglers if self.cfg.participation else 0.0)
+                                  seed=self.settings.seed, round_idx=t,
+                                  stragglers=self.settings.participation.stragglers if self.settings.participation else 0.0)
             parts.append((g, members, out, bufs))
         self._check_finite(t, parts)
-        uploads, p = [], self.cfg.privacy
+        uploads, p = [], self.settings.privacy
         for g, members, out, bufs in parts:
             put((g.store, g.buffers), self._rows(members), (out.states, bufs))
             up = out.uploads if p is None or p.mode != "local" else \
-                robust.local(self.cfg, out.uploads, payload["global"], members, t)
+                robust.local(self.settings, out.uploads, payload["global"], members, t)
             uploads.append({"arch": g.gid, "ids": torch.as_tensor(members), "upload": up, "loss": out.loss,
                             "steps": torch.as_tensor(out.steps), "terms": out.terms,
                             "n": torch.as_tensor(train.counts(members), dtype=torch.float32, device=self.device),
@@ -219,7 +201,7 @@ class ClientRuntime:
         task = self.train_split(stage, memory=False)
         seen = header["seen"].to(device=dev, dtype=torch.float32)
         probes = self.algo.task_probes()
-        mc = self.cfg.exemplar_memory()
+        mc = self.settings.memory
         how = self.algo.memory_select if mc is None or mc.select == "auto" else mc.select
         for g in self.groups:
             g.module.eval()  # features and probes at the running statistics, which they leave alone
@@ -233,9 +215,9 @@ class ClientRuntime:
                     labels = tr.y[torch.as_tensor(tr.ptr[k] + offs, device=dev)].cpu().numpy()
                     new = {int(c): z[torch.as_tensor(labels == c, device=dev)] for c in np.unique(labels)}
                     self.exemplars[k] = mem.refresh(self.exemplars[k], new, {c: offs[labels == c] for c in new}, how,
-                                                    mc.per_class, mc.total, rng(self.cfg.seed, MEMORY, stage, int(k)))
+                                                    mc.per_class, mc.total, rng(self.settings.seed, MEMORY, stage, int(k)))
             stats = g.trainer.probe_at(task, g.clients, {"model": params}, g.store, payload,
-                                       self.own(assignment, g.clients, header), bufs, probes, seed=self.cfg.seed,
+                                       self.own(assignment, g.clients, header), bufs, probes, seed=self.settings.seed,
                                        round_idx=t) if probes else {}
             g.store = for_each_client(lambda s, p, st: self.algo.end_task(s, p, st, seen, payload), (0, 0, 0),
                                       g.trainer.vectorize, fresh=True)(g.store, params, stats)
@@ -258,7 +240,7 @@ class ClientRuntime:
         phases, own = self.algo.finetune(), self.own(assignment, g.clients)
         if phases is not None:  # the fine-tuned "model" slot, or the slots' union (a model cut in parts: FedBABU)
             out = g.trainer.adapt(self.split["train"], g.clients, payload, own, g.store, g.buffers, program=phases,
-                                  lr=self.cfg.train.optimizer.lr_at(t), seed=self.cfg.seed, round_idx=t)
+                                  lr=self.settings.train.optimizer.lr_at(t), seed=self.settings.seed, round_idx=t)
             return out["model"] if "model" in out else {k: v for tree in out.values() for k, v in tree.items()}
         return for_each_client(lambda s, o: self.algo.personal_params(s, {**payload, "own": o}), (0, 0),
                                g.trainer.vectorize)(g.store, own)

@@ -1,23 +1,22 @@
 """A client pool on Ray actors (``engine.pool: ray``): a simulation scaled out over processes and machines.
 
-Each actor hosts a runtime (``client.ClientRuntime``) of a contiguous shard of the client ids — their data rows,
+Each actor hosts a runtime (``client.runtime.ClientRuntime``) of a contiguous shard of the client ids — their data rows,
 states and exemplar memory, nothing of the other clients — built in the actor as the wire pool builds its runtimes
-(``Federation.client_runtime``: the same modules, seeds and trainers, the execution chosen for the actor's device).
+(``setup.world.World.client_runtime``: the same modules, seeds and trainers, the execution chosen for the actor's device).
 The driver keeps the server side. A round's broadcast goes into the object store once and every actor reads it
 from there; each actor is sent only its clients' rows of the assignment; the answers come back and are put in
-(architecture, client id) order (``client.order_parts``) before the server's unchanged ``aggregate``, so every sum
+(architecture, client id) order (``messages.order_parts``) before the server's unchanged ``aggregate``, so every sum
 runs in the order it runs in one process. A checkpoint gathers the clients' state by client id, so a run resumes
 on any number of actors, or in one process.
 
 An actor that dies (its process killed, its node gone) raises :class:`ClientsLost`; the runner then replays the run
-from its last checkpoint on new actors (``runner.run``), and the run ends with the metrics of an uninterrupted one.
+from its last checkpoint on new actors (``runs.runner.run``), and the run ends with the metrics of an uninterrupted one.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import re
 import socket
@@ -26,74 +25,25 @@ import warnings
 import numpy as np
 import torch
 
-from ..errors import ClientsLost, FedMosaicError, one_line
-from ..protocol.tree import to
-from .client import NonFiniteLoss, order_parts
-from .pools import InProcessPool, merge_evaluations, merge_logits, row, rows_of, sub_request
+from ...errors import ClientsLost, FedMosaicError, one_line
+from ...protocol.tree import to
+from ..client.runtime import NonFiniteLoss
+from ..messages import merge_evaluations, merge_logits, order_parts, row, rows_of, sub_request
+from .local import InProcessPool
+from .raylib import (
+    CONNECT_ENV,
+    check_socket_path,
+    ray_module,
+    register_tensors,
+)
 
 #: where an action's arguments hold an actor's own rows of the assignment
 MINE = object()
-#: Ray's defaults changed here: no usage statistics sent home (Ray's own default is on)
-ENV = {"RAY_USAGE_STATS_ENABLED": "0"}
 #: the runtimes this process started itself (engine.ray.address: none): their resources are fixed
 OWN_RUNTIME: list[str] = []
 #: a custom resource every runtime fedmosaic starts for one run carries: it belongs to that run (and dies with it),
 #: so another run that finds it (engine.ray.address: auto finds any Ray runtime on the machine) refuses to join
 PRIVATE = "fedmosaic_private_runtime"
-#: Ray's sockets live under $RAY_TMPDIR (else $TMPDIR, else /tmp)/ray/session_<time>_<pid>/sockets/: a Unix socket's
-#: path holds at most 107 bytes
-SOCKET_PATH_MAX = 107
-SESSION_NAME = "session_2026-01-01_00-00-00_000000_1234567"
-
-
-def _check_socket_path() -> None:
-    import tempfile
-
-    base = os.environ.get("RAY_TMPDIR") or tempfile.gettempdir()
-    longest = os.path.join(base, "ray", SESSION_NAME, "sockets", "plasma_store")
-    if len(longest.encode()) > SOCKET_PATH_MAX:
-        room = SOCKET_PATH_MAX - (len(longest.encode()) - len(base.encode()))
-        raise FedMosaicError(f"the temporary folder {base} is too long for Ray's sockets ({len(base.encode())} "
-                             f"bytes; at most {room}): set RAY_TMPDIR to a shorter folder, e.g. RAY_TMPDIR=/tmp")
-
-
-#: connecting to a cluster address: fail in seconds, not after Ray's ~15 minutes of retries
-CONNECT_ENV = {"RAY_gcs_server_port_wait_time_s": "1", "RAY_py_gcs_connect_timeout_s": "5",
-               "RAY_gcs_rpc_server_connect_timeout_s": "3"}
-
-
-def ray_module():
-    """The ``ray`` package, or one line saying how to install it."""
-    for k, v in ENV.items():
-        os.environ.setdefault(k, v)
-    try:
-        import ray
-    except ImportError:
-        raise FedMosaicError("engine.pool: ray needs Ray: pip install 'fedmosaic[ray]'") from None
-    return ray
-
-
-# ---- tensors through the object store -----------------------------------------------------------------------
-def _to_numpy(t: torch.Tensor):
-    """A tensor as a numpy array (Ray moves those as out-of-band buffers: ~10x faster than torch's pickling);
-    bfloat16, which numpy lacks, as its bits."""
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return "bfloat16", t.view(torch.int16).numpy()
-    return None, t.numpy()
-
-
-def _from_numpy(packed) -> torch.Tensor:
-    """Back to a tensor, copied: an array read from the object store is shared memory that an in-place update
-    would change for every reader."""
-    kind, a = packed
-    t = torch.from_numpy(a.copy())
-    return t.view(torch.bfloat16) if kind == "bfloat16" else t
-
-
-def register_tensors(ray) -> None:
-    """Pass tensors as numpy arrays in this process's messages (the driver and every actor register it)."""
-    ray.util.register_serializer(torch.Tensor, serializer=_to_numpy, deserializer=_from_numpy)
 
 
 # ---- the actor ----------------------------------------------------------------------------------------------
@@ -103,13 +53,12 @@ class ClientHost:
     that the driver's process registered (``register_model``, ``register_dataset`` of a public dataset: a script's
     own travel by value); ``data_dirs``: the driver's data search path (a public dataset is read from it)."""
 
-    def __init__(self, cfg, fd, shard, threads: int, registered: dict, data_dirs: str):
+    def __init__(self, make, fd, shard, threads: int, registered: dict, data_dirs: str):
         import ray
 
-        from .. import models as zoo
-        from ..data import registry
-        from ..paths import set_data_dirs
-        from .federation import Federation
+        from ... import models as zoo
+        from ...data import registry
+        from ...paths import set_data_dirs
 
         torch.set_num_threads(threads)
         register_tensors(ray)
@@ -120,7 +69,7 @@ class ClientHost:
                 zoo.HEADS[name] = head
         registry.REGISTRY.update(registered["datasets"])
         warnings.filterwarnings("ignore")  # the driver has said it already (execution notes, data warnings)
-        self.rt = Federation(cfg, fd, threads, pool="none").client_runtime(shard)
+        self.rt = make(fd, shard, threads)
 
     def hello(self):
         """(the clients it hosts, its process id, its node's address)"""
@@ -159,22 +108,21 @@ def shards(num_clients: int, actors: int) -> list[np.ndarray]:
 
 # ---- the driver's side ------------------------------------------------------------------------------------
 class RayPool:
-    """The clients of ``fed`` (a ``Federation``) on ``engine.ray.actors`` Ray actors."""
+    """The clients of ``fed`` (a ``Federation``) on ``opts.actors`` Ray actors (``opts``: ``engine.ray``) of
+    ``threads`` torch threads and ``memory`` bytes (None: no limit), each actor's runtime built there by
+    ``make(fd, shard, threads)`` (``setup.world.remote_runtime`` with the run's config: it travels by reference).
+    ``registered``: the models and datasets the driver's process registered that the run uses (a script's own
+    travel by value)."""
 
-    def __init__(self, fed):
-        from .. import models as zoo
-        from .. import plugins
-        from ..data import registry
-        from ..paths import data_dirs
+    def __init__(self, fed, make, opts, threads: int, memory: int | None, registered: dict):
+        from ...paths import data_dirs
 
         self.ray = ray = ray_module()
-        self.opts, self.device, self.algo = fed.cfg.engine.ray, fed.device, fed.algo
+        self.opts, self.device, self.algo = opts, fed.device, fed.algo
         self.address = self._connect()
         self.gcs = self.ray.get_runtime_context().gcs_address  # where the runtime's GCS listens (meta.json)
         register_tensors(ray)
-        o, cfg = self.opts, fed.cfg
-        threads = cfg.engine.threads or max(1, math.ceil(o.cpus_per_actor))
-        memory = None if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20
+        o = opts
         bundle = {"CPU": o.cpus_per_actor, **({"GPU": o.gpus_per_actor} if o.gpus_per_actor else {}),
                   **({"memory": memory} if memory else {})}
         parts = shards(fed.num_clients, o.actors)
@@ -198,17 +146,12 @@ class RayPool:
                 f"the Ray cluster cannot place {len(parts)} actors of {_resources(bundle)} within "
                 f"{o.start_timeout_s:g} s (engine.ray.start_timeout_s): it has {_resources(have)} in all; lower "
                 "engine.ray.actors, cpus_per_actor, gpus_per_actor or engine.memory_mb, or add nodes")
-        used = [cfg.model.name, *(a.name for a in cfg.model.heterogeneous or [])]
-        public = [] if cfg.data.public is None else [cfg.data.public.source.lower()]
-        mine = lambda kind, names: [n for n in names if (kind, n) in plugins.ORIGINS]  # noqa: E731
-        registered = {"models": {n: (zoo.MODELS[n], zoo.HEADS.get(n)) for n in mine("model", used)},
-                      "datasets": {n: registry.REGISTRY[n] for n in mine("dataset", public)}}
         fd = ray.put(fed.fd)  # the partition once; every actor takes its rows
         host = ray.remote(ClientHost)
         self.actors = [
             host.options(num_cpus=o.cpus_per_actor, num_gpus=o.gpus_per_actor, memory=memory, max_restarts=0,
                          scheduling_strategy=PlacementGroupSchedulingStrategy(self.group, i)).remote(
-                cfg, fd, part, threads, registered, os.pathsep.join(map(str, data_dirs())))
+                make, fd, part, threads, registered, os.pathsep.join(map(str, data_dirs())))
             for i, part in enumerate(parts)]
         try:
             ready = ray.get([a.hello.remote() for a in self.actors], timeout=o.start_timeout_s)
@@ -230,7 +173,7 @@ class RayPool:
         if ray.is_initialized():
             return ray.get_runtime_context().gcs_address
         if o.address is None:
-            _check_socket_path()
+            check_socket_path()
             try:
                 ray.init(include_dashboard=False, log_to_driver=False, object_store_memory=o.object_store_mb * 2**20,
                          resources={PRIVATE: 1.0})

@@ -14,9 +14,9 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from ..errors import ConfigError
-from ..schema import Schema
-from .seeding import AUGMENT, rng
+from ...errors import ConfigError
+from ...schema import Schema
+from ..seeding import AUGMENT, rng
 
 
 class AugmentConfig(Schema):

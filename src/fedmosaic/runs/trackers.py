@@ -59,7 +59,7 @@ class Trackers:
             atomic_write(ids_file, json.dumps(ids).encode())
 
     def log(self, named: dict[str, float], step: int) -> None:
-        """``named``: a round's numbers by their path (``global/acc``: ``runner.scalars(rec, "/")``)."""
+        """``named``: a round's numbers by their path (``global/acc``: ``records.scalars(rec, "/")``)."""
         for tracker in self.open:
             tracker.log(named, step)
 

@@ -10,9 +10,9 @@ import torch
 from torch.func import functional_call, grad
 from torch.utils import _pytree as pytree
 
-from ..protocol.context import LocalContext
-from ..protocol.program import Step
-from ..protocol.tree import tmap
+from ...protocol.context import LocalContext
+from ...protocol.program import Step
+from ...protocol.tree import tmap
 
 #: The key of the objective's named parts (``LocalContext.term``) among a step's accumulated statistics.
 TERMS = "_terms"

@@ -9,9 +9,9 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..protocol.program import Probe, Step
-from ..protocol.tree import tmap
-from . import stopping
+from ...protocol.program import Probe, Step
+from ...protocol.tree import tmap
+from .. import stopping
 from .objective import _sub
 
 

@@ -8,20 +8,25 @@ federation is the number of clients, their architectures and the task calendar.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
 from torch.utils._pytree import tree_structure
 
-from ..errors import ConfigError
-from ..protocol.algorithm import Algorithm
-from ..protocol.program import Signals
-from ..protocol.tree import leaves, tmap, weighted_mean
-from . import robust
-from .build import Group
+from ...errors import ConfigError
+from ...protocol.algorithm import Algorithm
+from ...protocol.program import Signals
+from ...protocol.tree import leaves, tmap, weighted_mean
+from .. import robust
+from ..group import Group
+from ..messages import ids_of
+from ..seeding import drop_out, held_out, sample_cohort
+from ..tensors import ClientTensors, cat_trees
 from .calendar import TaskCalendar
-from .client import ids_of
-from .seeding import drop_out, held_out, sample_cohort
-from .tensors import ClientTensors, cat_trees
+
+if TYPE_CHECKING:
+    from ..settings import RoundSettings
 
 
 def average_buffers(stacked: dict, weights: torch.Tensor) -> dict:
@@ -35,9 +40,9 @@ class ServerRuntime:
     of their BatchNorm statistics, ``global_buffers``); ``calendar``: the task streams as the server knows them (or
     None); ``public``/``transform``/``batch``: the public stream the server trains on (``server_program``)."""
 
-    def __init__(self, cfg, algo: Algorithm, groups: list[Group], num_clients: int, calendar: TaskCalendar | None,
+    def __init__(self, settings: RoundSettings, algo: Algorithm, groups: list[Group], num_clients: int, calendar: TaskCalendar | None,
                  public: ClientTensors | None, transform, batch: int, device: torch.device):
-        self.cfg, self.algo, self.groups, self.num_clients = cfg, algo, groups, num_clients
+        self.settings, self.algo, self.groups, self.num_clients = settings, algo, groups, num_clients
         self.calendar, self.public, self.transform, self.batch, self.device = calendar, public, transform, batch, device
         self.group_index = {g.gid: i for i, g in enumerate(groups)}
         self.state = algo.init_server([g.init for g in groups])
@@ -48,7 +53,8 @@ class ServerRuntime:
         #: ``privacy``: the clip of the next round (adaptive clipping moves it)
         self.dp_clip: float | None = None
         #: ``participation.held_out``: the clients that never train
-        self.held_out = held_out(num_clients, cfg.participation.held_out if cfg.participation else 0.0, cfg.seed)
+        self.held_out = held_out(num_clients, settings.participation.held_out if settings.participation else 0.0,
+                                 settings.seed)
 
     # ---- what goes down ---------------------------------------------------------------------------
     def chosen(self, t: int) -> np.ndarray:
@@ -57,16 +63,16 @@ class ServerRuntime:
         live = self.calendar.live(t) if self.calendar is not None else None
         if len(self.held_out):
             live = np.setdiff1d(np.arange(self.num_clients) if live is None else live, self.held_out)
-        return sample_cohort(self.num_clients, self.cfg.train.clients_per_round, self.cfg.seed, t, live)
+        return sample_cohort(self.num_clients, self.settings.train.clients_per_round, self.settings.seed, t, live)
 
     def cohort(self, t: int) -> np.ndarray:
         """The clients of round ``t`` that answer: the chosen ones but those that drop out
         (``participation.dropout``)."""
-        pc = self.cfg.participation
-        return drop_out(self.chosen(t), pc.dropout if pc else 0.0, self.num_clients, self.cfg.seed, t)
+        pc = self.settings.participation
+        return drop_out(self.chosen(t), pc.dropout if pc else 0.0, self.num_clients, self.settings.seed, t)
 
     def lr(self, t: int) -> float:
-        return self.algo.round_lr(self.state, t, self.cfg.train.optimizer.lr_at(t) * self.plateau["scale"])
+        return self.algo.round_lr(self.state, t, self.settings.train.optimizer.lr_at(t) * self.plateau["scale"])
 
     def header(self, t: int, lr: float) -> dict:
         """The round header: the round, its learning rate, and in a task stream its stage and the classes the
@@ -114,7 +120,7 @@ class ServerRuntime:
         the weights of different architectures are never stacked)."""
         layouts = {(str(tree_structure(u)), tuple((tuple(t.shape[1:]), t.dtype) for t in leaves(u))) for u in uploads}
         if len(layouts) > 1:
-            raise ConfigError(f"algorithm {self.cfg.algorithm.name!r} uploads differently shaped tensors from the "
+            raise ConfigError(f"algorithm {self.settings.algorithm!r} uploads differently shaped tensors from the "
                               "different architectures of model.heterogeneous; it needs one architecture")
         return cat_trees(uploads)
 
@@ -127,19 +133,19 @@ class ServerRuntime:
             return
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
-        cfg, ref = self.cfg, self.state.get("model")  # (the broadcast model: updates are measured from it)
-        if cfg.attack is not None or cfg.aggregation is not None or cfg.privacy is not None:
-            model = robust.attack(cfg, up["model"], ref, cohort, t, self.num_clients)  # the attackers' first
-            if cfg.privacy is not None and cfg.privacy.mode == "local":  # clipped and noised by each client
+        s, ref = self.settings, self.state.get("model")  # (the broadcast model: updates are measured from it)
+        if s.attack is not None or s.aggregation is not None or s.privacy is not None:
+            model = robust.attack(s, up["model"], ref, cohort, t, self.num_clients)  # the attackers' first
+            if s.privacy is not None and s.privacy.mode == "local":  # clipped and noised by each client
                 weights = torch.ones_like(weights)  # (DP-FedAvg's uniform mean, as central)
-            elif cfg.privacy is not None:  # DP-FedAvg: clipped, averaged, noised
-                model, self.dp_clip = robust.private(cfg, model, ref, t, self.dp_clip)
+            elif s.privacy is not None:  # DP-FedAvg: clipped, averaged, noised
+                model, self.dp_clip = robust.private(s, model, ref, t, self.dp_clip)
             else:
-                model, weights = robust.aggregate(cfg, model, ref, weights)
+                model, weights = robust.aggregate(s, model, ref, weights)
             up = {**up, "model": model}
         self.state = self.algo.aggregate(self.state, up, weights, t, signals)
-        if cfg.aggregation is not None and cfg.aggregation.optimizer != "none":
-            model, self.opt_state = robust.server_step(cfg, self.opt_state, ref, self.state["model"], t)
+        if s.aggregation is not None and s.aggregation.optimizer != "none":
+            model, self.opt_state = robust.server_step(s, self.opt_state, ref, self.state["model"], t)
             self.state = {**self.state, "model": model}
         phases = self.algo.server_program(self.state, t)
         if phases:
@@ -157,13 +163,13 @@ class ServerRuntime:
         shared = self.algo.exchange(self.state, logits, torch.as_tensor(cohort, device=self.device), t)
         one = tmap(lambda v: v.unsqueeze(0), self.state["model"])
         trained = g.trainer.server_train(one, {**self.algo.broadcast(self.state, t), **shared}, phases,
-                                         g.global_buffers_like(1), lr=lr, seed=self.cfg.seed, round_idx=t)
+                                         g.global_buffers_like(1), lr=lr, seed=self.settings.seed, round_idx=t)
         self.state = {**self.state, "model": tmap(lambda v: v[0], trained)}
 
     def _track_plateau(self, t: int, loss: float) -> None:
         """``train.optimizer.plateau``: torch's ReduceLROnPlateau on the cohort's mean loss (relative threshold
         1e-4) from the ``skip``-th round (of the run, or of each task) on; a new task starts it afresh."""
-        opt = self.cfg.train.optimizer
+        opt = self.settings.train.optimizer
         if opt.plateau is None:
             return
         p, pc = self.plateau, opt.plateau

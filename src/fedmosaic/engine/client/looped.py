@@ -10,8 +10,8 @@ from typing import NamedTuple
 import torch
 from torch.nn.utils.stateless import _reparametrize_module
 
-from ..protocol.tree import tmap
-from . import stopping
+from ...protocol.tree import tmap
+from .. import stopping
 
 #: Looped clients' batches are gathered this many steps at a time.
 LOOP_BLOCK = 64

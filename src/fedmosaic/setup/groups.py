@@ -12,44 +12,16 @@ import torch
 from ..config import RunConfig
 from ..data.federated import PartitionSpec
 from ..data.public import public_images
+from ..engine.client.execution import Execution
+from ..engine.client.local import LocalTrainer
+from ..engine.group import Group
+from ..engine.mapping import for_each_client
+from ..engine.seeding import INIT, PUBLIC, rng
+from ..engine.tensors import ClientTensors
 from ..errors import ConfigError
 from ..models import build_model, construct, parameter_count
 from ..protocol.tree import repeat, tmap
-from .execution import Execution
-from .local import LocalTrainer
-from .mapping import for_each_client
 from .preflight import AUTOCAST, activation_bytes, check_fits, gib
-from .seeding import INIT, PUBLIC, rng
-from .tensors import ClientTensors
-
-
-class Group:
-    """Clients that share one architecture: its module, its trainer and its rows of the client store.
-
-    ``buffers`` holds every client's module buffers (BatchNorm running statistics), stacked; ``global_buffers``
-    the server's copy for algorithms with a global model (broadcast with it, averaged like it); ``task_buffers``
-    per client those of the model it predicted with at the end of its previous task (a continual teacher's).
-    """
-
-    def __init__(self, gid: int, module: torch.nn.Module, clients: np.ndarray):
-        self.gid, self.module, self.clients = gid, module, clients
-        self.init = {k: v.detach().clone() for k, v in module.named_parameters()}
-        self.global_buffers = {k: v.detach().clone() for k, v in module.named_buffers()}
-        self.buffers = repeat(self.global_buffers, len(clients))
-        self.task_buffers = tmap(torch.clone, self.buffers)
-        self.trainer: LocalTrainer | None = None
-        self.execution: Execution | None = None
-        #: what autograd keeps for one client's step (``preflight.activation_bytes``), bytes
-        self.activations = 0
-        self.store: dict = {}
-
-    def global_buffers_like(self, n: int) -> dict:
-        """The server's buffers repeated for ``n`` clients."""
-        return repeat(self.global_buffers, n)
-
-    def apply(self, params, x, slot=None):
-        """(features, logits) of the group's model (or of ``slot``'s own architecture) with ``params``."""
-        return self.trainer.apply(params, x, slot=slot)
 
 
 def data_spec(cfg: RunConfig) -> PartitionSpec:

@@ -1,11 +1,11 @@
 """Local training of a cohort: every client's steps run in lockstep through one mapped step function.
 
 A round is the algorithm's program (:mod:`fedmosaic.protocol.program`): phases, each with its batch plan
-(``plans.py``) and run by one step runner (:meth:`LocalTrainer._run_phase`), with per-client updates between phases
+(``plans.py``) and run by one step runner (``steps.PhaseSteps._run_phase``), with per-client updates between phases
 and probes at the received or the final parameters (``probes.py``). The jobs live in their own files: the batch
 plans (``plans.py``), the forward pass and gradient functions (``objective.py``), the looped tail (``looped.py``),
-the probes (``probes.py``); this one schedules the steps (the cohort's round, its phases, the lockstep runner with
-packing and fused blocks).
+the probes (``probes.py``), the lockstep step runner with packing and fused blocks (``steps.py``), the compile
+fallback (``compiled.py``); this one schedules a cohort's round and its phases.
 
 Ragged cohorts: a client's step count is E * ceil(n_k / B), so one large client sets the number of lockstep steps.
 Clients that have finished are *packed out*: the mapped step only sees the active clients (re-packed whenever the
@@ -13,36 +13,37 @@ active set shrinks), so a finished client neither moves nor costs compute. Parti
 masked inside the loss. The client axis is cut into chunks of ``chunk_size`` to bound memory.
 
 Two ways to run a step: *mapped* — the clients' objectives forward under ``torch.func.vmap``, one backward of their
-sum for every client's gradient, one optimiser update of the stacked parameters — or *looped* — each active client in turn with plain autograd (``torch.autograd.grad``
-on its rows of the stacked parameters, views, updated in place). The sequential backend loops always; the
-vectorized backend loops while fewer than ``loop_below`` clients are active (``engine/execution.py`` sets it: a
-vmapped step has a fixed framework overhead worth several plain single-client steps). Both give the same numbers.
+sum for every client's gradient, one optimiser update of the stacked parameters — or *looped* — each active client
+in turn with plain autograd (``torch.autograd.grad`` on its rows of the stacked parameters, views, updated in
+place). The sequential backend loops always; the vectorized backend loops while fewer than ``loop_below`` clients
+are active (``execution.py`` sets it: a vmapped step has a fixed framework overhead worth several plain
+single-client steps). Both give the same numbers.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
-import warnings
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
-from ..errors import ConfigError
-from ..protocol.algorithm import Algorithm
-from ..protocol.context import TaskLoss
-from ..protocol.program import RECEIVED, Phase, Probe, Step
-from ..protocol.tree import leaves, put, take, tmap
-from . import augment, optim, stopping
+from ...errors import ConfigError
+from ...protocol.algorithm import Algorithm
+from ...protocol.context import TaskLoss
+from ...protocol.program import RECEIVED, Phase, Probe, Step
+from ...protocol.tree import tmap
+from ..mapping import for_each_client
+from ..seeding import FINETUNE, SERVER, TASK_END, WARMUP, work_shares
+from ..tensors import ClientTensors, cat_trees
+from . import optim
 from .augment import AugmentConfig
+from .compiled import CompiledOrEager
 from .looped import LOOP_ALWAYS, LoopedSteps
-from .mapping import for_each_client
-from .objective import TERMS, Objective, _sub
+from .objective import TERMS, Objective
 from .plans import SHARED, plan_phase
 from .probes import Probes
-from .seeding import FINETUNE, SERVER, TASK_END, WARMUP, work_shares
-from .tensors import ClientTensors, cat_trees, gather, to_device
+from .steps import PhaseSteps
 
 
 class Trained(NamedTuple):
@@ -69,56 +70,7 @@ class PhaseResult(NamedTuple):
     own: dict
 
 
-class Packed(NamedTuple):
-    """The active clients' rows of everything the step runner indexes by client (optimiser state per update)."""
-
-    params: dict
-    opt: list
-    states: dict
-    buffers: dict
-    own: dict
-
-
-
-class CompiledOrEager:
-    """``torch.compile(fn)``, or ``fn`` itself once compiling has failed here (no working compiler for this device,
-    a GPU Triton cannot target): one warning per trainer (``failed`` is shared by its compiled functions), and the
-    run goes on eagerly — the same arithmetic, without the compiled speed. A compile fails before the graph runs,
-    so nothing was updated in place and the eager call repeats nothing."""
-
-    def __init__(self, fn, failed: list):
-        self.fn, self.compiled, self.failed = fn, torch.compile(fn, dynamic=False), failed
-
-    def __call__(self, *args):
-        if not self.failed:
-            try:
-                return self.compiled(*args)
-            except Exception as e:
-                if not isinstance(e, compile_errors()):
-                    raise
-                cause = getattr(e, "inner_exception", None) or e
-                first = (str(cause).strip().splitlines() or [""])[0][:300]
-                self.failed.append(f"{type(cause).__name__}: {first}")
-                warnings.warn(f"engine.compile: torch.compile failed on this machine ({self.failed[0]}); training "
-                              "goes on without compiling (set engine.compile: false to skip the attempt)",
-                              stacklevel=2)
-        return self.fn(*args)
-
-
-@functools.cache
-def compile_errors() -> tuple[type, ...]:
-    """What torch raises when it cannot compile (as opposed to an error in the code being compiled)."""
-    from torch._dynamo.exc import BackendCompilerFailed
-
-    errors: list[type] = [BackendCompilerFailed]
-    with contextlib.suppress(ImportError):
-        from torch._inductor.exc import InductorError
-
-        errors.append(InductorError)
-    return tuple(errors)
-
-
-class LocalTrainer(Objective, LoopedSteps, Probes):
+class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
     """Runs the local rounds of a cohort for one architecture.
 
     Per step: the per-client gradient function (objective = the algorithm's terms) is mapped over the active
@@ -358,34 +310,6 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
             params, states = self._hook(phase.after)(params, states, payload, own)
         return PhaseResult(params, states, plan, loss, steps, acc, own)
 
-    def _repeat(self, data, plan, params, states, payload, own, buffers, phase: Phase, lr, loss, acc, last):
-        """``Phase.until``: the plan's batches run again, lockstep, by the clients not yet done (their rows taken
-        out, trained, put back); their losses and stats are added to ``loss`` and ``acc`` in place. Returns the
-        steps each client took in all."""
-        key = ("until", phase.until)
-        if key not in self._fns:
-            self._fns[key] = self._each(lambda h, p, s, shared, o: phase.until(h, p, s, {**shared, "own": o}),
-                                        (0, 0, 0, None, 0))
-        steps, losses = plan["steps"].copy(), [last]
-        left = np.ones(len(steps), dtype=bool)
-        for _ in range(phase.max_repeats):
-            left &= ~self._fns[key](torch.stack(losses, 1), params, states, payload, own).cpu().numpy()
-            idx = np.flatnonzero(left)
-            if not len(idx):
-                break
-            i = torch.as_tensor(idx, device=data.x.device)
-            sub = {k: v.index_select(1, i) if isinstance(v, torch.Tensor) else v[idx] if isinstance(v, np.ndarray)
-                   else v for k, v in plan.items()}
-            p_, b_, last_ = take(params, i), take(buffers, i), torch.zeros(len(idx), device=data.x.device)
-            loss_, acc_ = self._run_phase(data, sub, p_, take(states, i), payload, take(own, i), b_, phase, lr, last_)
-            put((params, buffers), i, (p_, b_))
-            loss.index_add_(0, i, loss_)
-            tmap(lambda a, b, i=i: a.index_add_(0, i, b), acc, acc_)
-            steps[idx] += sub["steps"]
-            losses.append(last.index_copy(0, i, last_))
-            last = losses[-1]
-        return steps
-
     def _hook(self, fn):
         key = ("hook", fn)
         if key not in self._fns:
@@ -393,120 +317,9 @@ class LocalTrainer(Objective, LoopedSteps, Probes):
                                         fresh=True)
         return self._fns[key]
 
-    def _run_phase(self, data, plan, params, states, payload, own, buffers, phase: Phase, lr, last=None):
-        """The step runner: every step of the plan for the active clients, in lockstep; ``params`` and ``buffers``
-        are updated in place. Returns the per-client sum of the first update's losses and of accumulated stats;
-        ``last`` (if given) receives each client's first-update loss of its last step."""
-        n, dev, steps = len(plan["steps"]), data.x.device, plan["steps"]
-        fast = self.compile and phase.plain
-        updates = list(dict.fromkeys(phase.updates))  # equal updates share one optimiser state
-        fns = [self._grad_fn(u, with_acc=i == 0) if not (fast and i == 0) else self._grads
-               for i, u in enumerate(phase.updates)]
-        tensors = {k: v for k, v in plan.items() if isinstance(v, torch.Tensor)}
-        loss_sum = torch.zeros(n, device=dev)
-        acc_sum = None
-        # ``packed`` holds the active clients' rows of everything indexed by client (first ``real`` rows; when
-        # compiled, padded to a power of two with masked copies of the first so few shapes get compiled).
-        # While every client is active and no padding is needed, it is the full trees themselves.
-        active = np.arange(n)
-        ia, real = to_device(active, dev), n
-        opt = [optim.init_state(self._opt(u), leaves(_sub(params, u.slots))) for u in updates]
-        packed = Packed(params, opt, states, buffers, own)
-        finish_at = set(steps.tolist())
-        S = int(steps.max()) if n else 0
-        if fast:  # the fused calls' learning rate and step counter, made on the device (no copy from the host)
-            lr_t, step_t = torch.full((), float(lr), device=dev), torch.arange(S, device=dev)
-        block0 = fused_until = 0  # steps block0..fused_until-1 run in fused blocks of ``self.fuse``
-        s0 = 0  # plan tensors start at step s0
-        for s in range(S):
-            stopping.check()  # a signal's grace is over: stop at this step, the round unfinished
-            if s in finish_at or (s == 0 and fast and n & (n - 1)):
-                now = np.flatnonzero(steps > s)
-                if packed.params is not params:  # write the finished clients' rows back
-                    put((params, buffers), ia, tmap(lambda t: t[:real], (packed.params, packed.buffers)))
-                keep = np.searchsorted(active, now)
-                if fast:
-                    keep = np.concatenate([keep, np.full((1 << (len(keep) - 1).bit_length()) - len(keep), keep[0])])
-                keep = to_device(keep, dev)
-                packed = Packed(*(take(t, keep) for t in packed))
-                # only the steps still to come: repacking then costs O(what remains), not O(the whole plan)
-                tensors = {k: t[s - s0 :].index_select(1, keep) for k, t in tensors.items()}
-                for k in ("mask", "mask2"):
-                    if k in tensors:
-                        tensors[k][:, len(now) :] = 0  # padding rows never count
-                active, ia, real, s0 = now, to_device(now, dev), len(now), s
-            if not fast and real < self.loop_below:  # few clients left: the rest of the phase on the loop
-                loss, acc, final = self._loop_rest(data, tensors, s, s0, packed, real, steps[active] - s,
-                                                   phase.updates, updates, payload, lr)
-                loss_sum.index_add_(0, ia, loss)
-                if last is not None:
-                    last.index_copy_(0, ia, final)
-                if acc:
-                    if acc_sum is None:
-                        acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=dev), acc)
-                    tmap(lambda a, b: a.index_add_(0, ia, b), acc_sum, acc)
-                break
-            if self.fuse > 1 and fast and s >= fused_until:
-                nxt = min([f for f in finish_at if f > s], default=S)
-                block0, fused_until = s, s + (nxt - s) // self.fuse * self.fuse
-            p_, o_, st_, b_, own_ = packed
-            if fast and s < fused_until:  # K steps in one compiled call: the active set cannot change inside them
-                if (s - block0) % self.fuse:
-                    continue  # already taken by the fused call that started at an earlier step
-                x, y, m, *_ = self._batch(data, tensors, slice(s - s0, s - s0 + self.fuse))
-                loss, acc = self._fused(p_, o_[0], st_, payload, own_, x, y, m, b_, lr_t, step_t[s].clone())
-            else:
-                batch = self._batch(data, tensors, s - s0)
-                for i, u in enumerate(phase.updates):
-                    grads, l_, a_ = fns[i](p_, st_, payload, own_, *batch, b_)
-                    self._update(u, leaves(_sub(p_, u.slots)), leaves(grads), o_[updates.index(u)], lr, s)
-                    if i == 0:
-                        loss, acc = l_, a_
-            loss_sum.index_add_(0, ia, loss[:real])
-            if last is not None:  # (never fused: a phase with ``until`` is not ``plain``)
-                last.index_copy_(0, ia, loss[:real])
-            if acc:
-                if acc_sum is None:
-                    acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=dev), acc)
-                tmap(lambda a, b: a.index_add_(0, ia, b[:real]), acc_sum, acc)
-        if packed.params is not params:
-            put((params, buffers), ia, tmap(lambda t: t[:real], (packed.params, packed.buffers)))
-        return loss_sum, acc_sum if acc_sum is not None else {}
-
-    def _opt(self, u: Step) -> optim.OptimizerConfig:
-        return optim.PLAIN if u.plain else self.opt
-
-    def _update(self, u: Step, params: list, grads: list, opt_state: dict, lr, s) -> None:
-        """The optimiser step of update ``u`` (both eager paths: stacked leaves, or one client's rows of them)."""
-        if not params:  # nothing to train (e.g. FedALA with no mixed layer)
-            return
-        optim.update_(self._opt(u), params, grads, opt_state, lr if u.lr is None else u.lr, s)
-        if u.clamp is not None:  # projected step (values that must stay in a box)
-            for t in params:
-                t.clamp_(*u.clamp)
 
 
-    def _batch(self, data, plan, at):
-        """Inputs, labels and mask of the step(s) ``at`` and the paired batch's (or ()), transformed and
-        augmented."""
-        r = plan["rows"][at]
-        x = self.transform(gather(data.x, r))
-        if "draws" in plan:
-            x = augment.apply(self.augment, x, plan["draws"][at], self.pad_fill)
-        if "rows2" not in plan:
-            return x, gather(data.y, r), plan["mask"][at], ()
-        r2 = plan["rows2"][at]
-        return (x, gather(data.y, r), plan["mask"][at],
-                (self.transform(gather(data.x, r2)), gather(data.y, r2), plan["mask2"][at]))
 
 
-    def _k_steps(self, params, opt_state, state, payload, own, xs, ys, ms, buffers, lr, step):
-        """``len(xs)`` consecutive steps of the packed clients (compiled as one graph; updates in place)."""
-        loss_sum, acc_sum = 0, None
-        flat = leaves(params)
-        for k in range(len(xs)):
-            grads, loss, acc = self._default(params, state, payload, own, xs[k], ys[k], ms[k], (), buffers)
-            optim.update_(self.opt, flat, leaves(grads), opt_state, lr, step + k)
-            loss_sum = loss_sum + loss
-            acc_sum = acc if acc_sum is None else tmap(torch.add, acc_sum, acc)
-        return loss_sum, acc_sum
+
+

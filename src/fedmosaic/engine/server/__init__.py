@@ -1,0 +1,1 @@
+"""The server side: cohorts, broadcast, exchange and aggregation of a round (``runtime.py``) and the task calendar."""

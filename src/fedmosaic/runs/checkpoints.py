@@ -1,0 +1,159 @@
+"""Checkpoints of a run directory: written atomically, kept two deep, loaded only into the run that wrote them
+(its seed, partition and config hash: ``identity``), a damaged one set aside, never deleted (``restore``); and what
+``--resume --amend`` may change (``AMENDABLE``)."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import warnings
+from datetime import datetime
+from pathlib import Path
+
+import torch
+
+from ..config import RunConfig
+from ..engine.federation import Federation
+from ..errors import FedMosaicError
+from ..files import atomic_write, remove_temp_files
+from ..protocol.tree import layout
+from .records import (
+    read_metrics,
+)
+
+KEEP_CHECKPOINTS = 2
+
+
+#: What ``--amend`` may change when resuming: settings that shape the rounds still to come, not the ones done.
+AMENDABLE = ("train.rounds", "train.optimizer.lr", "train.optimizer.lr_decay", "eval", "checkpoint_every", "engine",
+             "seeds", "deploy")
+
+
+def save_checkpoint(out: Path, fed: Federation, round_done: int) -> Path:
+    ck = out / "checkpoints"
+    ck.mkdir(exist_ok=True)
+    # serialised in memory first: torch's zip writer turns a failed file write (a full disk) into an opaque
+    # RuntimeError, while a plain write raises the OSError that says what happened
+    buf = io.BytesIO()
+    torch.save({"round": round_done, "run": identity(fed), **fed.state_dict()}, buf)
+    path = atomic_write(ck / f"round_{round_done:05d}.pt", buf.getvalue())
+    for old in checkpoints(out)[:-KEEP_CHECKPOINTS]:
+        old.unlink()
+    return path
+
+
+def identity(fed: Federation) -> dict:
+    """What makes a checkpoint belong to a run beyond its tensor layout: the seed, the partition and the hash of
+    everything else that shapes the rounds done (``run_hash``)."""
+    return {"seed": fed.cfg.seed, "data_hash": fed.fd.hash, "config": run_hash(fed.cfg)}
+
+
+#: settings added after runs were made, with the value that means "as before": left out of the hash at that value,
+#: so those runs' checkpoints still resume
+ADDED_LATER = {"aggregation": None, "attack": None, "privacy": None, "privacy.mode": "central", "participation": None}
+
+
+def run_hash(cfg: RunConfig) -> str:
+    """SHA-256 of the resolved config without what may differ between the run and its resume: the fields of
+    ``AMENDABLE`` and the name (a label). Two runs with the same hash compute the same rounds: an AHF checkpoint
+    never loads into a FedMD run of the same seed and partition, nor a FedProx one into another mu."""
+    fields = {k: v for k, v in flat(cfg.model_dump(mode="json")).items()
+            if k != "name" and not any(k == a or k.startswith(a + ".") for a in AMENDABLE)
+            and not (k in ADDED_LATER and v == ADDED_LATER[k])}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+
+
+def checkpoints(out: Path) -> list[Path]:
+    """The run's checkpoints, oldest first."""
+    return sorted(p for p in (out / "checkpoints").glob("round_*.pt") if p.stem[6:].isdigit())
+
+
+def latest_checkpoint(out: Path) -> Path | None:
+    found = checkpoints(out)
+    return found[-1] if found else None
+
+
+def load_checkpoint(path: Path, fed: Federation) -> int:
+    """Load ``path`` into ``fed``; the round it ends. Raises ValueError for anything unusable."""
+    try:
+        state = torch.load(path, weights_only=True, map_location=fed.device)
+    except Exception as e:  # torch raises many kinds for a truncated or garbled file
+        raise ValueError(f"unreadable ({type(e).__name__})") from None
+    if not isinstance(state, dict) or state.get("round") != int(path.stem.split("_")[1]):
+        raise ValueError("not a checkpoint of this round")
+    state = fed.upgrade(state)  # format 1 (before the server/client split) is converted
+    mine = fed.state_dict()
+    if any(list(layout(state.get(k))) != list(layout(mine[k])) for k in ("server", "clients")):
+        raise ValueError("written for a different model or algorithm")
+    ours, theirs = identity(fed), state.get("run", {})
+    if not isinstance(theirs, dict):
+        raise ValueError("its run identity is damaged")
+    # older checkpoints carry no identity, or no config hash: what they do carry must match
+    differ = [k for k in ours if k in theirs and theirs[k] != ours[k]]
+    if differ:
+        what = {"seed": "seed", "data_hash": "partition", "config": "algorithm, its hyper-parameters or model"}
+        raise ValueError(f"written by another run ({', '.join(what[k] for k in differ)} differ)")
+    fed.load_state_dict(state)
+    return state["round"]
+
+
+def restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
+    """Resume point of a (possibly damaged) run directory: the newest checkpoint that loads and whose rounds all
+    have their metrics line. Leftover temporary files are removed; unusable checkpoints are set aside (renamed
+    ``*.corrupt``), never deleted."""
+    remove_temp_files(out, out / "checkpoints")
+    records = read_metrics(out)
+    start = 0
+    for ck in reversed(checkpoints(out)):
+        if int(ck.stem.split("_")[1]) >= len(records):
+            warnings.warn(f"{ck}: round {ck.stem.split('_')[1]} has no metrics line; resuming from an older "
+                          "checkpoint", stacklevel=2)
+            continue
+        try:
+            start = load_checkpoint(ck, fed) + 1
+            break
+        except ValueError as e:
+            ck.rename(ck.with_name(ck.name + ".corrupt"))
+            warnings.warn(f"{ck}: {e}; set aside as {ck.name}.corrupt, resuming from an older checkpoint",
+                          stacklevel=2)
+    else:
+        if records:
+            warnings.warn(f"{out}: no usable checkpoint; starting again from round 0", stacklevel=2)
+    if len(records) - start > fed.cfg.checkpoint_every:  # more than a crash since the last checkpoint can explain
+        backup = out / f"metrics.jsonl.{datetime.now():%Y%m%d-%H%M%S}.bak"
+        atomic_write(backup, (out / "metrics.jsonl").read_bytes())
+        warnings.warn(f"{out}: rounds {start}-{len(records) - 1} have metrics but no usable checkpoint; they will "
+                      f"be recomputed (the metrics as they were are kept in {backup.name})", stacklevel=2)
+    records = records[:start]
+    atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
+    return start, records
+
+
+def flat(d: dict, at: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = f"{at}.{k}" if at else str(k)
+        out.update(flat(v, key) if isinstance(v, dict) and v else {key: v})
+    return out
+
+
+def config_changes(saved: RunConfig, cfg: RunConfig, where: Path, amend: bool) -> dict[str, list]:
+    """``{field: [old, new]}`` between a run's saved config and the one it is resumed with. Without ``amend`` any
+    change is refused; with it, only the fields in ``AMENDABLE``."""
+    old, new = flat(saved.model_dump(mode="json")), flat(cfg.model_dump(mode="json"))
+    changes = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+    if not changes:
+        return {}
+    shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:3])
+    fixed = [k for k in changes if not any(k == a or k.startswith(a + ".") for a in AMENDABLE)]
+    if fixed:
+        raise FedMosaicError(f"--resume: {fixed[0]} differs from {where} ({shown}) and cannot change in the middle "
+                             f"of a run (the rounds already done depend on it); what may change with --amend: "
+                             f"{', '.join(AMENDABLE)}")
+    if not amend:
+        raise FedMosaicError(f"--resume: the config differs from the one saved in {where} ({shown}); add --amend "
+                             "to change it from the next round on")
+    return changes
+
+

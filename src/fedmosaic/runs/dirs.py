@@ -1,0 +1,169 @@
+"""Run directories: new ones claimed without overwriting anything, what a resume can continue, and ``meta.json``
+(versions, execution, where each metric is computed, amendments, the round a run diverged in)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import platform
+import sys
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .. import plugins
+from ..version import __version__
+from ..config import RunConfig, dump
+from ..engine.federation import Federation
+from ..errors import FedMosaicError
+from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
+
+
+def new_run_dir(root: str | Path, name: str) -> Path:
+    """A new, empty directory ``<root>/<name>-<time>[-i]``, created here so that runs started at the same moment
+    each get their own."""
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path(root) / f"{name}-{stamp}"
+    path, i = base, 1
+    try:
+        Path(root).mkdir(parents=True, exist_ok=True)
+        while True:
+            try:
+                path.mkdir()
+                return path
+            except FileExistsError:
+                path, i = base.with_name(f"{base.name}-{i}"), i + 1
+    except OSError as e:
+        raise FedMosaicError(f"cannot create a run directory in {root}: {e.strerror or e}") from None
+
+
+def run_meta(cfg: RunConfig, fed: Federation) -> dict:
+    return {
+        "fedmosaic": __version__,
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "seed": cfg.seed,
+        "data_hash": fed.fd.hash,
+        "num_clients": fed.num_clients,
+        "device": str(fed.device),
+        "execution": executions(fed),
+        "metric_sides": fed.metric_sides(),  # where each metric is computed: server, client or simulation only
+        "plugins": plugins.used_by(cfg),  # the modules that registered this run's dataset or models
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        **fed.pool.meta(),  # a deployment: its driver, the run's node token, which node hosts which client
+    }
+
+
+def discard(out: Path, created: bool) -> None:
+    """Remove what a new run wrote into ``out`` before its first round finished (config, meta, empty metrics)."""
+    for name in ("config.yaml", "meta.json", "metrics.jsonl"):
+        (out / name).unlink(missing_ok=True)
+    remove_temp_files(out, out / "checkpoints")
+    for d in (out / "checkpoints", out) if created else (out / "checkpoints",):
+        with contextlib.suppress(OSError):  # not empty: something else is there, keep it
+            d.rmdir()
+
+
+def check_out(out: Path, resume: bool) -> None:
+    """A run (or comparison) directory is a directory, and a new run's is empty: nothing is ever overwritten. A
+    directory that holds nothing but the temporary files of a start that was killed while claiming it (before its
+    config was written) is empty: they are removed."""
+    if out.exists() and not out.is_dir():
+        raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
+    if not resume and unclaimed(out):
+        remove_temp_files(out)
+    if not resume and out.exists() and any(out.iterdir()):
+        raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
+
+
+def not_a_run(out: Path, expected: str = "config.yaml") -> str:
+    """Why ``--resume`` cannot continue ``out``."""
+    if unclaimed(out):
+        return (f"--resume: {out} never finished starting (it was stopped while writing its config), so there is "
+                "nothing to resume; start the run again with --out pointing there")
+    return f"--resume: {out} is not a run directory (no {expected})"
+
+
+def unclaimed(out: Path) -> bool:
+    """``out`` holds only temporary files: a run (or comparison) was killed while writing its config there."""
+    found = list(out.iterdir()) if out.is_dir() else []
+    return bool(found) and all(p.is_file() and p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX) for p in found)
+
+
+def claim(path: Path, text: str) -> None:
+    """Write a new run's config, refusing if another run wrote one there meanwhile (two runs, one --out)."""
+    try:
+        atomic_write(path, text.encode(), exclusive=True)
+    except FileExistsError:
+        raise FedMosaicError(f"{path.parent} was taken by another run meanwhile; choose another --out") from None
+
+
+def deployed(out: Path) -> bool:
+    """The run in ``out`` was deployed (``meta.json`` names a driver: its clients' state lives on their nodes)."""
+    try:
+        return bool(json.loads((out / "meta.json").read_text()).get("driver"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def started_threads(out: Path) -> int | None:
+    """The CPU threads the run in ``out`` started with (``meta.json``), None where it does not say."""
+    try:
+        count = json.loads((out / "meta.json").read_text())["execution"][0]["cpu_threads"]
+    except (OSError, ValueError, KeyError, IndexError, TypeError):
+        return None
+    return count if isinstance(count, int) and count > 0 else None
+
+
+def executions(fed: Federation) -> list[dict]:
+    """How each architecture group runs (``execution.Execution``), for meta.json."""
+    return [{"model": g.module.__class__.__name__, "norm": norm_kind(g.module), "clients": len(g.clients),
+             **g.execution.as_dict()} for g in fed.groups]
+
+
+def norm_kind(module: torch.nn.Module) -> str:
+    """Which normalisation a model uses: 'batch' (running statistics: the sequential path), 'group' or 'none'."""
+    kinds = {"batch" if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) else "group"
+             for m in module.modules() if isinstance(m, (torch.nn.modules.batchnorm._BatchNorm, torch.nn.GroupNorm))}
+    return "+".join(sorted(kinds)) or "none"
+
+
+def record_amendment(out: Path, cfg: RunConfig, changes: dict, start: int, fed: Federation) -> None:
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        if (out / "meta.json").exists():
+            (out / "meta.json").rename(out / "meta.json.corrupt")
+        warnings.warn(f"{out}/meta.json is missing or damaged; a new one records the amendment", stacklevel=2)
+        meta = {}
+    meta.pop("diverged_round", None)  # (an amended run is not the one that diverged)
+    meta.setdefault("amendments", []).append(
+        {"from_round": start, "changes": changes, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+         "execution": executions(fed)})
+    atomic_write(out / "meta.json", json.dumps(meta, indent=2).encode())
+    atomic_write(out / "config.yaml", dump(cfg).encode())
+
+
+def note_divergence(out: Path, t: int) -> None:
+    """``meta.json`` records the round a run diverged in (``diverged_round``: tables say so)."""
+    try:
+        meta = json.loads((out / "meta.json").read_text())
+    except (OSError, ValueError):
+        return
+    atomic_write(out / "meta.json", json.dumps({**meta, "diverged_round": t}, indent=2).encode())
+
+
+def diverged_round(out: Path) -> int | None:
+    """The round the run in ``out`` diverged in, if it did (``meta.json``)."""
+    try:
+        value = json.loads((out / "meta.json").read_text()).get("diverged_round")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
