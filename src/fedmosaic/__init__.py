@@ -5,7 +5,7 @@ algorithm: ``register_algorithm``, ``Algorithm``, ``AlgoConfig``, ``TaskLoss`` a
 algorithm").
 """
 
-from .version import __version__
+from .version import __version__ as __version__  # (re-exported)
 
 #: name -> the module it comes from (imported on first use)
 _FROM = {**dict.fromkeys(("Result", "compare", "register_dataset", "register_model", "run"), "api"),

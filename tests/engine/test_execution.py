@@ -71,7 +71,8 @@ def test_auto_on_the_cpu_loops_convolutions_and_vectorizes_dense_models_with_a_l
 def test_auto_compiles_only_runs_long_enough_to_repay_the_warm_up():
     short = choose("auto", "auto", 8, DENSE, "cpu", SHORT, compiler=True)
     assert not short.compile and "no compile: it would save ~0 s" in short.why
-    assert ex.compile_saving_s(LONG, "cpu", ex.loop_below_for("cpu")) > ex.COMPILE_MARGIN * ex.COMPILE_WARMUP_S["cpu"]
+    assert ex.compile_saving_s(LONG, "cpu", ex.loop_below_for("cpu")) > \
+        ex.COMPILE_MARGIN * ex.COMPILE_WARMUP_S["cpu"]["cold"]
     long = choose("auto", "auto", 8, DENSE, "cpu", LONG, compiler=True)
     assert (long.backend, long.compile, long.fuse_steps) == ("vectorized", True, 8)
     assert long.label.startswith("vectorized+compile (fused x8)")
@@ -81,6 +82,21 @@ def test_auto_compiles_only_runs_long_enough_to_repay_the_warm_up():
     assert not choose("auto", "auto", 8, CONV, "cpu", LONG, compiler=True).compile  # sequential: nothing to compile
     # asking for compile with the backend left to auto takes the mapped path
     assert choose("auto", True, 8, CONV, "cpu", SHORT).backend == "vectorized"
+
+
+def test_a_setting_compiled_here_before_is_compiled_for_a_shorter_run():
+    """With its graphs in the compile cache (``warm``) the warm-up is the short one: a run whose saving lies
+    between the warm and the cold warm-up compiles only when warm."""
+    lb = ex.loop_below_for("cpu")
+    cost = [ex.COMPILE_MARGIN * ex.COMPILE_WARMUP_S["cpu"][state] for state in ("warm", "cold")]
+    middle = RunFacts(LONG.rounds, (0.0,) * 10 + (2_000.0 * (cost[0] + cost[1]) / 2
+                                                   / ex.compile_saving_s(LONG, "cpu", lb),), batch=10)
+    assert cost[0] < ex.compile_saving_s(middle, "cpu", lb) < cost[1]
+    cold = choose("auto", "auto", 8, DENSE, "cpu", middle, compiler=True)
+    warm = choose("auto", "auto", 8, DENSE, "cpu", middle, compiler=True, warm=True)
+    assert not cold.compile and "the cold warm-up costs ~120 s" in cold.why
+    assert warm.compile and "s of warm warm-up" in warm.why
+    assert not choose("auto", "auto", 8, DENSE, "cpu", SHORT, compiler=True, warm=True).compile
 
 
 def test_tiny_steps_train_on_one_cpu_thread_unless_threads_are_configured():

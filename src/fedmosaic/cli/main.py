@@ -17,9 +17,9 @@ import sys
 import warnings
 from pathlib import Path
 
-from ..version import __version__
 from ..errors import FedMosaicError, RunError, Stopped, environment_error, one_line
 from ..presets import config_path
+from ..version import __version__
 
 MAX_MESSAGE = 1000
 

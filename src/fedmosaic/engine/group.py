@@ -33,6 +33,8 @@ class Group:
         self.execution: Execution | None = None
         #: what autograd keeps for one client's step (``preflight.activation_bytes``), bytes
         self.activations = 0
+        #: what a compiled trainer's graphs depend on (``setup.groups.compile_key``): its compile-cache marker
+        self.compile_key: str | None = None
         self.store: dict = {}
 
     def global_buffers_like(self, n: int) -> dict:

@@ -15,11 +15,11 @@ import numpy as np
 import torch
 
 from .. import plugins
-from ..version import __version__
 from ..config import RunConfig, dump
 from ..engine.federation import Federation
 from ..errors import FedMosaicError
 from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
+from ..version import __version__
 
 
 def new_run_dir(root: str | Path, name: str) -> Path:

@@ -4,6 +4,8 @@ its own seed stream, so every driver that builds a run (in one process or on sev
 
 from __future__ import annotations
 
+import hashlib
+import json
 from functools import lru_cache
 
 import numpy as np
@@ -12,6 +14,7 @@ import torch
 from ..config import RunConfig
 from ..data.federated import PartitionSpec
 from ..data.public import public_images
+from ..engine.client.compiled import CompileCache
 from ..engine.client.execution import Execution
 from ..engine.client.local import LocalTrainer
 from ..engine.group import Group
@@ -113,15 +116,29 @@ def client_store(cfg: RunConfig, algo, g: Group, one: dict, shape: tuple, C: int
 
 
 def make_trainer(cfg: RunConfig, algo, module: torch.nn.Module, ex: Execution, transform, pad_fill, batch: int,
-                 extra: dict, public: ClientTensors | None) -> LocalTrainer:
-    """The local trainer of one architecture, run as ``ex`` says."""
+                 extra: dict, public: ClientTensors | None, key: str | None = None) -> LocalTrainer:
+    """The local trainer of one architecture, run as ``ex`` says; a compiled one keeps its graphs in the compile
+    cache under ``key`` (:func:`compile_key`)."""
     trainer = LocalTrainer(algo, module, cfg.train.optimizer, cfg.model.task_loss, transform,
                            ex.backend == "vectorized", cfg.engine.chunk_size, ex.compile, ex.fuse_steps,
                            cfg.data.augment, pad_fill, cfg.train.local_epochs, batch, loop_below=ex.loop_below,
-                           threads=ex.threads, channels_last=ex.channels_last, extra=extra)
+                           threads=ex.threads, channels_last=ex.channels_last, extra=extra,
+                           compile_cache=(CompileCache.default(), key) if ex.compile and key else None)
     trainer.public = public
     trainer.autocast = AUTOCAST[cfg.engine.precision]
     return trainer
+
+
+def compile_key(cfg: RunConfig, module: torch.nn.Module, shape: tuple, batch: int, device: torch.device) -> str:
+    """What a compiled setting's graphs depend on, hashed: torch's version, the device, the architecture (its class and
+    printed structure), the input shape and batch, the algorithm and its options (its objective is in the graph),
+    the optimiser, loss, augmentation, precision, chunk and fused steps. Only a hint to ``execution.choose`` (which
+    warm-up to expect): torch's own cache keys decide what is reused."""
+    parts = [torch.__version__, device.type, type(module).__qualname__, str(module), list(shape), batch,
+             cfg.algorithm.model_dump(mode="json"), cfg.train.optimizer.model_dump(mode="json"), cfg.model.task_loss,
+             cfg.data.augment.model_dump(mode="json"), cfg.engine.precision, cfg.engine.chunk_size,
+             cfg.engine.fuse_steps, min(cfg.engine.chunk_size, cfg.train.clients_per_round)]
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
 def build_public(cfg: RunConfig, shape: tuple, pixels: bool, normalize, dev: torch.device) -> ClientTensors | None:

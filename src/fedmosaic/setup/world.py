@@ -22,6 +22,7 @@ from ..data.partition.tasks import task_streams
 from ..engine import evaluate as ev
 from ..engine import robust
 from ..engine.client.augment import black
+from ..engine.client.compiled import CompileCache
 from ..engine.client.execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
 from ..engine.client.runtime import ClientRuntime, Hosted
 from ..engine.client.transforms import make_normalizer
@@ -45,6 +46,7 @@ from .groups import (
     build_public,
     check_models_fit,
     client_store,
+    compile_key,
     data_spec,
     make_trainer,
 )
@@ -241,7 +243,7 @@ class World:
                 warnings.warn(f"model {g.module.__class__.__name__} has buffers (BatchNorm running statistics): "
                               "its clients train on the sequential path", stacklevel=3)
             g.trainer = make_trainer(cfg, self.algo, g.module, ex, self.transform, self.pad_fill, self.batch,
-                                     self.extra, self.public)
+                                     self.extra, self.public, g.compile_key)
             check_slots(self.algo, self.srv.state, one, g.clients[:1])
 
     def wire_pool(self, shards: list | None = None) -> WirePool:
@@ -278,7 +280,7 @@ class World:
             mine.store = client_store(cfg, algo, mine, one, shape, C, dev)
             mine.execution = full.execution
             mine.trainer = make_trainer(cfg, algo, g.module, full.execution, self.transform, self.pad_fill,
-                                        self.batch, self.extra, self.public)
+                                        self.batch, self.extra, self.public, full.compile_key)
             groups.append(mine)
         return ClientRuntime(
             self.settings, algo, groups, {s: sp.hosting(ids) for s, sp in self.split.items()}, self.num_clients, C,
@@ -313,8 +315,10 @@ class World:
 
     def _choose_execution(self, g: Group) -> Execution:
         e = self.cfg.engine
+        g.compile_key = compile_key(self.cfg, g.module, self.fd.dataset.input_shape, self.batch, self.device)
         return replace(choose(e.backend, e.compile, e.fuse_steps, ModelFacts.of(g.module), self.device.type,
-                              self.run_facts(g), threads=e.threads), cpu_threads=self.threads)
+                              self.run_facts(g), threads=e.threads, warm=CompileCache.default().warm(g.compile_key)),
+                       cpu_threads=self.threads)
 
     def _pool_train_split(self) -> None:
         """Deal the pooled train samples out again at random, each client keeping its count (``Algorithm.pooled``)."""

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+
 from ...errors import CorruptDataError, FedMosaicError
 from ..base import ArrayDataset
 

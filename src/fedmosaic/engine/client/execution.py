@@ -45,11 +45,13 @@ from ...errors import ConfigError
 VMAP_STEP_MS = {"cpu": 0.70, "cuda": 0.85}
 LOOP_CLIENT_MS = {"cpu": 0.10, "cuda": 0.20}
 COMPILED_STEP_MS = {"cpu": 0.08, "cuda": 0.10}
-#: The one-time cost of compiling a run's shapes (several power-of-two cohort buckets, plain and fused), seconds:
-#: measured on the benchmark CPU ~40 s with torch's compile cache warm, ~115 s cold (docs/benchmarks.md).
-COMPILE_WARMUP_S = {"cpu": 60.0, "cuda": 60.0}
-#: Compile only when the estimated saving is at least this many warm-ups (so more than a cold compile costs).
-COMPILE_MARGIN = 2.0
+#: The one-time cost of compiling a run's shapes (several power-of-two cohort buckets, plain and fused), seconds,
+#: cold (nothing in the compile cache) and warm (this setting compiled here before: ``compiled.CompileCache``):
+#: measured on the benchmark CPU ~126 s and ~38 s for the APFL-MNIST FedAvg run (docs/benchmarks.md); the GPU's
+#: are assumed alike (not measured yet).
+COMPILE_WARMUP_S = {"cpu": {"cold": 120.0, "warm": 40.0}, "cuda": {"cold": 120.0, "warm": 40.0}}
+#: Compile only when the estimated saving is at least this many warm-ups.
+COMPILE_MARGIN = 1.0
 #: On a GPU only single-client steps are looped (a kernel launch per client and op costs more than vmap's batching).
 GPU_LOOP_BELOW = 2
 #: A dense model whose parameters x batch size is at most this takes steps too small to gain from several CPU
@@ -184,10 +186,11 @@ def compile_saving_s(run: RunFacts, device: str, loop_below: int) -> float:
 
 
 def choose(backend: str, compile: bool | str, fuse_steps: int, model: ModelFacts, device: str, run: RunFacts,
-           compiler: bool | None = None, threads: int | None = None) -> Execution:
+           compiler: bool | None = None, threads: int | None = None, warm: bool = False) -> Execution:
     """The execution of one architecture group. ``backend``/``compile`` as configured (``auto`` or explicit);
     ``device``: ``cpu``, ``cuda`` or ``mps``; ``compiler``: whether torch.compile can work here (None: look);
-    ``threads``: ``engine.threads`` (set: kept)."""
+    ``threads``: ``engine.threads`` (set: kept); ``warm``: this setting was compiled here before (its graphs are in
+    the compile cache: the short warm-up)."""
     auto_backend = backend == "auto"
     chosen: list[str] = []
     kind = "convolutional" if model.conv else "dense"
@@ -219,14 +222,16 @@ def choose(backend: str, compile: bool | str, fuse_steps: int, model: ModelFacts
                 why.append("no compile: the round program is not the plain one the compiled path runs")
             else:
                 dev = device if device in COMPILE_WARMUP_S else "cuda"
-                saving, warmup = compile_saving_s(run, dev, loop_below), COMPILE_WARMUP_S[dev]
+                state = "warm" if warm else "cold"
+                saving, warmup = compile_saving_s(run, dev, loop_below), COMPILE_WARMUP_S[dev][state]
                 if saving < COMPILE_MARGIN * warmup:
-                    why.append(f"no compile: it would save ~{saving:,.0f} s, the warm-up costs ~{warmup:.0f} s")
+                    why.append(f"no compile: it would save ~{saving:,.0f} s, the {state} warm-up costs "
+                               f"~{warmup:.0f} s")
                 elif not (compiler if compiler is not None else compiler_available(device)):
                     why.append(f"no compile: no compiler for {device} found")
                 else:
                     compile = True
-                    why.append(f"compile: saves ~{saving:,.0f} s for ~{warmup:.0f} s of warm-up")
+                    why.append(f"compile: saves ~{saving:,.0f} s for ~{warmup:.0f} s of {state} warm-up")
     compile = bool(compile) and backend == "vectorized"
     train_threads = None
     if auto_backend and threads is None and device == "cpu" and not model.conv and not compile \

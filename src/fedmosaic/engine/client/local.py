@@ -86,7 +86,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
                  transform, vectorize: bool = True, chunk_size: int = 128, compile: bool = False,
                  fuse_steps: int = 1, augment: AugmentConfig | None = None, pad_fill: torch.Tensor | float = 0.0,
                  epochs: int = 1, batch: int = 1, loop_below: int = 0, threads: int | None = None,
-                 channels_last: bool = False, extra: dict | None = None):
+                 channels_last: bool = False, extra: dict | None = None, compile_cache: tuple | None = None):
         self.algo, self.module, self.opt, self.task_loss = algo, module, opt, task_loss
         self.extra = extra or {}  # slot -> its own architecture (Algorithm.extra_models)
         self.transform = transform
@@ -120,8 +120,13 @@ class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
 
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
             failed: list = []  # why compiling failed here, once it has
-            self._fused = CompiledOrEager(self._k_steps, failed)
-            self._grads = CompiledOrEager(self._default, failed)
+            # ``compile_cache``: (a ``compiled.CompileCache``, this setting's key): graphs kept between processes
+            cache, key = compile_cache or (None, None)
+            if cache is not None:
+                cache.enable()
+            seen = None if cache is None else (lambda: cache.record(key))
+            self._fused = CompiledOrEager(self._k_steps, failed, seen)
+            self._grads = CompiledOrEager(self._default, failed, seen)
 
     def _each(self, fn, dims, fresh=False):
         return for_each_client(fn, dims, self.vectorize, fresh)
