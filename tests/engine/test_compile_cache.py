@@ -111,3 +111,27 @@ def test_a_warm_cache_serves_the_same_graphs_and_a_changed_model_or_a_damaged_en
     assert again["loss"] == cold["loss"] and again["miss"] > 0 and again["hit"] == 0
     assert len(again["said"]) == 1 and "damaged entries of the compile cache" in again["said"][0], again["said"]
     assert "Traceback" not in stderr and "UnpicklingError" not in stderr  # torch never read a damaged entry
+
+
+def test_a_resume_counts_on_the_warm_up_its_run_started_with(tmp_path, monkeypatch):
+    """Which warm-up ``compile: auto`` counted on is recorded (``meta.json``): a resume decides as its run started,
+    whatever the cache came to hold meanwhile, so it continues with the execution it began with."""
+    from fedtest import BLOBS8, with_overrides
+
+    from fedmosaic.runs import runner
+    from fedmosaic.runs.dirs import started_warm
+    from fedmosaic.setup.world import build_federation
+
+    monkeypatch.setenv("FEDMOSAIC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    cfg, out = with_overrides(BLOBS8, checkpoint_every=1), tmp_path / "run"
+    runner.run(cfg, out, progress=False, stop_after=0)
+    assert started_warm(out) == (False,)
+    CompileCache.default().record(build_federation(cfg).groups[0].compile_key)  # the setting compiled elsewhere
+    assert build_federation(cfg).groups[0].execution.warm  # a new run counts on the cache
+    built = []
+    real = runner.build_federation
+    monkeypatch.setattr(runner, "build_federation", lambda *a, **k: built.append(real(*a, **k)) or built[-1])
+    runner.run(cfg, out, resume=True, progress=False)
+    assert [g.execution.warm for g in built[0].groups] == [False]
+    assert json.loads((out / "meta.json").read_text())["execution"][0]["compile_warm"] is False

@@ -120,6 +120,16 @@ def started_threads(out: Path) -> int | None:
     return count if isinstance(count, int) and count > 0 else None
 
 
+def started_warm(out: Path) -> tuple[bool, ...] | None:
+    """Per architecture whether the run in ``out`` started counting on the compile cache's short warm-up
+    (``meta.json``; a run recorded before there was a cache counted on the cold one), None without a record."""
+    try:
+        groups = json.loads((out / "meta.json").read_text())["execution"]
+        return tuple(bool(g.get("compile_warm", False)) for g in groups)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
 def executions(fed: Federation) -> list[dict]:
     """How each architecture group runs (``execution.Execution``), for meta.json."""
     return [{"model": g.module.__class__.__name__, "norm": norm_kind(g.module), "clients": len(g.clients),

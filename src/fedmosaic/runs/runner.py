@@ -38,6 +38,7 @@ from .dirs import (
     record_amendment,
     run_meta,
     started_threads,
+    started_warm,
 )
 from .records import (
     read_metrics,
@@ -68,7 +69,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         changes = config_changes(load_config(out / "config.yaml"), cfg, out / "config.yaml", amend)
     trackers.check(trackers.wanted(cfg))
     # before creating anything: a config or data error leaves no empty run directory
-    fed = build_federation(cfg, fd, started_threads(out) if resume else None, pool)
+    fed = build_federation(cfg, fd, started_threads(out) if resume else None, pool,
+                           started_warm(out) if resume else None)
     print(f"fedmosaic: execution: {fed.execution}", flush=True)  # stdout: stderr is for warnings and errors
     created, claimed = not out.exists(), False
     if resume and deployed(out) and not getattr(fed.pool, "remote", False):  # its clients' state is on its nodes
@@ -108,7 +110,8 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
                     raise RunError(f"{e}; stopped after {lost - 1} replays (engine.ray.restarts)") from None
                 warnings.warn(f"{e}; replaying from the last checkpoint on new actors", stacklevel=2)
                 fed.pool.close()
-                fed = build_federation(cfg, fed.fd, fed.threads.count, pool)
+                warm = tuple(g.execution.warm for g in fed.groups)
+                fed = build_federation(cfg, fed.fd, fed.threads.count, pool, warm)
                 start, records = restore(out, fed)
     except BaseException as e:
         done = len(read_metrics(out))

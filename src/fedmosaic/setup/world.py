@@ -67,7 +67,7 @@ POOLS = ("local", "wire", "ray", "none")
 
 
 def build_federation(cfg: RunConfig, fd: FederatedData | None = None, threads: int | None = None,
-                     pool=None) -> Federation:
+                     pool=None, warm: tuple[bool, ...] | None = None) -> Federation:
     """The run ``cfg`` ready for its first round: its world, the server runtime, the clients in a pool, and the
     driver of rounds over them. ``threads``: the CPU threads a resumed run started with (``execution.cpu_threads``).
     ``pool`` (default ``engine.pool``): ``local``, every client in this process's one runtime; ``wire``, each client
@@ -75,11 +75,15 @@ def build_federation(cfg: RunConfig, fd: FederatedData | None = None, threads: i
     Ray actors (``pools.ray.RayPool``); ``none``, no clients here (a process that hosts some itself:
     :meth:`World.client_runtime` — a Ray actor, a Flower node); or a function of the federation that makes the pool
     (a deployment's: ``deploy.server.FlowerPool``, whose clients keep their state on their nodes: ``pool.remote``).
-    Only the local pool's clients have their state in this process."""
+    Only the local pool's clients have their state in this process. ``warm``: per architecture whether ``compile:
+    auto`` counts on the compile cache's short warm-up — what a resumed run started with (``meta.json``); None:
+    what the cache holds now (a process without clients of its own, a deployed node, counts on the cold one)."""
     pool = cfg.engine.pool if pool is None else pool
     if pool not in POOLS and not callable(pool):
         raise ValueError(f"pool: 'local', 'wire', 'ray' or 'none' (got {pool!r})")
-    world = World(cfg, fd, threads, local=pool == "local")
+    if warm is None and pool == "none":
+        warm = ()  # (every architecture: the cold warm-up)
+    world = World(cfg, fd, threads, local=pool == "local", warm=warm)
     if pool != "local" and cfg.eval.cross_clients:
         raise ConfigError("eval.cross_clients: the K x K matrix needs every client's test split in one process; "
                           "it is measured with engine.pool: local only")
@@ -106,14 +110,17 @@ def ray_pool(cfg: RunConfig, fed: Federation):
     mine = lambda kind, names: [n for n in names if (kind, n) in plugins.ORIGINS]  # noqa: E731
     registered = {"models": {n: (zoo.MODELS[n], zoo.HEADS.get(n)) for n in mine("model", used)},
                   "datasets": {n: registry.REGISTRY[n] for n in mine("dataset", public)}}
-    return RayPool(fed, partial(remote_runtime, cfg), o, cfg.engine.threads or max(1, math.ceil(o.cpus_per_actor)),
+    warm = tuple(g.execution.warm for g in fed.groups)  # (the actors decide as the driver did)
+    threads = cfg.engine.threads or max(1, math.ceil(o.cpus_per_actor))
+    return RayPool(fed, partial(remote_runtime, cfg, warm=warm), o, threads,
                    None if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20, registered)
 
 
-def remote_runtime(cfg: RunConfig, fd: FederatedData, shard, threads: int) -> ClientRuntime:
+def remote_runtime(cfg: RunConfig, fd: FederatedData, shard, threads: int,
+                   warm: tuple[bool, ...]) -> ClientRuntime:
     """The runtime of the clients ``shard`` in a process of their own (a Ray actor), built from the run's config and
-    partition as the driver built its own."""
-    return World(cfg, fd, threads, local=False).client_runtime(shard)
+    partition as the driver built its own (``warm``: the driver's)."""
+    return World(cfg, fd, threads, local=False, warm=warm).client_runtime(shard)
 
 
 class World:
@@ -121,9 +128,10 @@ class World:
     and the runtime of every client hosted in this process (``runtime``) it builds (see the module's docstring)."""
 
     def __init__(self, cfg: RunConfig, fd: FederatedData | None = None, threads: int | None = None,
-                 local: bool = True):
-        """``local``: every client's state in this process (the local pool); else each runtime builds its own."""
-        self.cfg = cfg
+                 local: bool = True, warm: tuple[bool, ...] | None = None):
+        """``local``: every client's state in this process (the local pool); else each runtime builds its own.
+        ``warm``: as :func:`build_federation`'s."""
+        self.cfg, self._warm = cfg, warm
         #: what the runtimes read of the config (``engine.settings``): they never see ``cfg`` itself
         self.settings = settings = RoundSettings(
             cfg.seed, cfg.algorithm.name, cfg.train, cfg.eval, cfg.participation, cfg.attack, cfg.aggregation,
@@ -317,7 +325,9 @@ class World:
         e = self.cfg.engine
         g.compile_key = compile_key(self.cfg, g.module, self.fd.dataset.input_shape, self.batch, self.device)
         return replace(choose(e.backend, e.compile, e.fuse_steps, ModelFacts.of(g.module), self.device.type,
-                              self.run_facts(g), threads=e.threads, warm=CompileCache.default().warm(g.compile_key)),
+                              self.run_facts(g), threads=e.threads,
+                              warm=CompileCache.default().warm(g.compile_key) if self._warm is None
+                              else g.gid < len(self._warm) and self._warm[g.gid]),
                        cpu_threads=self.threads)
 
     def _pool_train_split(self) -> None:

@@ -120,6 +120,9 @@ class Execution:
     threads: int | None = None  # CPU threads while training (None: the process's, ``cpu_threads``)
     channels_last: bool = False  # looped steps feed image batches to the model in channels-last memory order
     cpu_threads: Threads | None = None  # the process's CPU threads (set by the federation, recorded in meta.json)
+    #: ``compile: auto`` counted on the short warm-up (the setting's graphs were in the compile cache); recorded in
+    #: meta.json, so a resume, a Ray actor and the driver decide alike whatever their caches hold
+    warm: bool = False
 
     @property
     def label(self) -> str:
@@ -144,7 +147,7 @@ class Execution:
     def as_dict(self) -> dict:
         return {"backend": self.backend, "compile": self.compile, "fuse_steps": self.fuse_steps,
                 "loop_below": self.loop_below, "threads": self.threads, "channels_last": self.channels_last,
-                "chosen": list(self.auto), "why": self.why, "label": self.label,
+                "chosen": list(self.auto), "why": self.why, "label": self.label, "compile_warm": self.warm,
                 **({"cpu_threads": self.cpu_threads.count, "cpu_threads_why": self.cpu_threads.why}
                    if self.cpu_threads else {})}
 
@@ -243,7 +246,7 @@ def choose(backend: str, compile: bool | str, fuse_steps: int, model: ModelFacts
     if channels_last:
         why.append("channels-last inputs")
     return Execution(backend, compile, fuse_steps if compile else 1, loop_below, "; ".join(why), tuple(chosen),
-                     train_threads, channels_last)
+                     train_threads, channels_last, warm=warm)
 
 
 # ---- CPU threads -------------------------------------------------------------------------------------------------
