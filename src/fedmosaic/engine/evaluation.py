@@ -24,7 +24,6 @@ def metric_sides(fed) -> dict:
     return sides
 
 
-
 def evaluate(fed, round_idx: int = 0) -> dict:
     """Metrics after round ``round_idx`` (which also seeds any fine-tuning before evaluation): the global model
     on the global test set here (server side); on the clients' splits, the personal models, the cross matrix
@@ -73,6 +72,7 @@ def evaluate(fed, round_idx: int = 0) -> dict:
         out["deploy_eval"] = notes["deploy"]
     return out
 
+
 def continual_plan(fed, t: int) -> dict:
     """The samples each model judges in :meth:`_continual` after round ``t``, and the request of the personal
     models' part (``continual``: rows by client, in (architecture, id) order)."""
@@ -85,6 +85,7 @@ def continual_plan(fed, t: int) -> dict:
     rows = ev.deal(fed.global_labels, fed.test_ranks, seen, n, fed.settings.eval.continual_sample)
     return {"stage": stage, "first": first, "unseen": unseen, "seen": seen, "rows": rows, "n": n,
             "request": {"ids": torch.as_tensor(order), "rows": torch.as_tensor(rows), "unseen": unseen}}
+
 
 def continual(fed, t: int, plan: dict | None = None, hits: torch.Tensor | None = None) -> dict:
     """Class-incremental accuracy after round ``t``: the model(s) clients predict with — the global one, or each

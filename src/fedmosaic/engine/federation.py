@@ -44,7 +44,6 @@ class Federation:
             f"{g.module.__class__.__name__}: {d}" for g, d in zip(self.groups, described, strict=True))
         return f"{text}; {self.threads}"
 
-
     def train_split(self, t: int, memory: bool = True) -> ClientTensors:
         """What the clients of the in-process runtime may train on in round ``t`` (``ClientRuntime.train_split``)."""
         return self.runtime.train_split(self.stage(t) if self.tasks is not None else None, memory)

@@ -119,7 +119,6 @@ def merge_evaluations(request: dict, replies: list[tuple[dict, dict]]) -> dict:
     return merged.result()
 
 
-
 def ids_of(message: dict) -> np.ndarray:
     """The client ids a message is about (``ids``: an int64 tensor), as an array."""
     return message["ids"].cpu().numpy()

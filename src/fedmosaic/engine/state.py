@@ -39,6 +39,7 @@ def state_dict(fed) -> dict:
             "clients": clients,
             "memory": None if fed.exemplars is None else memory}
 
+
 def upgrade(fed, state: dict) -> dict:
     """A checkpoint in today's layout: format 2 as it is; format 1 (no ``format``: written before the
     server/client split) converted, its groups' clients being this run's. Anything else: ValueError."""
@@ -66,6 +67,7 @@ def upgrade(fed, state: dict) -> dict:
     old = {k: v for k, v in state.items() if k not in ("stores", "buffers")}
     return {**old, "format": FORMAT, "server_buffers": [gb for _, gb, *_ in buffers], "clients": clients}
 
+
 def load_state_dict(fed, state: dict) -> None:
     """Resume from a checkpoint of either format, into whichever pool this run has."""
     state = upgrade(fed, state)
@@ -89,6 +91,7 @@ def load_state_dict(fed, state: dict) -> None:
     for g, gb in zip(fed.groups, state["server_buffers"], strict=True):
         g.global_buffers = gb
     fed.pool.load([client_part(fed, h, clients, state.get("memory")) for h in fed.pool.hosted()])
+
 
 def client_part(fed, hosted: Hosted, clients: list[dict], memory: list | None) -> dict:
     """A runtime's rows of a checkpoint's client parts (the same tensors when it hosts every client)."""

@@ -160,6 +160,7 @@ def check_plans(cfg: RunConfig, algo: Algorithm, server: dict, clients: int, chu
                    f"the local batch plan{what} ({n} clients x {steps:,} steps x batch {width}; {knob}, "
                    "train.batch_size, engine.chunk_size)")
 
+
 def option_of(algo: Algorithm, value: int, otherwise: str) -> str:
     """The algorithm option(s) holding a phase's step or epoch count ``value`` (e.g. ``algorithm.w_steps``)."""
     names = [f"algorithm.{k}" for k, v in algo.cfg if type(v) is int and v == value]
