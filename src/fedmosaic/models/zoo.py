@@ -57,14 +57,18 @@ class MLP(FedModel):
 
 
 class _ConvNet(FedModel):
-    """Two conv+ReLU+maxpool blocks, one hidden FC layer (the feature), one FC head."""
+    """Two conv+ReLU+maxpool blocks, one hidden FC layer (the feature), one FC head. ``norm: batch`` puts a
+    BatchNorm after each convolution (``bn1``, ``bn2``: what FedBN keeps local; the published CNNs have none)."""
 
-    def __init__(self, input_shape, num_classes, channels, kernel, padding, hidden):
+    def __init__(self, input_shape, num_classes, channels, kernel, padding, hidden, norm="none"):
         super().__init__()
+        if norm not in ("none", "batch"):
+            raise ValueError(f"norm: 'none' or 'batch' (got {norm!r})")
         c_in, h, w = input_shape
         c1, c2 = channels
         self.conv1 = nn.Conv2d(c_in, c1, kernel, padding=padding)
         self.conv2 = nn.Conv2d(c1, c2, kernel, padding=padding)
+        self.bn1, self.bn2 = (nn.BatchNorm2d(c1), nn.BatchNorm2d(c2)) if norm == "batch" else (nn.Identity(),) * 2
         for _ in range(2):
             h, w = (h + 2 * padding - kernel + 1) // 2, (w + 2 * padding - kernel + 1) // 2
         if h < 1 or w < 1:
@@ -75,24 +79,27 @@ class _ConvNet(FedModel):
         self.num_classes = num_classes
 
     def features(self, x):
-        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
-        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
+        x = torch.max_pool2d(torch.relu(self.bn1(self.conv1(x))), 2)
+        x = torch.max_pool2d(torch.relu(self.bn2(self.conv2(x))), 2)
         return torch.relu(self.fc1(x.flatten(1)))
 
     def head(self, z):
         return self.fc2(z)
 
 
-def fedavg_cnn(input_shape, num_classes):
-    """FedNTD/McMahan CNN: 5x5 convs with padding 2 (32, 64 channels), FC 512 (4096 for 3x32x32, 3136 for 1x28x28)."""
-    return _ConvNet(input_shape, num_classes, (32, 64), 5, 2, 512)
+def fedavg_cnn(input_shape, num_classes, norm="none"):
+    """FedNTD/McMahan CNN: 5x5 convs with padding 2 (32, 64 channels), FC 512 (4096 for 3x32x32, 3136 for 1x28x28).
+    norm: none (as published) or batch (a BatchNorm after each convolution)."""
+    return _ConvNet(input_shape, num_classes, (32, 64), 5, 2, 512, norm)
 
 
-def apfl_cnn(input_shape, num_classes):
-    """APFL CNN: 5x5 convs (20, 50 channels) without padding, FC 800 (for 28x28: 50*4*4=800 inputs → 800 hidden)."""
-    return _ConvNet(input_shape, num_classes, (20, 50), 5, 0, 800)
+def apfl_cnn(input_shape, num_classes, norm="none"):
+    """APFL CNN: 5x5 convs (20, 50 channels) without padding, FC 800 (for 28x28: 50*4*4=800 inputs → 800 hidden).
+    norm: none (as published) or batch (a BatchNorm after each convolution)."""
+    return _ConvNet(input_shape, num_classes, (20, 50), 5, 0, 800, norm)
 
 
-def cnn4(input_shape, num_classes):
-    """4-layer CNN (pFedSRB; PFLlib's FedAvgCNN): 5x5 convs without padding (32, 64), FC 512, FC C."""
-    return _ConvNet(input_shape, num_classes, (32, 64), 5, 0, 512)
+def cnn4(input_shape, num_classes, norm="none"):
+    """4-layer CNN (pFedSRB; PFLlib's FedAvgCNN): 5x5 convs without padding (32, 64), FC 512, FC C.
+    norm: none (as published) or batch (a BatchNorm after each convolution)."""
+    return _ConvNet(input_shape, num_classes, (32, 64), 5, 0, 512, norm)
