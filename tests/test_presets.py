@@ -24,6 +24,7 @@ from fedmosaic.data.federated import FederatedData, PartitionSpec, build
 from fedmosaic.data.registry import load_dataset
 from fedmosaic.models import build_model
 from fedmosaic.presets import preset_names, preset_path
+from fedmosaic.setup.groups import data_spec
 
 APFL = ["apfl-vehicle", "apfl-mnist", "apfl-femnist", "apfl-cifar10"]
 APFL_DELTA = {"apfl-vehicle": (700.0, 400.0), "apfl-mnist": (1.0, 0.5), "apfl-femnist": (1.0, 0.5),
@@ -46,13 +47,6 @@ def raw(name: str) -> dict:
 def config(name: str) -> RunConfig:
     """The preset as a RunConfig, without the algorithm-registry check (see the module docstring)."""
     return RunConfig.model_validate(raw(name))
-
-
-def data_spec(cfg: RunConfig) -> PartitionSpec:
-    """As engine.federation.data_spec (not imported: the engine is being edited)."""
-    d = cfg.data
-    return PartitionSpec(d.dataset, d.clients, d.partition, d.pool, d.client_test, d.client_val,
-                         cfg.seed if d.seed is None else d.seed, None if d.classes is None else tuple(d.classes))
 
 
 # ---- real data, read once per session -------------------------------------------------------------------------
