@@ -41,6 +41,18 @@ def test_damaged_entries_are_removed_with_one_warning_and_the_rest_kept(tmp_path
         assert cache.remove_damaged() == []  # the manifest now describes what is there
 
 
+def test_a_manifest_naming_files_outside_its_folder_touches_nothing(tmp_path):
+    cache = filled(tmp_path, 1)
+    outside = tmp_path / "keep.txt"
+    outside.write_text("a user's file")
+    (cache.root / "link").symlink_to(outside)
+    cache.manifest.write_text(json.dumps({"files": {"../keep.txt": [1, "0" * 64], str(outside): [1, "0" * 64],
+                                                    "link": [1, "0" * 64], "d0/entry": [1, "0" * 64]}}))
+    with pytest.warns(UserWarning, match="1 damaged entry"):
+        assert cache.remove_damaged() == ["d0/entry"]
+    assert outside.read_text() == "a user's file" and (cache.root / "link").is_symlink()
+
+
 def test_a_damaged_manifest_vouches_for_nothing(tmp_path):
     cache = filled(tmp_path, 2)
     cache.record("setting-a")

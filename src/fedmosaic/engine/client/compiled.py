@@ -89,9 +89,9 @@ class CompileCache:
         if not saved and self.manifest.exists():
             bad = list(self._files())
         else:
-            bad = [rel for rel, (size, digest) in saved.get("files", {}).items()
-                   if (p := self.root / rel).is_file() and (p.stat().st_size != size
-                                                             or hashlib.sha256(p.read_bytes()).hexdigest() != digest)]
+            bad = [rel for rel, entry in saved.get("files", {}).items()
+                   if self._inside(rel) and (p := self.root / rel).is_file()
+                   and [p.stat().st_size, hashlib.sha256(p.read_bytes()).hexdigest()] != entry]
         for rel in bad:
             (self.root / rel).unlink(missing_ok=True)
         if bad:
@@ -99,6 +99,13 @@ class CompileCache:
                           f"cache {self.root} removed; what they held is compiled again", stacklevel=2)
             self.record()
         return bad
+
+    def _inside(self, rel: str) -> bool:
+        """``rel`` names a file inside the folder (a manifest is data: one naming ``../x`` or ``/x`` touches
+        nothing)."""
+        if not isinstance(rel, str) or Path(rel).is_absolute() or ".." in Path(rel).parts:
+            return False
+        return (self.root / rel).resolve().is_relative_to(self.root.resolve())
 
     def record(self, key: str | None = None) -> None:
         """The manifest of every entry now in the folder (and ``key``'s marker: compiled here)."""
