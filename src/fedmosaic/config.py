@@ -16,7 +16,7 @@ from . import plugins
 from .data.partition.tasks import count_range
 from .engine.client.augment import AugmentConfig
 from .engine.client.optim import OptimizerConfig
-from .errors import ConfigError
+from .errors import ConfigError, FedMosaicError
 from .protocol.algorithm import registered
 from .schema import MAX_COUNT, MAX_SEED, Schema
 
@@ -760,8 +760,6 @@ def _scalar(text: str):
 
 def algorithm_spec(text: str) -> dict:
     """``fedprox:mu=0.1,foo=2`` → ``{"name": "fedprox", "mu": 0.1, "foo": 2}`` (``--algorithms``, ``api.compare``)."""
-    from .errors import FedMosaicError
-
     name, _, params = text.partition(":")
     spec: dict = {"name": name}
     for item in filter(None, params.split(",")):

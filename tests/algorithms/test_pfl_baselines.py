@@ -198,13 +198,14 @@ def test_fedbn_on_a_model_without_batchnorm_is_fedavg_exactly(fd):
 
 
 def test_fedbn_keeps_each_clients_batchnorm_weights_and_statistics_and_averages_the_rest(fd):
-    cfg = make_cfg(algorithm={"name": "fedbn"}, model={"name": "resnet10", "options": {"norm": "batch", "width": 0.125}},
-                   train={"clients_per_round": 6}, engine={"backend": "sequential"})
+    cfg = make_cfg(algorithm={"name": "fedbn"}, train={"clients_per_round": 6}, engine={"backend": "sequential"},
+                   model={"name": "resnet10", "options": {"norm": "batch", "width": 0.125}})
     fed = build_federation(cfg, fd)
     g, keys = fed.groups[0], set(fed.algo.setting.norm_keys)
     modules = dict(g.module.named_modules())
     assert keys and all(isinstance(modules[k.rsplit(".", 1)[0]], torch.nn.BatchNorm2d) for k in keys)
-    assert any("bn" not in k for k in keys)  # a shortcut's BatchNorm: found by its type (the authors' name rule misses it)
+    # a shortcut's BatchNorm: found by its type (the authors' name rule misses it)
+    assert any("bn" not in k for k in keys)
     init = g.init
     fed.round(0)
     uploads_like = {k for k in fed.server["shared"]}

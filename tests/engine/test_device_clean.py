@@ -26,8 +26,8 @@ from fedtest import CONTINUAL, HETERO, merged
 from fedmosaic.config import validate
 from fedmosaic.data.federated import build
 from fedmosaic.engine import federation
-from fedmosaic.setup import world
 from fedmosaic.engine.client.runtime import ClientRuntime
+from fedmosaic.setup import world
 from fedmosaic.setup.groups import data_spec
 from fedmosaic.setup.world import build_federation
 

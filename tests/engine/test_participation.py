@@ -96,7 +96,8 @@ def test_participation_is_the_same_on_the_wire_pool_and_off_it_changes_nothing(b
 
 def test_held_out_clients_with_a_task_stream_are_refused_in_one_line():
     with pytest.raises(ConfigError, match=r"^participation.held_out: .*task stream") as e:
-        build_federation(cfg_of(merged(BLOBS6, CONTINUAL), algorithm={"name": "fedlwf"}, participation={"held_out": 0.2}))
+        build_federation(cfg_of(merged(BLOBS6, CONTINUAL), algorithm={"name": "fedlwf"},
+                                participation={"held_out": 0.2}))
     assert "\n" not in str(e.value)
 
 

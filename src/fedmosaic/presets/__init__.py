@@ -6,6 +6,8 @@ import difflib
 from importlib import resources
 from pathlib import Path
 
+from ..errors import FedMosaicError
+
 
 def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files(__package__).iterdir() if p.name.endswith(".yaml"))
@@ -25,8 +27,6 @@ def preset_choices(name: str) -> str:
 
 def config_path(source: str) -> Path:
     """The config file ``source`` names: a file, else a preset; neither is one line naming the nearest preset."""
-    from ..errors import FedMosaicError
-
     path = Path(source)
     if path.is_file():
         return path

@@ -258,15 +258,10 @@ class World:
         """One runtime per client (or per shard of client ids): :meth:`client_runtime`."""
         shards = [np.sort(np.asarray(s, dtype=np.int64)) for s in
                   (shards if shards is not None else [[k] for k in range(self.num_clients)])]
-        hosted = [Hosted(tuple((g.gid, mine) for g in self.groups if len(mine := self._of_group(g, ids))),
+        hosted = [Hosted(tuple((g.gid, mine) for g, mine in self.runtime.by_group(ids)),
                          self.runtime.exemplars is not None) for ids in shards]
         # built at once: the runtimes of a round's cohort (each of its messages reaches them all)
         return WirePool(self.client_runtime, shards, hosted, self.algo, self.device, self.cfg.train.clients_per_round)
-
-    def _of_group(self, g: Group, ids: np.ndarray) -> np.ndarray:
-        """The clients of ``g`` among the sorted ``ids`` (without sorting the group's clients again: a wire pool of
-        10,000 clients asks once per client)."""
-        return ids[self.runtime.group_of[ids] == g.gid]
 
     def client_runtime(self, shard) -> ClientRuntime:
         """A runtime of the clients ``shard``, built as a device would build it: its own modules (from the run's
@@ -276,11 +271,11 @@ class World:
         ids, algo = np.sort(np.asarray(shard, dtype=np.int64)), type(self.algo)(self.algo.cfg, self.algo.setting)
         fresh = build_groups(cfg, shape, C, self.num_clients, self.memory, dev)
         groups = []
+        mine_of = {g.gid: mine for g, mine in self.runtime.by_group(ids)}
         for g, full in zip(fresh, self.groups, strict=True):
-            mine = self._of_group(full, ids)
-            if not len(mine):
+            if full.gid not in mine_of:
                 continue
-            mine = Group(g.gid, g.module, mine)
+            mine = Group(g.gid, g.module, mine_of[full.gid])
             one = algo.init_client(mine.init)
             check_training_memory(g.module, mine.init, len(mine.clients), nbytes(one),
                                   min(self._at_once(full.execution), len(mine.clients)), self.memory, dev,

@@ -126,19 +126,19 @@ class CompiledOrEager:
 
     def __init__(self, fn, failed: list, compiled_here=None):
         """``compiled_here()``: called after a call that compiled a new graph (the cache has new entries)."""
+        from torch._dynamo.utils import counters
+
         self.fn, self.compiled, self.failed = fn, torch.compile(fn, dynamic=False), failed
-        self.compiled_here = compiled_here
+        self.compiled_here, self.counters = compiled_here, counters  # (imported once, not at every call)
 
     def __call__(self, *args):
         if not self.failed:
             try:
                 if self.compiled_here is None:
                     return self.compiled(*args)
-                from torch._dynamo.utils import counters
-
-                before = counters["stats"]["unique_graphs"]
+                before = self.counters["stats"]["unique_graphs"]
                 out = self.compiled(*args)
-                if counters["stats"]["unique_graphs"] != before:
+                if self.counters["stats"]["unique_graphs"] != before:
                     self.compiled_here()
                 return out
             except Exception as e:

@@ -15,7 +15,8 @@ differs. The rule and the measurements behind its constants: docs/benchmarks.md 
 - Dense models with tiny steps (parameters x batch <= ``TINY_STEP``) train on one CPU thread: their operations
   are too small to gain from several, and the threads' fork/join costs more than it saves.
 - ``torch.compile`` only where the round program is plain and the estimated time it saves over the whole run is
-  at least twice its one-time warm-up, and a compiler for the device is there.
+  at least its one-time warm-up (the cold one, or the warm one when the setting's graphs are in the compile cache),
+  and a compiler for the device is there.
 
 The process's CPU threads (:func:`cpu_threads`, applied before anything runs) never oversubscribe: unless
 ``engine.threads`` or ``OMP_NUM_THREADS`` says how many, they follow the cores this process may use (its CPU

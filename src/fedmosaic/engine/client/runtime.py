@@ -57,8 +57,8 @@ class ClientRuntime:
     memory, or None; ``global_test``: the dataset's test split, for the evaluations only a simulation makes
     (continual accuracy of personal models)."""
 
-    def __init__(self, settings: RoundSettings, algo: Algorithm, groups: list[Group], split: dict, num_clients: int, num_classes: int,
-                 batch: int, transform, public, device, tasks=None, exemplars=None, global_test=None):
+    def __init__(self, settings: RoundSettings, algo: Algorithm, groups: list[Group], split: dict, num_clients: int,
+                 num_classes: int, batch: int, transform, public, device, tasks=None, exemplars=None, global_test=None):
         self.settings, self.algo, self.groups, self.split = settings, algo, groups, split
         self.num_clients, self.num_classes, self.batch = num_clients, num_classes, batch
         self.transform, self.public, self.device = transform, public, device
@@ -128,7 +128,8 @@ class ClientRuntime:
         for g in self.groups:
             g.module.train()
             trained = g.trainer.warm_up(self.split["train"], g.clients, self.own(assignment, g.clients), g.store,
-                                        g.buffers, epochs=self.settings.train.warmup_epochs, lr=lr, seed=self.settings.seed)
+                                        g.buffers, epochs=self.settings.train.warmup_epochs, lr=lr,
+                                        seed=self.settings.seed)
             g.store = for_each_client(self.algo.after_warmup, (0,), False)({**g.store, "model": trained})
 
     def public_logits(self, broadcast: dict, assignment: dict) -> dict:
@@ -152,7 +153,7 @@ class ClientRuntime:
         its aggregation weight) and ``buffers`` (the BatchNorm statistics it ends with, when the model is global).
 
         Nothing is kept unless every client's loss and upload are finite (then :class:`NonFiniteLoss`)."""
-        t, lr = header["round"], header["lr"]
+        t, lr, pc = header["round"], header["lr"], self.settings.participation
         train = self.train_split(header["stage"]) if self.tasks is not None else self.split["train"]
         payload, parts = broadcast["payload"], []
         for g, members in self.by_group(ids_of(assignment)):
@@ -168,7 +169,7 @@ class ClientRuntime:
             out = g.trainer.train(train, members, pay, take(g.store, rows), bufs, own=own,
                                   program=self.algo.program(t), probes=self.algo.probes(t, pay), lr=lr,
                                   seed=self.settings.seed, round_idx=t,
-                                  stragglers=self.settings.participation.stragglers if self.settings.participation else 0.0)
+                                  stragglers=pc.stragglers if pc else 0.0)
             parts.append((g, members, out, bufs))
         self._check_finite(t, parts)
         uploads, p = [], self.settings.privacy
@@ -215,7 +216,8 @@ class ClientRuntime:
                     labels = tr.y[torch.as_tensor(tr.ptr[k] + offs, device=dev)].cpu().numpy()
                     new = {int(c): z[torch.as_tensor(labels == c, device=dev)] for c in np.unique(labels)}
                     self.exemplars[k] = mem.refresh(self.exemplars[k], new, {c: offs[labels == c] for c in new}, how,
-                                                    mc.per_class, mc.total, rng(self.settings.seed, MEMORY, stage, int(k)))
+                                                    mc.per_class, mc.total,
+                                                    rng(self.settings.seed, MEMORY, stage, int(k)))
             stats = g.trainer.probe_at(task, g.clients, {"model": params}, g.store, payload,
                                        self.own(assignment, g.clients, header), bufs, probes, seed=self.settings.seed,
                                        round_idx=t) if probes else {}
@@ -248,9 +250,10 @@ class ClientRuntime:
     def evaluate(self, request: dict) -> dict:
         """EvalReply to an EvalRequest: per client of the federation (zeros for clients not hosted) its test and
         validation ``sizes``, the correct predictions of the global model (``request["global"]``: params and
-        buffers) on its test and validation splits, of its personal model on them (``personal``), the K x K cross matrix rows it hosts (``cross``),
-        the hits of its personal model on the global test rows dealt to it (``continual``: ``rows`` per hosted
-        client in (architecture, id) order, ``unseen`` classes masked), and ``report``: its clients' reports."""
+        buffers) on its test and validation splits, of its personal model on them (``personal``), the K x K cross
+        matrix rows it hosts (``cross``), the hits of its personal model on the global test rows dealt to it
+        (``continual``: ``rows`` per hosted client in (architecture, id) order, ``unseen`` classes masked), and
+        ``report``: its clients' reports."""
         t, payload, assignment = request["round"], request["payload"], request["assignment"]
         K, out = self.num_clients, {}
         logits_fn = lambda z, logits: self.algo.eval_logits(z, logits, payload)

@@ -1,8 +1,9 @@
 """A client pool on Ray actors (``engine.pool: ray``): a simulation scaled out over processes and machines.
 
-Each actor hosts a runtime (``client.runtime.ClientRuntime``) of a contiguous shard of the client ids — their data rows,
-states and exemplar memory, nothing of the other clients — built in the actor as the wire pool builds its runtimes
-(``setup.world.World.client_runtime``: the same modules, seeds and trainers, the execution chosen for the actor's device).
+Each actor hosts a runtime (``client.runtime.ClientRuntime``) of a contiguous shard of the client ids — their data
+rows, states and exemplar memory, nothing of the other clients — built in the actor as the wire pool builds its
+runtimes (``setup.world.World.client_runtime``: the same modules, seeds and trainers, the execution chosen for the
+actor's device).
 The driver keeps the server side. A round's broadcast goes into the object store once and every actor reads it
 from there; each actor is sent only its clients' rows of the assignment; the answers come back and are put in
 (architecture, client id) order (``messages.order_parts``) before the server's unchanged ``aggregate``, so every sum
@@ -10,7 +11,8 @@ runs in the order it runs in one process. A checkpoint gathers the clients' stat
 on any number of actors, or in one process.
 
 An actor that dies (its process killed, its node gone) raises :class:`ClientsLost`; the runner then replays the run
-from its last checkpoint on new actors (``runs.runner.run``), and the run ends with the metrics of an uninterrupted one.
+from its last checkpoint on new actors (``runs.runner.run``), and the run ends with the metrics of an uninterrupted
+one.
 """
 
 from __future__ import annotations

@@ -40,8 +40,9 @@ class ServerRuntime:
     of their BatchNorm statistics, ``global_buffers``); ``calendar``: the task streams as the server knows them (or
     None); ``public``/``transform``/``batch``: the public stream the server trains on (``server_program``)."""
 
-    def __init__(self, settings: RoundSettings, algo: Algorithm, groups: list[Group], num_clients: int, calendar: TaskCalendar | None,
-                 public: ClientTensors | None, transform, batch: int, device: torch.device):
+    def __init__(self, settings: RoundSettings, algo: Algorithm, groups: list[Group], num_clients: int,
+                 calendar: TaskCalendar | None, public: ClientTensors | None, transform, batch: int,
+                 device: torch.device):
         self.settings, self.algo, self.groups, self.num_clients = settings, algo, groups, num_clients
         self.calendar, self.public, self.transform, self.batch, self.device = calendar, public, transform, batch, device
         self.group_index = {g.gid: i for i, g in enumerate(groups)}
