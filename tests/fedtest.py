@@ -95,9 +95,12 @@ def train(cfg, fd, rounds=None):
 
 
 def assert_trees_close(a, b, exact=False, atol=1e-5, rtol=1e-4):
+    """Equal values wherever each tree lives (a wire pool's client states arrive decoded on the host, an
+    in-process pool's stay on the run's device)."""
     la, lb = leaves(a), leaves(b)
     assert len(la) == len(lb) and la
     for x, y in zip(la, lb):
+        x, y = x.cpu(), y.cpu()
         if exact:
             assert torch.equal(x, y)
         else:

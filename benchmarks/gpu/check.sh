@@ -52,8 +52,9 @@ PY
 }
 
 section_tests() {
-  FEDMOSAIC_TEST_DEVICE=$DEVICE timeout -k 10 "$T_TESTS" python3 -m pytest -v -n "$NPROC" -m "not slow" \
-    -p no:cacheprovider tests/engine tests/algorithms tests/models tests/protocol tests/test_api.py \
+  # -rfE --tb=short with wide lines: each failure's assertion (the numbers that differ) lands in the log
+  COLUMNS=300 FEDMOSAIC_TEST_DEVICE=$DEVICE timeout -k 10 "$T_TESTS" python3 -m pytest -v -rfE --tb=short \
+    -n "$NPROC" -m "not slow" -p no:cacheprovider tests/engine tests/algorithms tests/models tests/protocol tests/test_api.py \
     >"$OUT/tests.log" 2>&1
   local rc=$?
   say "tests on $DEVICE: rc $rc ($([ $rc = 124 ] && echo "cut at ${T_TESTS}s; ")$(tail -1 "$OUT/tests.log"))"
@@ -65,9 +66,9 @@ section_speed() {
   mkdir -p "$d"
   for m in $MODELS; do
     timeout -k 10 "$T_SPEED" python3 benchmarks/engine_speed.py --only precision --device "$DEVICE" --model "$m" \
-      --precision-rounds "$ROUNDS" --json "$d/precision-$m.json" >"$d/precision-$m.log" 2>&1
+      --precision-rounds "$ROUNDS" --json "$d/precision-$m.json" >"$OUT/speed-$m.log" 2>&1   # rows as they come
     say "speed of $m on $DEVICE: rc $?"
-    grep "^|" "$d/precision-$m.log" | tee -a "$OUT/summary.txt"
+    grep "^|" "$OUT/speed-$m.log" | tee -a "$OUT/summary.txt"
   done
   tar -czf "$OUT/speed.tar.gz" -C "$d" .
 }

@@ -93,6 +93,7 @@ def test_feddyn_without_its_regulariser_is_fedavg_exactly(fd):
     assert_trees_close(a.server["model"], b.server["model"], exact=True)
 
 
+@pytest.mark.cpu  # the formula by hand, on host tensors
 def test_feddyn_client_and_server_follow_the_papers_algorithm(fd):
     from fedmosaic.protocol.context import LocalContext
     from fedmosaic.protocol.program import Signals
