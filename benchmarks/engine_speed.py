@@ -180,14 +180,20 @@ CUDA_PRECISIONS = [("tf32", {"tf32": True}), ("fp32 compiled", {"backend": "vect
                    ("bf16 compiled", {"backend": "vectorized", "compile": True, "precision": "bf16"})]
 
 
-def time_precisions(rounds: int, device: str, model: str = "fedavg_cnn") -> dict:
+def time_precisions(rounds: int, device: str, model: str = "fedavg_cnn", only: list | None = None) -> dict:
     """(b)'s setting (CIFAR-10, FedAvg CNN, 100 clients Dir(0.1), 10 per round, E = 1, B = 50) trained for
     ``rounds`` rounds from the same initial model, cohorts and batches by the plain loop (float32) and by
     fedmosaic's default execution in each precision: seconds per round (the first round, with any compiling, not
-    counted) and accuracy on the global test set after the last round."""
+    counted) and accuracy on the global test set after the last round. ``only``: these rows (and the plain loop's)."""
     fd = build(data_spec(config("b", 10, False)))
     rows = {}
     variants = PRECISIONS + (CUDA_PRECISIONS if device.startswith("cuda") else [])
+    if only:
+        unknown = set(only) - {n for n, _ in variants}
+        if unknown:
+            raise SystemExit(f"--precision-rows: no row {sorted(unknown)} on {device} (rows: "
+                             f"{', '.join(n for n, _ in variants)})")
+        variants = [v for v in variants if v[0] in only]
     for name, engine in [("plain", {}), *variants]:
         fed = build_federation(config("b", 10, False, global_test=True, model_name=model, device=device, **engine), fd)
         plain = PlainLoop(fed) if name == "plain" else None
@@ -343,6 +349,7 @@ def main() -> None:
     ap.add_argument("--precision-rounds", type=int, default=50, help="rounds each precision trains (--only precision)")
     ap.add_argument("--device", default="cpu", help="the precision rows' device (cpu, cuda)")
     ap.add_argument("--model", default="fedavg_cnn", help="the precision rows' model (e.g. resnet10, resnet18)")
+    ap.add_argument("--precision-rows", help="comma-separated subset of the precision rows (the plain loop always runs)")
     ap.add_argument("--compile-b", action="store_true", help="also torch.compile the CNN (minutes of compiling)")
     ap.add_argument("--e2e-rounds", type=int, default=150)
     ap.add_argument("--e2e-repeat", type=int, default=1, help="alternate plain and variants this many times")
@@ -355,7 +362,8 @@ def main() -> None:
         print(json.dumps(plain_run(args.plain_run)))
         return
     if args.only == "precision":
-        res = time_precisions(args.precision_rounds, args.device, args.model)
+        only = args.precision_rows.split(",") if args.precision_rows else None
+        res = time_precisions(args.precision_rounds, args.device, args.model, only)
         print_precisions(res)
         if args.json:
             write_json(args.json, load_at_start, **res)
