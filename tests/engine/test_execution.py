@@ -267,17 +267,22 @@ def test_auto_run_equals_vectorized_and_sequential(fd):
         assert_trees_close(auto.server, other.server)
 
 
-@pytest.mark.cpu
-def test_a_convolutional_model_runs_sequential_on_the_cpu_with_the_mapped_numbers(fd):
+def tiny_cnn() -> str:
+    """The name of a registered convolutional model for the blobs' C x 6 x 6 images."""
     from fedmosaic.models import MODELS, Wrapped, register_model
 
-    def tiny_cnn(input_shape, num_classes):
-        body = nn.Sequential(nn.Conv2d(1, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 8), nn.Tanh())
+    def build(input_shape, num_classes):
+        body = nn.Sequential(nn.Conv2d(input_shape[0], 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 8), nn.Tanh())
         return Wrapped(body, nn.Linear(8, num_classes))
 
     if "user_tiny_cnn" not in MODELS:
-        register_model("user_tiny_cnn", tiny_cnn)
-    cfg = make_cfg(model={"name": "user_tiny_cnn"}, engine={"device": "cpu"})
+        register_model("user_tiny_cnn", build)
+    return "user_tiny_cnn"
+
+
+@pytest.mark.cpu
+def test_a_convolutional_model_runs_sequential_on_the_cpu_with_the_mapped_numbers(fd):
+    cfg = make_cfg(model={"name": tiny_cnn()}, engine={"device": "cpu"})
     auto = train(cfg, fd)
     assert auto.groups[0].execution.backend == "sequential" and not auto.groups[0].trainer.vectorize
     assert auto.groups[0].trainer.channels_last
@@ -286,24 +291,36 @@ def test_a_convolutional_model_runs_sequential_on_the_cpu_with_the_mapped_number
     assert auto.evaluate()["global"]["acc"] == pytest.approx(vec.evaluate()["global"]["acc"], abs=1e-6)
 
 
-def test_the_finished_client_stays_put_on_the_looped_path(fd):
-    """Packing and looping together: a small client trained in a cohort equals it trained alone."""
-    fed = build_federation(make_cfg(algorithm={"name": "local"}, train__clients_per_round=8), fd)
+@pytest.mark.cpu
+def test_a_channels_last_model_is_judged_in_its_memory_order_in_small_batches_with_the_same_numbers():
+    """Models that train on the CPU's channels-last path are judged channels-last, ``NHWC_BATCH`` samples at a
+    time (activations that stay in cache: the evaluation's speed); every metric — the global test set, the
+    clients' test and validation splits, their own models, the cross matrix — is the NCHW evaluation's."""
+    from conftest import blobs
+
+    from fedmosaic.data.federated import PartitionSpec, compute
+    from fedmosaic.engine.evaluate import NHWC_BATCH
+
+    # three channels: with one, the channels-last and NCHW orders are the same memory
+    rgb = compute(PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25,
+                                0.2, 3), blobs(shape=(3, 6, 6)))
+    cfg = make_cfg(model={"name": tiny_cnn()}, algorithm={"name": "ditto"}, engine={"device": "cpu"},
+                   data__client_val=0.2, eval={"cross_clients": True, "global_test": True})
+    fed = train(cfg, rgb, rounds=1)
     g = fed.groups[0]
-    g.trainer.loop_below = 10**6  # every step looped
-    sizes = fed.split["train"].sizes
-    small, big = int(np.argmin(sizes)), int(np.argmax(sizes))
-    payload = fed.algo.broadcast(fed.server, 0)
-    kw = {"epochs": 2, "batch": 8, "lr": 0.05, "seed": 3, "round_idx": 0}
-    both = np.array(sorted([small, big]))
-    _, together, _, _, _ = g.trainer.train(fed.split["train"], both, payload, {k: {n: t[both] for n, t in v.items()}
-                                                                           for k, v in g.store.items()}, {}, **kw)
-    alone = np.array([small])
-    _, solo, _, _, _ = g.trainer.train(fed.split["train"], alone, payload, {k: {n: t[alone] for n, t in v.items()}
-                                                                        for k, v in g.store.items()}, {}, **kw)
-    row = int(np.flatnonzero(both == small)[0])
-    for name, t in together["model"].items():
-        torch.testing.assert_close(t[row], solo["model"][name][0], atol=1e-6, rtol=1e-5)
+    assert g.trainer.channels_last
+    seen, judged = [], {}
+    g.module.register_forward_pre_hook(lambda m, args: seen.append(
+        (len(args[0]), args[0].is_contiguous(memory_format=torch.channels_last))))
+    for last in (True, False):
+        g.trainer.channels_last, seen[:] = last, []
+        judged[last] = (fed.evaluate(1), list(seen))
+    (nhwc, inputs), (nchw, inputs_nchw) = judged[True], judged[False]
+    assert {"global", "global_clients", "global_val", "personal", "personal_val", "cross"} <= set(nhwc)
+    assert nhwc == nchw
+    assert inputs and all(n <= NHWC_BATCH and last for n, last in inputs)
+    # (so the test tells the two apart: NCHW inputs, some batches larger than NHWC_BATCH)
+    assert max(n for n, _ in inputs_nchw) > NHWC_BATCH and not any(last for _, last in inputs_nchw)
 
 
 # ---- printed and recorded ------------------------------------------------------------------------------------------

@@ -37,8 +37,10 @@ def evaluate(fed, round_idx: int = 0) -> dict:
     model = None if gp is None else (gp, fed.groups[0].global_buffers)
     if model is not None and ev_cfg.global_test and fed.global_test is not None:
         x, y = fed.global_test
-        ok, ls = ev.score_samples(fed.groups[0].apply, {**gp, **model[1]}, x, y, fed.transform,
-                                  lambda z, logits: fed.algo.eval_logits(z, logits, sent))
+        g0 = fed.groups[0]
+        transform, batch = ev.judging(fed.transform, g0.trainer.channels_last)
+        ok, ls = ev.score_samples(g0.apply, {**gp, **model[1]}, x, y, transform,
+                                  lambda z, logits: fed.algo.eval_logits(z, logits, sent), batch=batch)
         out["global"] = ev.global_metrics(ok, ls, y, fed.fd.num_classes)
     personal = ev_cfg.client_test and fed.algo.personalized
     plan = None if fed.tasks is None else continual_plan(fed, t)
@@ -109,8 +111,9 @@ def continual(fed, t: int, plan: dict | None = None, hits: torch.Tensor | None =
         params, bufs = fed.predictors(g, t, 1)
         masked = lambda z, logits: fed.algo.eval_logits(z, logits, sent).masked_fill(plan["unseen"],  # noqa
                                                                                       float("-inf"))
+        transform, batch = ev.judging(fed.transform, g.trainer.channels_last)
         hits = ev.judged_correct(g.apply, {**params, **bufs}, x, y, torch.as_tensor(rows, device=fed.device),
-                                 fed.transform, g.trainer.vectorize, masked)
+                                 transform, g.trainer.vectorize, masked, batch)
     elif hits is None:
         hits = fed.pool.evaluate({"round": t, "payload": fed.algo.broadcast(fed.server, t),
                                    "assignment": fed.assign(fed.everyone),

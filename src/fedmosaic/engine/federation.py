@@ -163,8 +163,9 @@ class Federation:
         g = self.groups[0]
         g.module.eval()
         x, y = self.global_test
+        transform, batch = ev.judging(self.transform, g.trainer.channels_last)
         acc = ev.local_class_accuracy(g.apply, {**uploads["model"], **g.global_buffers_like(len(cohort))}, x, y,
-                                      self.fd.num_classes, self.transform, g.trainer.vectorize)
+                                      self.fd.num_classes, transform, g.trainer.vectorize, batch)
         in_acc, out_acc = ev.in_out_local(acc, self.label_counts[cohort])
         return {"local_in_acc": in_acc, "local_out_acc": out_acc}
 

@@ -265,9 +265,10 @@ class ClientRuntime:
         if request.get("global") is not None:
             params, bufs = request["global"]
             gp, g0 = {**params, **bufs}, self.groups[0]
+            transform, batch = ev.judging(self.transform, g0.trainer.channels_last)
             for key, split in (("global_clients", test), ("global_val", val)):
                 if request[key] and len(split.y):
-                    ok, _ = ev.score_samples(g0.apply, gp, split.x, split.y, self.transform, logits_fn, False)
+                    ok, _ = ev.score_samples(g0.apply, gp, split.x, split.y, transform, logits_fn, False, batch)
                     out[key] = torch.as_tensor(ev.per_client_correct(ok, split.ptr))
         splits = {k: sp for k, sp in (("personal", test), ("personal_val", val)) if request.get(k) and len(sp.y)}
         cross = np.zeros((K, K)) if request.get("cross") and splits else None
@@ -276,15 +277,17 @@ class ClientRuntime:
             for g in self.groups:
                 mine = {**self.personal(g, t, payload, assignment), **g.buffers}
                 apply = partial(self.algo.personal_forward, partial(g.apply, slot=self.algo.personal_slot))
+                transform, batch = ev.judging(self.transform, g.trainer.channels_last)
                 if cross is not None:
-                    cross[g.clients] = ev.cross_correct(apply, mine, test.x, test.y, test.ptr, self.transform,
-                                                        logits_fn, g.trainer.vectorize)
+                    cross[g.clients] = ev.cross_correct(apply, mine, test.x, test.y, test.ptr, transform,
+                                                        logits_fn, g.trainer.vectorize, batch)
                 for k, sp in splits.items():
                     if k == "personal" and cross is not None:  # the matrix's diagonal: measured already
                         correct[k][g.clients] = cross[g.clients, g.clients]
                         continue
                     correct[k][g.clients] = ev.personal_correct(apply, mine, sp.x, sp.y, sp.ptr, g.clients,
-                                                                self.transform, logits_fn, g.trainer.vectorize)
+                                                                transform, logits_fn, g.trainer.vectorize,
+                                                                batch=batch)
             out.update({k: torch.as_tensor(v) for k, v in correct.items()})
         if cross is not None:
             out["cross"] = torch.as_tensor(cross)
@@ -313,8 +316,9 @@ class ClientRuntime:
             params, bufs = self.predictors(g, t, payload, assignment, None)
             mine = torch.as_tensor(rows[lo : lo + k], device=self.device)
             lo += k
+            transform, batch = ev.judging(self.transform, g.trainer.channels_last)
             hits.append(ev.judged_correct(partial(self.algo.personal_forward, g.apply), {**params, **bufs}, x, y,
-                                          mine, self.transform, g.trainer.vectorize, masked).cpu().numpy())
+                                          mine, transform, g.trainer.vectorize, masked, batch).cpu().numpy())
         return np.concatenate(hits)
 
     # ---- store --------------------------------------------------------------------------------------
