@@ -95,8 +95,10 @@ def personal_correct(apply, stacked_params, x, y, ptr, clients: np.ndarray, tran
     each = transform if batch else (lambda t: t)  # batched: each batch transformed as it is judged
 
     def count(params, xb, yb, mb):
-        step, hits = batch or len(yb), 0
+        step, hits = batch or len(yb), yb.new_zeros(())
         for lo in range(0, len(yb), step):
+            if batch and not mb[lo]:  # (batched, one client at a time) the rest is padding: real samples come first
+                break
             z, logits = apply(params, each(xb[lo : lo + step]))
             hits = hits + ((logits_fn(z, logits).argmax(1) == yb[lo : lo + step]) & mb[lo : lo + step]).sum()
         return hits
