@@ -272,7 +272,8 @@ def tiny_cnn() -> str:
     from fedmosaic.models import MODELS, Wrapped, register_model
 
     def build(input_shape, num_classes):
-        body = nn.Sequential(nn.Conv2d(input_shape[0], 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 8), nn.Tanh())
+        body = nn.Sequential(nn.Conv2d(input_shape[0], 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 8),
+                             nn.Tanh())
         return Wrapped(body, nn.Linear(8, num_classes))
 
     if "user_tiny_cnn" not in MODELS:
@@ -321,6 +322,26 @@ def test_a_channels_last_model_is_judged_in_its_memory_order_in_small_batches_wi
     assert inputs and all(n <= NHWC_BATCH and last for n, last in inputs)
     # (so the test tells the two apart: NCHW inputs, some batches larger than NHWC_BATCH)
     assert max(n for n, _ in inputs_nchw) > NHWC_BATCH and not any(last for _, last in inputs_nchw)
+
+
+def test_the_finished_client_stays_put_on_the_looped_path(fd):
+    """Packing and looping together: a small client trained in a cohort equals it trained alone."""
+    fed = build_federation(make_cfg(algorithm={"name": "local"}, train__clients_per_round=8), fd)
+    g = fed.groups[0]
+    g.trainer.loop_below = 10**6  # every step looped
+    sizes = fed.split["train"].sizes
+    small, big = int(np.argmin(sizes)), int(np.argmax(sizes))
+    payload = fed.algo.broadcast(fed.server, 0)
+    kw = {"epochs": 2, "batch": 8, "lr": 0.05, "seed": 3, "round_idx": 0}
+    both = np.array(sorted([small, big]))
+    _, together, _, _, _ = g.trainer.train(fed.split["train"], both, payload, {k: {n: t[both] for n, t in v.items()}
+                                                                           for k, v in g.store.items()}, {}, **kw)
+    alone = np.array([small])
+    _, solo, _, _, _ = g.trainer.train(fed.split["train"], alone, payload, {k: {n: t[alone] for n, t in v.items()}
+                                                                        for k, v in g.store.items()}, {}, **kw)
+    row = int(np.flatnonzero(both == small)[0])
+    for name, t in together["model"].items():
+        torch.testing.assert_close(t[row], solo["model"][name][0], atol=1e-6, rtol=1e-5)
 
 
 # ---- printed and recorded ------------------------------------------------------------------------------------------
