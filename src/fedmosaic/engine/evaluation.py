@@ -38,7 +38,7 @@ def evaluate(fed, round_idx: int = 0) -> dict:
     if model is not None and ev_cfg.global_test and fed.global_test is not None:
         x, y = fed.global_test
         g0 = fed.groups[0]
-        transform, batch = ev.judging(fed.transform, g0.trainer.channels_last)
+        transform, batch = g0.trainer.judging
         ok, ls = ev.score_samples(g0.apply, {**gp, **model[1]}, x, y, transform,
                                   lambda z, logits: fed.algo.eval_logits(z, logits, sent), batch=batch)
         out["global"] = ev.global_metrics(ok, ls, y, fed.fd.num_classes)
@@ -111,7 +111,7 @@ def continual(fed, t: int, plan: dict | None = None, hits: torch.Tensor | None =
         params, bufs = fed.predictors(g, t, 1)
         masked = lambda z, logits: fed.algo.eval_logits(z, logits, sent).masked_fill(plan["unseen"],  # noqa
                                                                                       float("-inf"))
-        transform, batch = ev.judging(fed.transform, g.trainer.channels_last)
+        transform, batch = g.trainer.judging
         hits = ev.judged_correct(g.apply, {**params, **bufs}, x, y, torch.as_tensor(rows, device=fed.device),
                                  transform, g.trainer.vectorize, masked, batch)
     elif hits is None:

@@ -163,7 +163,7 @@ class Federation:
         g = self.groups[0]
         g.module.eval()
         x, y = self.global_test
-        transform, batch = ev.judging(self.transform, g.trainer.channels_last)
+        transform, batch = g.trainer.judging
         acc = ev.local_class_accuracy(g.apply, {**uploads["model"], **g.global_buffers_like(len(cohort))}, x, y,
                                       self.fd.num_classes, transform, g.trainer.vectorize, batch)
         in_acc, out_acc = ev.in_out_local(acc, self.label_counts[cohort])

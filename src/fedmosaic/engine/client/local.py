@@ -33,6 +33,7 @@ from ...protocol.algorithm import Algorithm
 from ...protocol.context import TaskLoss
 from ...protocol.program import RECEIVED, Phase, Probe, Step
 from ...protocol.tree import tmap
+from ..evaluate import judging
 from ..mapping import for_each_client
 from ..seeding import FINETUNE, SERVER, TASK_END, WARMUP, work_shares
 from ..tensors import ClientTensors, cat_trees
@@ -127,6 +128,12 @@ class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
             seen = None if cache is None else (lambda: cache.record(key))
             self._fused = CompiledOrEager(self._k_steps, failed, seen)
             self._grads = CompiledOrEager(self._default, failed, seen)
+
+    @property
+    def judging(self) -> tuple:
+        """(the inputs' transform, samples per batch) this architecture's models are judged with
+        (``evaluate.judging``: in the memory order they train in)."""
+        return judging(self.transform, self.channels_last)
 
     def _each(self, fn, dims, fresh=False):
         return for_each_client(fn, dims, self.vectorize, fresh)

@@ -265,7 +265,7 @@ class ClientRuntime:
         if request.get("global") is not None:
             params, bufs = request["global"]
             gp, g0 = {**params, **bufs}, self.groups[0]
-            transform, batch = ev.judging(self.transform, g0.trainer.channels_last)
+            transform, batch = g0.trainer.judging
             for key, split in (("global_clients", test), ("global_val", val)):
                 if request[key] and len(split.y):
                     ok, _ = ev.score_samples(g0.apply, gp, split.x, split.y, transform, logits_fn, False, batch)
@@ -277,7 +277,7 @@ class ClientRuntime:
             for g in self.groups:
                 mine = {**self.personal(g, t, payload, assignment), **g.buffers}
                 apply = partial(self.algo.personal_forward, partial(g.apply, slot=self.algo.personal_slot))
-                transform, batch = ev.judging(self.transform, g.trainer.channels_last)
+                transform, batch = g.trainer.judging
                 if cross is not None:
                     cross[g.clients] = ev.cross_correct(apply, mine, test.x, test.y, test.ptr, transform,
                                                         logits_fn, g.trainer.vectorize, batch)
@@ -316,7 +316,7 @@ class ClientRuntime:
             params, bufs = self.predictors(g, t, payload, assignment, None)
             mine = torch.as_tensor(rows[lo : lo + k], device=self.device)
             lo += k
-            transform, batch = ev.judging(self.transform, g.trainer.channels_last)
+            transform, batch = g.trainer.judging
             hits.append(ev.judged_correct(partial(self.algo.personal_forward, g.apply), {**params, **bufs}, x, y,
                                           mine, transform, g.trainer.vectorize, masked, batch).cpu().numpy())
         return np.concatenate(hits)
