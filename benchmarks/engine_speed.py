@@ -8,7 +8,8 @@ One process, same machine, same partition, same seed and same cohorts for every 
   (e2e) a whole run, start to finish: FedAvg on the APFL MNIST preset (150 rounds, 10 clients per round, every
       client's test split evaluated after every round), as ``fedmosaic run`` does it (data, rounds, evaluation,
       metrics, checkpoints, summary; any compile warm-up included), against the plain loop doing the same run
-      from the same cached partition. Each run is its own process (interpreter and imports counted for both).
+      from the same cached partition, and against Flower 1.42's simulation of it (``flower_sim.py``). Each run is
+      its own process (interpreter and imports counted for all).
 
 The plain loop is written the way most FL libraries train: one nn.Module (a deepcopy of the global model) and one
 torch.optim.SGD per client, a DataLoader per client, clients trained one after another, then each client's test
@@ -228,9 +229,9 @@ def e2e_config(rounds: int):
     return load_config(preset_path(E2E_PRESET), [*E2E_SET, f"train.rounds={rounds}"])
 
 
-def plain_run(rounds: int) -> dict:
-    """The whole run with the plain loop, in this process: the same cached partition, the preset's normalisation,
-    model, optimiser, cohorts and per-round evaluation of every client's test split (timed by the parent)."""
+def e2e_data(rounds: int):
+    """The end-to-end run's config and its clients' train and test splits as TensorDatasets (the cached partition,
+    the preset's normalisation): what the plain loop and the Flower simulation (``flower_sim.py``) train on."""
     cfg = e2e_config(rounds)
     fd = build(data_spec(cfg))
     norm = make_normalizer(cfg.data.normalize, fd.x["train"], "cpu")
@@ -240,34 +241,48 @@ def plain_run(rounds: int) -> dict:
 
     train_sets = [ds("train", a, b) for a, b in zip(fd.ptr["train"], fd.ptr["train"][1:])]
     test_sets = [ds("test", a, b) for a, b in zip(fd.ptr["test"], fd.ptr["test"][1:])]
+    return cfg, fd, train_sets, test_sets
+
+
+def plain_train(model: torch.nn.Module, data: TensorDataset, c) -> dict:
+    """One client's local training as most FL code writes it: SGD, a shuffling DataLoader, ``c.local_epochs``."""
+    opt = torch.optim.SGD(model.parameters(), lr=c.optimizer.lr)
+    model.train()
+    for _ in range(c.local_epochs):
+        for x, y in DataLoader(data, batch_size=c.batch_size, shuffle=True):
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+    return model.state_dict()
+
+
+def plain_accuracy(model: torch.nn.Module, test_sets: list) -> float:
+    """Accuracy over every client's test split (one after another), i.e. on their union."""
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for d in test_sets:
+            for x, y in DataLoader(d, batch_size=64):
+                correct += int((model(x).argmax(1) == y).sum())
+                total += len(y)
+    return correct / max(total, 1)
+
+
+def plain_run(rounds: int) -> dict:
+    """The whole run with the plain loop, in this process: the same cached partition, the preset's normalisation,
+    model, optimiser, cohorts and per-round evaluation of every client's test split (timed by the parent)."""
+    cfg, fd, train_sets, test_sets = e2e_data(rounds)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model.name, fd.dataset.input_shape, fd.num_classes)
     c = cfg.train
     accs = []
     for t in range(c.rounds):
         cohort = sample_cohort(len(train_sets), c.clients_per_round, cfg.seed, t)
-        states, weights = [], []
-        for k in cohort:
-            local = copy.deepcopy(model)
-            opt = torch.optim.SGD(local.parameters(), lr=c.optimizer.lr)
-            local.train()
-            for _ in range(c.local_epochs):
-                for x, y in DataLoader(train_sets[k], batch_size=c.batch_size, shuffle=True):
-                    opt.zero_grad()
-                    torch.nn.functional.cross_entropy(local(x), y).backward()
-                    opt.step()
-            states.append(local.state_dict())
-            weights.append(len(train_sets[k]))
+        states = [plain_train(copy.deepcopy(model), train_sets[k], c) for k in cohort]
+        weights = [len(train_sets[k]) for k in cohort]
         w = torch.tensor(weights, dtype=torch.float32) / sum(weights)
         model.load_state_dict({k: sum(wi * s[k] for wi, s in zip(w, states)) for k in states[0]})
-        model.eval()
-        correct = total = 0
-        with torch.no_grad():
-            for d in test_sets:
-                for x, y in DataLoader(d, batch_size=64):
-                    correct += int((model(x).argmax(1) == y).sum())
-                    total += len(y)
-        accs.append(correct / max(total, 1))
+        accs.append(plain_accuracy(model, test_sets))
     return {"acc_final": accs[-1], "acc_mean": float(np.mean(accs))}
 
 
@@ -281,11 +296,14 @@ def timed_process(argv: list[str], env: dict | None = None) -> tuple[float, str]
 
 
 def e2e_once(rounds: int, name: str, sets: list[str], env: dict | None = None) -> dict:
-    """One fresh process, timed from start to finish: the plain loop (``name == "plain"``) or ``fedmosaic run``
+    """One fresh process, timed from start to finish: the plain loop (``name == "plain"``), Flower's simulation of
+    the same run (``"flower"``: ``flower_sim.py``) or ``fedmosaic run``
     with ``sets`` (compiling variants get an empty inductor cache: a cold start); ``env``: e.g. a PYTHONPATH
     that runs another commit's fedmosaic (``--against``)."""
-    if name == "plain":
-        wall, out = timed_process([sys.executable, __file__, "--plain-run", str(rounds)])
+    if name in ("plain", "flower"):
+        argv = [__file__, "--plain-run", str(rounds)] if name == "plain" else \
+            [str(Path(__file__).with_name("flower_sim.py")), "--rounds", str(rounds)]
+        wall, out = timed_process([sys.executable, *argv])
         return {"wall_s": wall, **json.loads(out.strip().splitlines()[-1])}
     exe = Path(sys.executable).with_name("fedmosaic")
     with tempfile.TemporaryDirectory() as tmp:
@@ -338,6 +356,7 @@ E2E_VARIANTS = [
     ("vectorized", ["engine.backend=vectorized", "engine.compile=false"]),
     ("vectorized+compile", ["engine.backend=vectorized", "engine.compile=true", "engine.fuse_steps=16"]),
     ("sequential", ["engine.backend=sequential"]),
+    ("flower", []),  # Flower 1.42's simulation of the same run (flower_sim.py; the flower extra)
 ]
 
 
