@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import signal
 import stat
 import subprocess
@@ -378,6 +379,25 @@ def test_resume_without_checkpoints_keeps_the_metrics_it_recomputes(tmp_path, re
     [backup] = out.glob("metrics.jsonl.*.bak")
     assert backup.read_text() == before
     assert metrics(out) == reference
+
+
+def test_a_finished_run_without_its_checkpoints_is_finished(tmp_path, reference):
+    """Checkpoints removed after the run ended (to save disk, or the run directory kept without them): resuming
+    it, alone or as one method of a comparison, recomputes nothing and keeps its metrics; with more rounds
+    (--amend) there is no state to go on from, so it starts again, keeping the old metrics aside."""
+    out = tmp_path / "done"
+    assert cli("run", str(write_cfg(tmp_path)), "--no-progress", "--out", str(out))[0] == 0
+    before = (out / "metrics.jsonl").read_text()
+    shutil.rmtree(out / "checkpoints")
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0 and "checkpoint" not in err
+    assert (out / "metrics.jsonl").read_text() == before and not (out / "checkpoints").exists()
+    assert metrics(out) == reference
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "train.rounds=5")
+    assert rc == 0 and "have metrics but no usable checkpoint" in err
+    assert len(read_metrics(out)) == 5 and metrics(out)[:4] == reference
+    [backup] = out.glob("metrics.jsonl.*.bak")
+    assert backup.read_text() == before
 
 
 def test_amend_cannot_cut_finished_rounds(tmp_path):

@@ -100,8 +100,9 @@ def load_checkpoint(path: Path, fed: Federation) -> int:
 
 def restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
     """Resume point of a (possibly damaged) run directory: the newest checkpoint that loads and whose rounds all
-    have their metrics line. Leftover temporary files are removed; unusable checkpoints are set aside (renamed
-    ``*.corrupt``), never deleted."""
+    have their metrics line; a finished run (its summary written, a metrics line for every round) needs none.
+    Leftover temporary files are removed; unusable checkpoints are set aside (renamed ``*.corrupt``), never
+    deleted."""
     remove_temp_files(out, out / "checkpoints")
     records = read_metrics(out)
     start = 0
@@ -118,6 +119,10 @@ def restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
             warnings.warn(f"{ck}: {e}; set aside as {ck.name}.corrupt, resuming from an older checkpoint",
                           stacklevel=2)
     else:
+        if records and len(records) >= fed.cfg.train.rounds and (out / "summary.json").is_file():
+            # finished, its checkpoints removed since (to save disk, or kept elsewhere without them): the metrics
+            # are its result and nothing is left to run; recomputing it from round 0 would only cost its time
+            return len(records), records
         if records:
             warnings.warn(f"{out}: no usable checkpoint; starting again from round 0", stacklevel=2)
     if len(records) - start > fed.cfg.checkpoint_every:  # more than a crash since the last checkpoint can explain
