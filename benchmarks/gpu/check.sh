@@ -10,6 +10,9 @@
 #           empty: fp32, bf16, and on CUDA TF32 and the compiled steps), each model bounded by T_SPEED; the rows
 #           land in speed-<model>.log as they come
 #   diff    one FedAvg CNN run (CIFAR-10 shards, $DIFF_ROUNDS rounds) on the CPU and on $DEVICE: the difference
+#   compare a comparison config ($COMPARE, e.g. configs/cil-cifar100-compare.yaml) on $DEVICE for the seeds $SEEDS,
+#           bounded by T_COMPARE; every run it finished or started comes back without checkpoints in
+#           compare.tar.gz (the finished ones go to docs/runs/, as the CPU's do: docs/results.md)
 #
 # The defaults are what the next window needs, in the order of their value, and fit ONE call of ~9.5 minutes
 # (a window may give only one: the second window's next call was refused): re-run the tests after the second
@@ -24,6 +27,7 @@ DEVICE=${DEVICE:-cuda} NPROC=${NPROC:-8} ROUNDS=${ROUNDS:-15} DIFF_ROUNDS=${DIFF
 MODELS=${MODELS:-resnet10} ROWS=${ROWS-fp32,fp32 compiled}
 T_TESTS=${T_TESTS:-110} T_SPEED=${T_SPEED:-165} T_DIFF=${T_DIFF:-100} T_PAPER=${T_PAPER:-145}
 PAPER=${PAPER:-fedntd-cifar10-lda0.1} PAPER_ROUNDS=${PAPER_ROUNDS:-200} ALGOS=${ALGOS:-fedavg fedntd}
+COMPARE=${COMPARE:-configs/cil-cifar100-compare.yaml} SEEDS=${SEEDS:-0} T_COMPARE=${T_COMPARE:-300}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FEDMOSAIC_CACHE=/tmp/fedmosaic-cache
 if [ -d .gpu/data ]; then export FEDMOSAIC_DATA=$PWD/.gpu/data FEDMOSAIC_TEST_DATA=$PWD/.gpu/data; fi
@@ -111,6 +115,14 @@ section_paper() {
   cat "$d"/*.log >>"$OUT/paper.log"
   sed -n '1,/^$/p' "$OUT/paper.log" | tee -a "$OUT/summary.txt"   # the report's table
   tar -czf "$OUT/paper.tar.gz" -C "$d" --exclude='checkpoint*' --exclude='*.pt' . 2>/dev/null
+}
+
+section_compare() {
+  local d=/tmp/gpu-compare-$$
+  timeout -k 20 "$T_COMPARE" "$BIN/fedmosaic" run "$COMPARE" --no-progress --out "$d" --seeds $SEEDS \
+    --set engine.device="$DEVICE" >"$OUT/compare.log" 2>&1
+  say "compare $COMPARE (seeds $SEEDS) on $DEVICE: rc $?; finished: $(cd "$d" 2>/dev/null && ls -d */*/summary.json 2>/dev/null | xargs -r -n1 dirname | tr '\n' ' ')"
+  tar -czf "$OUT/compare.tar.gz" -C "$d" --exclude='checkpoints' --exclude='*.pt' . 2>/dev/null
 }
 
 for s in "${@:-env tests paper speed}"; do
