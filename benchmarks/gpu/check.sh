@@ -10,7 +10,7 @@
 #           empty: fp32, bf16, and on CUDA TF32 and the compiled steps), each model bounded by T_SPEED; the rows
 #           land in speed-<model>.log as they come
 #   diff    one FedAvg CNN run (CIFAR-10 shards, $DIFF_ROUNDS rounds) on the CPU and on $DEVICE: the difference
-#   compare a comparison config ($COMPARE, e.g. configs/cil-cifar100-compare.yaml) on $DEVICE for the seeds $SEEDS,
+#   compare a comparison config ($COMPARE, e.g. configs/pfl-cifar10-compare.yaml) on $DEVICE for the seeds $SEEDS,
 #           bounded by T_COMPARE; every run it finished or started comes back without checkpoints in
 #           compare.tar.gz (the finished ones go to docs/runs/, as the CPU's do: docs/results.md)
 #
@@ -27,7 +27,7 @@ DEVICE=${DEVICE:-cuda} NPROC=${NPROC:-8} ROUNDS=${ROUNDS:-15} DIFF_ROUNDS=${DIFF
 MODELS=${MODELS:-resnet10} ROWS=${ROWS-fp32,fp32 compiled}
 T_TESTS=${T_TESTS:-110} T_SPEED=${T_SPEED:-165} T_DIFF=${T_DIFF:-100} T_PAPER=${T_PAPER:-145}
 PAPER=${PAPER:-fedntd-cifar10-lda0.1} PAPER_ROUNDS=${PAPER_ROUNDS:-200} ALGOS=${ALGOS:-fedavg fedntd}
-COMPARE=${COMPARE:-configs/cil-cifar100-compare.yaml} SEEDS=${SEEDS:-0} T_COMPARE=${T_COMPARE:-300}
+COMPARE=${COMPARE:-configs/pfl-cifar10-compare.yaml} SEEDS=${SEEDS:-1 2} T_COMPARE=${T_COMPARE:-300}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FEDMOSAIC_CACHE=/tmp/fedmosaic-cache
 if [ -d .gpu/data ]; then export FEDMOSAIC_DATA=$PWD/.gpu/data FEDMOSAIC_TEST_DATA=$PWD/.gpu/data; fi
