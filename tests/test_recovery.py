@@ -383,8 +383,8 @@ def test_resume_without_checkpoints_keeps_the_metrics_it_recomputes(tmp_path, re
 
 def test_a_finished_run_without_its_checkpoints_is_finished(tmp_path, reference):
     """Checkpoints removed after the run ended (to save disk, or the run directory kept without them): resuming
-    it, alone or as one method of a comparison, recomputes nothing and keeps its metrics; with more rounds
-    (--amend) there is no state to go on from, so it starts again, keeping the old metrics aside."""
+    it recomputes nothing and keeps its metrics; with more rounds (--amend) there is no state to go on from, so
+    it starts again, keeping the old metrics aside."""
     out = tmp_path / "done"
     assert cli("run", str(write_cfg(tmp_path)), "--no-progress", "--out", str(out))[0] == 0
     before = (out / "metrics.jsonl").read_text()
