@@ -45,7 +45,6 @@ def data() -> tuple:
 
 def new_model() -> torch.nn.Module:
     cfg, fd, *_ = data()
-    torch.manual_seed(cfg.seed)
     return build_model(cfg.model.name, fd.dataset.input_shape, fd.num_classes)
 
 
@@ -70,6 +69,7 @@ RESULT: dict = {}
 @server.main()
 def main(grid: Grid, context: Context) -> None:
     cfg, _, train_sets, test_sets = data()
+    torch.manual_seed(cfg.seed)  # the initial model, as the plain loop's (a client only loads weights into its own)
     model = new_model()
     accs = []
 
