@@ -175,9 +175,10 @@ def time_ceiling(fed: Federation, steps: int = 30) -> dict:
 
 
 # ---- precision: (b)'s CIFAR CNN trained for the same rounds in each precision ---------------------------------
-#: (name, engine settings) of the precision rows; on CUDA also TF32 and the compiled steps
+#: (name, engine settings) of the precision rows; on CUDA also TF32, fp16 (loss-scaled) and the compiled steps
 PRECISIONS = [("fp32", {}), ("bf16", {"precision": "bf16"})]
-CUDA_PRECISIONS = [("tf32", {"tf32": True}), ("fp32 compiled", {"backend": "vectorized", "compile": True}),
+CUDA_PRECISIONS = [("tf32", {"tf32": True}), ("fp16", {"precision": "fp16"}),
+                   ("fp32 compiled", {"backend": "vectorized", "compile": True}),
                    ("bf16 compiled", {"backend": "vectorized", "compile": True, "precision": "bf16"})]
 
 

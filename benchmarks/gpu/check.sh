@@ -7,7 +7,7 @@
 #   paper   $PAPER for $PAPER_ROUNDS rounds, each of $ALGOS (default FedAvg, FedNTD) one after the other (each
 #           bounded by T_PAPER), then fedmosaic report (metrics and curves in paper.tar.gz)
 #   speed   benchmarks/engine_speed.py --only precision for each of $MODELS: the plain loop and $ROWS (all when
-#           empty: fp32, bf16, and on CUDA TF32 and the compiled steps), each model bounded by T_SPEED; the rows
+#           empty: fp32, bf16, and on CUDA TF32, fp16 and the compiled steps), each model bounded by T_SPEED; the rows
 #           land in speed-<model>.log as they come
 #   diff    one FedAvg CNN run (CIFAR-10 shards, $DIFF_ROUNDS rounds) on the CPU and on $DEVICE: the difference
 #   compare a comparison config ($COMPARE, e.g. configs/pfl-cifar10-compare.yaml) on $DEVICE for the seeds $SEEDS,

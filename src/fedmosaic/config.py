@@ -229,7 +229,8 @@ class EngineConfig(Schema):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="the models' forward passes (training and evaluation) under autocast: 'bf16' (CPUs "
         "with bf16 matrix units, Ampere and later GPUs); the parameters, optimizer states, losses and aggregation "
-        "stay float32. 'fp32': no autocast. ('fp16' is refused: it needs a loss scale, not built yet)")
+        "stay float32. 'fp16' (CUDA only): the same with a dynamic loss scale per client (an overflowing step is "
+        "computed again at half the scale, never skipped). 'fp32': no autocast")
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch CPU threads (kept as set). Default: OMP_NUM_THREADS if set, else the "
         "cores this process may use (CPU affinity, cgroup quota), divided by FEDMOSAIC_PARALLEL_RUNS (runs sharing "

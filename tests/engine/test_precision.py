@@ -46,12 +46,15 @@ def test_the_forward_runs_in_bf16_and_the_objective_sees_float32():
     # continual: ProtoFCL's class-incremental accuracy after the last task (digits, 5 tasks)
     (merged(BLOBS6, {**CONTINUAL, "algorithm": {"name": "protofcl"}}), 5, ("continual", "seen_acc"),
      0.05),
-], ids=["ditto", "protofcl"])
-def test_bf16_trains_like_float32(raw, rounds, key, tol):
+    # a gradient probe (the Fisher at the received model), loss-scaled under fp16 too
+    (merged(BLOBS6, {"algorithm": {"name": "fedcurv"}}), 6, ("global", "acc"), 0.05),
+], ids=["ditto", "protofcl", "fedcurv"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_lower_precision_trains_like_float32(raw, rounds, key, tol, precision, fp16_here):
     """The same rounds in both precisions: final accuracy within ``tol``, the round losses within 5%, and the
-    numbers not identical (bf16 really ran)."""
+    numbers not identical (the lower precision really ran)."""
     _, la, ea = trained(raw, "fp32", rounds)
-    _, lb, eb = trained(raw, "bf16", rounds)
+    _, lb, eb = trained(raw, precision, rounds)
     assert abs(ea[key[0]][key[1]] - eb[key[0]][key[1]]) <= tol, (ea[key[0]], eb[key[0]])
     np.testing.assert_allclose(lb, la, rtol=0.05)
     assert la != lb
@@ -74,8 +77,8 @@ def test_bf16_trains_the_cifar_cnn_like_float32():
     np.testing.assert_allclose(lb, la, rtol=0.05)
 
 
-def test_fp16_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys):
-    with pytest.raises(ConfigError, match=r"^engine\.precision: 'fp16' needs a dynamic loss scale") as e:
+def test_fp16_is_refused_off_cuda_in_one_line_before_anything_is_written(tmp_path, capsys):
+    with pytest.raises(ConfigError, match=r"^engine\.precision: 'fp16' runs on CUDA GPUs only, not on 'cpu'") as e:
         build_federation(with_overrides(merged(BLOBS6, {"engine": {"precision": "fp16"}})))
     assert "\n" not in str(e.value)
     out = tmp_path / "run"
@@ -83,6 +86,109 @@ def test_fp16_is_refused_in_one_line_before_anything_is_written(tmp_path, capsys
     err = capsys.readouterr().err.strip()
     assert err.startswith("fedmosaic: ") and "engine.precision: 'fp16'" in err and "\n" not in err
     assert not out.exists()
+
+
+@pytest.fixture
+def fp16_here(monkeypatch):
+    """fp16 let through on this CPU (torch autocasts to float16 on a CPU too, slowly): the engine's fp16 path —
+    loss scale, overflow, recompute — runs here as it would on CUDA, where the preflight allows it."""
+    import fedmosaic.setup.world as world
+
+    allowed = world.check_precision
+    monkeypatch.setattr(world, "check_precision", lambda p, dev: None if p == "fp16" else allowed(p, dev))
+
+
+def one_step(fed: Federation, k: int = 0, **amp):
+    """Client ``k`` of ``fed`` (FedAvg, plain SGD) trained one step on all its samples at once; the uploaded model."""
+    from fedmosaic.protocol.program import Phase
+
+    g, ids = fed.groups[0], np.array([k])
+    out = g.trainer.train(fed.split["train"], ids, fed.algo.broadcast(fed.server, 0), g.store, g.buffers, lr=0.05,
+                          seed=5, round_idx=0, own=fed.runtime.own(fed.assign(ids), ids),
+                          program=[Phase(steps=1, batch=10_000)])
+    assert out.steps.tolist() == [1]
+    return {n: v[0] for n, v in out.uploads["model"].items()}
+
+
+@pytest.mark.parametrize("backend", ["sequential", "vectorized"])
+def test_an_fp16_step_is_torch_gradscalers_step(fp16_here, backend):
+    """Nothing overflows: the step is that of torch.amp.GradScaler (its default scale 2^16, unscaled gradients)
+    on the same batch, with the forward pass under float16 autocast and the loss in float32."""
+    from torch.func import functional_call
+
+    fed = build_federation(with_overrides(merged(BLOBS6, {"engine": {"precision": "fp16", "backend": backend}})))
+    got = one_step(fed)
+    g, data = fed.groups[0], fed.split["train"]
+    x, y = g.trainer.transform(data.x[data.ptr[0] : data.ptr[0] + data.sizes[0]]), data.y[data.ptr[0] : data.ptr[1]]
+    start = {n: v.detach().clone().requires_grad_() for n, v in fed.server["model"].items()}
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        _, logits = functional_call(g.module, start, (x,), {"with_features": True})
+    loss = torch.nn.functional.cross_entropy(logits.float(), y)
+    scaler.scale(loss).backward()
+    opt = torch.optim.SGD(list(start.values()), lr=0.05)
+    scaler.unscale_(opt)
+    assert scaler.get_scale() == 2.0**16 and all(torch.isfinite(p.grad).all() for p in start.values())
+    # vectorized: the batched float16 products round apart from the plain ones (float16's unit roundoff: 5e-4)
+    tol = {"rtol": 1e-5, "atol": 1e-6} if backend == "sequential" else {"rtol": 1e-3, "atol": 1e-5}
+    for n, p in start.items():
+        torch.testing.assert_close(got[n], (p - 0.05 * p.grad).detach(), **tol)
+    fp32 = build_federation(with_overrides(merged(BLOBS6, {"engine": {"backend": "sequential"}})))
+    assert any(not torch.equal(got[n], v) for n, v in one_step(fp32).items())  # fp16 really ran
+
+
+class BatchNormMLP(torch.nn.Module):
+    """Linear, BatchNorm, ReLU, Linear: running statistics without convolutions (float16 convolutions crawl on a
+    CPU)."""
+
+    def __init__(self, shape, classes):
+        super().__init__()
+        d = int(np.prod(shape))
+        self.body = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(d, 8), torch.nn.BatchNorm1d(8),
+                                        torch.nn.ReLU())
+        self.classifier = torch.nn.Linear(8, classes)
+
+    def forward(self, x):
+        return self.classifier(self.body(x))
+
+
+@pytest.mark.parametrize("backend", ["sequential", "vectorized"])
+def test_an_overflowing_fp16_step_is_computed_again_at_half_the_scale_never_skipped(fp16_here, monkeypatch, backend):
+    """Started at a scale of 2^40 every step overflows; each client's scale is halved and the step computed again
+    until its gradients are finite: the same step (and, with BatchNorm, the running statistics moved once) as from
+    the default scale, none skipped. With BatchNorm (sequential: buffers need the loop) and on the MLP (vectorized:
+    one scale per client row)."""
+    from fedmosaic.engine.client import objective
+    from fedmosaic.models import MODELS, register_model
+
+    if "bn_mlp_test" not in MODELS:
+        register_model("bn_mlp_test", lambda shape, classes: BatchNormMLP(shape, classes), head="classifier")
+    model = {"name": "bn_mlp_test" if backend == "sequential" else "mlp", "options": {}}
+    raw = merged({**BLOBS6, "model": model}, {"engine": {"precision": "fp16", "backend": backend}})
+    fed = build_federation(with_overrides(raw))
+    checks = []
+    finite = objective._finite
+    monkeypatch.setattr(objective, "_finite", lambda *a: checks.append(1) or finite(*a))
+    before = tmap_clone(fed.groups[0].buffers)
+    want = one_step(fed, 2)
+    first = len(checks)  # 1, or a few where the gradients overflow at 2^16 already (the BatchNorm MLP's: 5)
+    stats = tmap_clone(fed.groups[0].buffers)
+    fed.groups[0].buffers = tmap_clone(before)
+    monkeypatch.setattr(objective, "SCALE_INIT", 2.0**40)
+    got = one_step(fed, 2)
+    assert len(checks) - first == first + 24  # overflowed, halved, computed again: 24 halvings more from 2^40
+    for n, v in want.items():
+        assert torch.isfinite(got[n]).all()
+        assert torch.equal(got[n], v)  # the same final scale, reached from higher up
+    for a, b in zip(leaves(fed.groups[0].buffers), leaves(stats), strict=True):
+        assert torch.equal(a, b)  # the statistics moved by one forward pass, not by one per attempt
+    assert backend == "vectorized" or any(not torch.equal(b, c) for b, c in zip(leaves(stats), leaves(before)))
+
+
+def tmap_clone(tree):
+    from fedmosaic.protocol.tree import tmap
+
+    return tmap(torch.clone, tree)
 
 
 def test_an_unknown_precision_is_a_config_error():
@@ -131,3 +237,23 @@ def test_every_path_honours_bf16(other):
     for t in range(3):
         ref = fp32.round(t)
     assert float(ref["train_loss"]) not in (float(a["train_loss"]), float(b["train_loss"]))  # bf16 ran on both
+
+
+@pytest.mark.parametrize("other", [{"pool": "wire"}, {"backend": "vectorized"},
+                                   pytest.param({"backend": "vectorized", "compile": True, "fuse_steps": 3,
+                                                 "threads": 1}, marks=pytest.mark.slow)],  # torch.compile
+                         ids=["wire-pool", "vectorized", "compiled"])
+def test_every_path_honours_fp16(fp16_here, other):
+    """fp16's loss scale on every path: a wire pool's clients give the local pool's numbers exactly; the vectorized
+    and compiled paths (compiled: steps never fused under fp16) train like the sequential one within float16
+    rounding, and unlike float32."""
+    raw = merged(BLOBS6, {"algorithm": {"name": "ditto"}, "engine": {"precision": "fp16", "backend": "sequential"}})
+    base = build_federation(with_overrides(raw))
+    pool = other.pop("pool", None)
+    alt = build_federation(with_overrides(merged(raw, {"engine": other})), **({"pool": pool} if pool else {}))
+    fp32 = build_federation(with_overrides(merged(raw, {"engine": {"precision": "fp32"}})))
+    for t in range(3):
+        a, b, ref = (float(f.round(t)["train_loss"]) for f in (base, alt, fp32))
+        assert abs(a - b) <= (0 if pool else 1e-3) * abs(a)
+    assert ref not in (a, b)  # fp16 ran on both
+    assert "fused" not in alt.execution

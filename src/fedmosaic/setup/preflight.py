@@ -63,7 +63,7 @@ def precision(deterministic: bool, tf32: bool, device: torch.device) -> None:
 
 
 #: ``engine.precision`` -> the dtype the forward passes autocast to (None: none, float32)
-AUTOCAST = {"fp32": None, "bf16": torch.bfloat16}
+AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _bf16_units(device: torch.device) -> bool:
@@ -73,9 +73,9 @@ def _bf16_units(device: torch.device) -> bool:
 
 def check_precision(precision: str, device: torch.device) -> None:
     """``engine.precision`` where ``device`` can do it, else one line."""
-    if precision == "fp16":
-        raise ConfigError("engine.precision: 'fp16' needs a dynamic loss scale, which fedmosaic does not have yet; "
-                          "use 'bf16' (as fast on Ampere and later GPUs, and it needs no loss scale)")
+    if precision == "fp16" and device.type != "cuda":
+        raise ConfigError(f"engine.precision: 'fp16' runs on CUDA GPUs only, not on {device.type!r} (use 'bf16' "
+                          "where the CPU has bfloat16 units, else 'fp32')")
     if precision == "bf16" and device.type == "cuda" and not _bf16_units(device):
         raise ConfigError(f"engine.precision: 'bf16' needs a GPU with bfloat16 units (Ampere or later); "
                           f"{torch.cuda.get_device_name(device)} has none (use 'fp32')")

@@ -319,7 +319,9 @@ class World:
     def _choose_execution(self, g: Group) -> Execution:
         e = self.cfg.engine
         g.compile_key = compile_key(self.cfg, g.module, self.fd.dataset.input_shape, self.batch, self.device)
-        return replace(choose(e.backend, e.compile, e.fuse_steps, ModelFacts.of(g.module), self.device.type,
+        # fp16 checks each step's gradients for overflow (``Objective._scaled``): its steps are never fused
+        fuse = 1 if e.precision == "fp16" else e.fuse_steps
+        return replace(choose(e.backend, e.compile, fuse, ModelFacts.of(g.module), self.device.type,
                               self.run_facts(g), threads=e.threads,
                               warm=CompileCache.default().warm(g.compile_key) if self._warm is None
                               else g.gid < len(self._warm) and self._warm[g.gid]),

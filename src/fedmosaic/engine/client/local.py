@@ -237,6 +237,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
         """``probes`` at the given trainable trees over one pass of each client's samples (``data.available``):
         what the end of a task measures (FedEWC's Fisher at the task's final model)."""
         plan = self._plan(data, clients, Phase(epochs=1), 0, seed, round_idx, (TASK_END,))
+        own = self._amp_on(own, len(clients), data.x.device)
         with self._threads():
             return {pr.name: self._probe(data, plan, params, states, payload, own, buffers, pr) for pr in probes}
 
@@ -301,6 +302,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
     def _phase(self, data, clients, params, states, payload, own, buffers, phase, p, lr, seed, round_idx, keys,
                probes=(), stats=None, work=None):
         """Hooks, probes at the received parameters (first phase), the phase's steps."""
+        own = self._amp_on(own, len(clients), data.x.device)
         if phase.before is not None:
             params, states = self._hook(phase.before)(params, states, payload, own)
         if phase.view.part == "public":

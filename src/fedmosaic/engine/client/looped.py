@@ -88,8 +88,9 @@ class LoopedSteps:
                 if self.channels_last:
                     xk, pk = self._nhwc(xk), tuple(self._nhwc(t) if i == 0 else t for i, t in enumerate(pk))
                 for i, (u, (tree, live, flat, opt, objective)) in enumerate(zip(steps, per, strict=True)):
-                    grads, loss, acc = self._autograd(tree, live, st, payload, xk, yk, mk, pk, b, objective, i == 0,
-                                                      full[k])
+                    grads, loss, acc = self._scaled(
+                        lambda: self._autograd(tree, live, st, payload, xk, yk, mk, pk, b, objective, i == 0, full[k]),
+                        payload["own"], b)
                     self._update(u, flat, grads, opt, lr, s + lo + k)
                     if i == 0:
                         ls.append(loss)

@@ -12,14 +12,31 @@ from torch.utils import _pytree as pytree
 
 from ...protocol.context import LocalContext
 from ...protocol.program import Step
-from ...protocol.tree import tmap
+from ...protocol.tree import leaves, tmap
 
 #: The key of the objective's named parts (``LocalContext.term``) among a step's accumulated statistics.
 TERMS = "_terms"
 
+#: ``engine.precision: fp16``: where each client's dynamic loss scale travels, in its ``own`` payload (so packing
+#: and the looped path carry it with the client's other rows): {"scale": its scale, "good": finite steps in a row}.
+AMP = "_amp"
+#: A client's loss scale at the start of each phase (torch.amp.GradScaler's default) ...
+SCALE_INIT = 2.0**16
+#: ... doubled after this many finite steps in a row (GradScaler: 2000 — its scale lives for a whole training; a
+#: client's lives for one round's phase, ~10-500 steps)
+GROWTH_EVERY = 200
+
 
 def _sub(params: dict, slots) -> dict:
     return params if slots is None else {k: params[k] for k in slots}
+
+
+def _finite(grads: list, scale: torch.Tensor) -> torch.Tensor:
+    """Per client (the shape of ``scale``: [n] stacked, [] one client) whether all its gradients are finite."""
+    ok = torch.ones(scale.numel(), dtype=torch.bool, device=scale.device)
+    for g in grads:
+        ok &= g.reshape(scale.numel(), -1).isfinite().all(1)
+    return ok.reshape(scale.shape)
 
 
 class Objective:
@@ -97,20 +114,24 @@ class Objective:
         tree, live, _ = self._live(params, slots)
         with torch.enable_grad():
             loss, acc = fwd(tree, state, shared, own, x, y, mask, pair, buffers)
-        grads = self._grad_list(loss.sum(), live)
+        scale = own[AMP]["scale"] if AMP in own else None
+        grads = self._grad_list((loss if scale is None else loss * scale).sum(), live)
+        if scale is not None:
+            grads = [g / scale.view(-1, *[1] * (g.dim() - 1)) for g in grads]
         return pytree.tree_unflatten(grads, pytree.tree_structure(_sub(params, slots))), loss.detach(), acc
 
     def _client_grads(self, params, state, shared, own, x, y, mask, pair, buffers, objective, slots, with_acc):
         payload = {**shared, "own": own}
         held = {k: tmap(torch.detach, v) for k, v in params.items() if slots is not None and k not in slots}
+        scale = own[AMP]["scale"] if AMP in own else None
 
         def f(p, b):  # buffers are an argument, not captured: torch.func allows in-place updates of inputs only
             ctx = self._ctx({**held, **p}, state, payload, x, y, mask, pair, b)
             loss = objective(ctx)
-            return loss, (loss.detach(), self._stats(ctx) if with_acc else {})
+            return loss if scale is None else loss * scale, (loss.detach(), self._stats(ctx) if with_acc else {})
 
         grads, (loss, acc) = grad(f, has_aux=True)(_sub(params, slots), buffers)
-        return grads, loss, acc
+        return (grads if scale is None else tmap(lambda g: g / scale, grads)), loss, acc
 
     def _client_autograd(self, params, state, shared, own, x, y, mask, pair, buffers, objective, slots, with_acc):
         """:meth:`_client_grads` of one client with plain autograd (the looped mapped function: probes, and every
@@ -146,7 +167,47 @@ class Objective:
             ctx = self._ctx(tree, state, payload, x, y, mask, pair, buffers, full)
             loss = objective(ctx)
             acc = self._stats(ctx) if with_acc else {}
-        return self._grad_list(loss, live), loss.detach(), acc
+        amp = payload["own"].get(AMP)
+        if amp is None:
+            return self._grad_list(loss, live), loss.detach(), acc
+        return [g / amp["scale"] for g in self._grad_list(loss * amp["scale"], live)], loss.detach(), acc
+
+    def _amp_on(self, own: dict, n: int, device) -> dict:
+        """``own`` with a fresh loss scale per client under ``engine.precision: fp16`` (kept if it has one)."""
+        if self.autocast is not torch.float16 or AMP in own:
+            return own
+        return {**own, AMP: {"scale": torch.full((n,), SCALE_INIT, device=device),
+                             "good": torch.zeros(n, dtype=torch.int64, device=device)}}
+
+    def _scaled(self, compute, own: dict, buffers):
+        """``compute()``'s (gradients, loss, stats) under fp16's dynamic loss scale (``own[AMP]``, one scale per
+        client, updated in place; without one, just ``compute()``). The loss is multiplied by the scale before the
+        backward pass (fp16 gradients of small values would underflow to zero) and the gradients divided by it
+        after (exact: the scales are powers of two). A client whose gradients are not finite has overflowed: its
+        scale is halved and the step computed again — not skipped, as torch.amp.GradScaler does, since a skipped
+        step would change the number of local steps a client took, which algorithms count (FedNova's tau,
+        SCAFFOLD's K) — with the model's buffers (BatchNorm statistics, which the forward pass moves) as they were
+        before the step. Gradients still not finite at a scale of 1 are returned as they are (the model itself
+        diverged, as it would in float32). After ``GROWTH_EVERY`` finite steps in a row a scale doubles."""
+        amp = own.get(AMP)
+        if amp is None:
+            return compute()
+        scale, good = amp["scale"], amp["good"]
+        saved = tmap(torch.clone, buffers) if self._has_buffers and buffers else None
+        while True:
+            grads, loss, acc = compute()
+            ok = _finite(leaves(grads), scale)
+            again = ~ok & (scale > 1)
+            if not bool(again.any()):
+                break
+            scale.copy_(torch.where(again, scale / 2, scale))
+            if saved is not None:
+                tmap(lambda b, v: b.copy_(v), buffers, saved)
+        good.copy_(torch.where(ok, good + 1, 0))
+        grow = good >= GROWTH_EVERY
+        scale.copy_(torch.where(grow, scale * 2, scale))
+        good.masked_fill_(grow, 0)
+        return grads, loss, acc
 
     @staticmethod
     def _grad_list(loss: torch.Tensor, live: list) -> list:

@@ -36,8 +36,8 @@ class Probes:
         for r, mk in zip(plan["rows"][:m], masks):
             stopping.check()
             # on copies of the buffers: these extra forward passes must not move the running statistics
-            grads, _, _ = fn(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
-                             tmap(torch.clone, buffers))
+            x, b = self.transform(data.x[r]), tmap(torch.clone, buffers)
+            grads, _, _ = self._scaled(lambda: fn(params, states, payload, own, x, data.y[r], mk, (), b), own, b)
             w = (mk.sum(1) > 0).to(mk.dtype) if probe.kind == "grad_sq" else mk.sum(1)
             part = tmap(lambda g: (g * g if probe.kind == "grad_sq" else g) * w.view(-1, *([1] * (g.dim() - 1))),
                         grads)
