@@ -77,6 +77,7 @@ def test_bf16_trains_the_cifar_cnn_like_float32():
     np.testing.assert_allclose(lb, la, rtol=0.05)
 
 
+@pytest.mark.cpu  # (on a GPU machine too: the refusal is the CPU's)
 def test_fp16_is_refused_off_cuda_in_one_line_before_anything_is_written(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"^engine\.precision: 'fp16' runs on CUDA GPUs only, not on 'cpu'") as e:
         build_federation(with_overrides(merged(BLOBS6, {"engine": {"precision": "fp16"}})))
@@ -121,8 +122,8 @@ def test_an_fp16_step_is_torch_gradscalers_step(fp16_here, backend):
     g, data = fed.groups[0], fed.split["train"]
     x, y = g.trainer.transform(data.x[data.ptr[0] : data.ptr[0] + data.sizes[0]]), data.y[data.ptr[0] : data.ptr[1]]
     start = {n: v.detach().clone().requires_grad_() for n, v in fed.server["model"].items()}
-    scaler = torch.amp.GradScaler("cpu")
-    with torch.autocast("cpu", dtype=torch.float16):
+    scaler = torch.amp.GradScaler(x.device.type)
+    with torch.autocast(x.device.type, dtype=torch.float16):
         _, logits = functional_call(g.module, start, (x,), {"with_features": True})
     loss = torch.nn.functional.cross_entropy(logits.float(), y)
     scaler.scale(loss).backward()
