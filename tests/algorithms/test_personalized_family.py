@@ -185,6 +185,26 @@ def test_soft_threshold_and_dual_update_on_a_hand_example():
     assert torch.allclose(state["u"]["a"], torch.tensor([0.01, -0.005]))
 
 
+def test_pfedsrb_w_step_penalty_by_hand_after_an_s_step_and_a_dual_step():
+    """The w-step minimises f(w) + (rho/2) ||w - S - W + u||^2 with the S and u of its iteration (the penalty's
+    anchor W + S - u is made by the S-step; the dual step of the iteration before moved u): the penalty's value and
+    gradient at a w of the step, by hand; the anchor does not outlive the round."""
+    algo = ALGORITHMS["pfedsrb"](ALGORITHMS["pfedsrb"].Config(beta=0.02, rho=2.0))
+    W, u = {"a": torch.tensor([0.5, 0.2])}, {"a": torch.tensor([0.1, -0.005])}
+    _, state = algo.s_step({"model": {"a": torch.tensor([1.0, 0.2])}}, {"S": {"a": torch.zeros(2)}, "u": u},
+                           {"global": W})  # S = [0.59, 0] (the test above)
+    w = torch.tensor([0.9, 0.3], requires_grad=True)
+    ctx = LocalContext(lambda p, x, slot=None: (x, x), {"model": {"a": w}}, state, {"global": W},
+                       torch.zeros(1, 2), torch.tensor([0]), torch.ones(1))
+    loss = algo.loss(ctx)
+    # w - S - W + u = [0.9 - 0.59 - 0.5 + 0.1, 0.3 - 0 - 0.2 - 0.005] = [-0.09, 0.095]; (rho/2) * sum of squares
+    assert float(ctx.terms["admm_penalty"]) == pytest.approx(0.0081 + 0.009025, rel=1e-5)
+    (g,) = torch.autograd.grad(loss - ctx.terms["task_loss"], [w])
+    assert torch.allclose(g, 2.0 * torch.tensor([-0.09, 0.095]), atol=1e-6)  # rho (w - S - W + u)
+    _, kept = algo.finish({"model": {"a": w}}, state, {"global": W}, {})
+    assert set(kept) == {"S", "u"}
+
+
 def test_pfedsrb_with_s_held_at_zero_and_one_iteration_is_fedprox(fd):
     a = train(make_cfg(algorithm={"name": "fedprox", "mu": 0.7}, train__rounds=2), fd)
     b = train(make_cfg(algorithm={"name": "pfedsrb", "rho": 0.7, "R": 1, "learn_s": False, "server_mean": "samples"},

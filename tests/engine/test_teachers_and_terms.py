@@ -207,3 +207,22 @@ def test_protofcl_with_local_prototypes_exchanges_nothing_and_predicts_by_its_ow
 def test_protofcl_local_prototypes_need_a_linear_head():
     with pytest.raises(ConfigError, match="one linear layer"):
         ProtoFCL(ProtoFCL.Config(prototypes="local"), Setting(num_classes=3, feature_dim=2))
+
+
+def test_sq_dist_is_the_squared_difference_summed_bit_for_bit_also_mapped():
+    """terms.sq_dist (F.mse_loss, summed) gives the numbers of ((a - b) ** 2).sum() exactly — value and gradient, on
+    one client's tensors and mapped over a cohort's stacked ones — so FedProx, Ditto, FedDyn and pFedMe kept
+    theirs when they moved to it."""
+    from torch.func import vmap
+
+    from fedmosaic.algorithms.terms import sq_dist
+
+    g = torch.Generator().manual_seed(0)
+    a = [torch.randn(5, 7, 3, generator=g, requires_grad=True), torch.randn(5, 11, generator=g, requires_grad=True)]
+    b = [torch.randn(5, 7, 3, generator=g), torch.randn(5, 11, generator=g)]
+    plain = lambda x, y: sum(((p - q) ** 2).sum() for p, q in zip(x, y))  # noqa: E731
+    for f_new, f_old in [(sq_dist, plain), (vmap(sq_dist), vmap(plain))]:
+        new, old = f_new(a, b), f_old(a, b)
+        assert torch.equal(new, old)
+        for x, y in zip(torch.autograd.grad(new.sum() * 0.35, a), torch.autograd.grad(old.sum() * 0.35, a)):
+            assert torch.equal(x, y)

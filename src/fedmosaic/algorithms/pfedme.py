@@ -25,6 +25,7 @@ from ..protocol.algorithm import AlgoConfig, Algorithm, register_algorithm
 from ..protocol.context import LocalContext
 from ..protocol.program import Phase, Step
 from ..protocol.tree import clone, tmap, weighted_mean
+from .terms import sq_dist
 
 
 class PFedMeConfig(AlgoConfig):
@@ -38,7 +39,7 @@ class PFedMeConfig(AlgoConfig):
 
 
 def _sq_dist(a: dict, b: dict) -> torch.Tensor:
-    return sum(((a[k] - b[k]) ** 2).sum() for k in a)
+    return sq_dist([a[k] for k in a], [b[k] for k in a])
 
 
 @register_algorithm
