@@ -246,6 +246,21 @@ def test_personal_summary_and_table_say_which_mean(fd, tmp_path):
 
 
 @pytest.mark.slow  # torch.compile
+@pytest.mark.parametrize("algo", [{"name": "pfedme", "K": 2}, {"name": "perfedavg"}, {"name": "fedala"},
+                                  {"name": "fedrep"}], ids=lambda a: a["name"])
+def test_compiled_programs_of_other_phases_equal_eager(fd, algo):
+    """Every update's gradient function compiled — pFedMe's K + 1 updates a step, Per-FedAvg's paired batches,
+    FedALA's convergence loop, FedRep's head-then-body phases — gives the eager numbers; no fused blocks."""
+    eager = train(make_cfg(algorithm=algo, train__rounds=2), fd)
+    comp = train(make_cfg(algorithm=algo, train__rounds=2, engine={"compile": True, "fuse_steps": 3}), fd)
+    assert comp.groups[0].trainer.compile and "fused" not in comp.execution
+    assert any(k[0] == "compiled" for k in comp.groups[0].trainer._fns)  # the updates went through torch.compile
+    assert_trees_close(eager.server, comp.server, atol=1e-5)
+    if leaves(eager.groups[0].store):  # (Per-FedAvg keeps no client state)
+        assert_trees_close(eager.groups[0].store, comp.groups[0].store, atol=1e-5)
+
+
+@pytest.mark.slow  # torch.compile
 def test_compiled_fused_steps_equal_eager(fd):
     """torch.compile with padded cohort buckets and fused steps gives the eager numbers."""
     algo = {"name": "fedprox", "mu": 0.1}

@@ -77,8 +77,11 @@ def test_auto_compiles_only_runs_long_enough_to_repay_the_warm_up():
     assert (long.backend, long.compile, long.fuse_steps) == ("vectorized", True, 8)
     assert long.label.startswith("vectorized+compile (fused x8)")
     assert not choose("auto", "auto", 8, DENSE, "cpu", LONG, compiler=False).compile  # no C++ compiler here
-    not_plain = RunFacts(LONG.rounds, LONG.active, plain=False)
-    assert not choose("auto", "auto", 8, DENSE, "cpu", not_plain, compiler=True).compile
+    # a program of other phases compiles too, each step alone (no fused blocks); K + 1 updates a step save K + 1 times
+    not_plain = RunFacts(LONG.rounds, LONG.active, plain=False, updates=3.0)
+    other = choose("auto", "auto", 8, DENSE, "cpu", not_plain, compiler=True)
+    assert (other.compile, other.fuse_steps) == (True, 1) and other.label == "vectorized+compile"
+    assert ex.compile_saving_s(not_plain, "cpu", 7) == pytest.approx(3 * ex.compile_saving_s(LONG, "cpu", 7))
     assert not choose("auto", "auto", 8, CONV, "cpu", LONG, compiler=True).compile  # sequential: nothing to compile
     # asking for compile with the backend left to auto takes the mapped path
     assert choose("auto", True, 8, CONV, "cpu", SHORT).backend == "vectorized"

@@ -299,7 +299,7 @@ class World:
         cohorts = [c[self.runtime.group_of[c] == g.gid] for c in (self.srv.cohort(int(t)) for t in picks)]
         sizes = self.split["train"].sizes
         program = self.algo.program(0)
-        active = np.zeros(0)
+        active, updates = np.zeros(0), 0.0
         for ph in program:
             batch = ph.batch or self.batch
             n = (sizes if ph.view.part == "all" else np.full(len(sizes), len(self.public.y))
@@ -310,7 +310,9 @@ class World:
             prof = np.asarray(step_profile(steps, cohorts, self.cfg.engine.chunk_size))
             active = np.pad(active, (0, max(0, len(prof) - len(active))))
             active[: len(prof)] += prof
-        return RunFacts(tc.rounds, tuple(active.tolist()), all(ph.plain for ph in program), self.batch)
+            updates += prof.sum() * len(ph.updates)
+        return RunFacts(tc.rounds, tuple(active.tolist()), all(ph.plain for ph in program), self.batch,
+                        updates / max(active.sum(), 1))
 
     def _at_once(self, ex: Execution) -> int:
         """How many clients ``ex`` trains at once: a chunk of the cohort when mapped, one when looped."""

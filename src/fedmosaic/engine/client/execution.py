@@ -14,9 +14,10 @@ differs. The rule and the measurements behind its constants: docs/benchmarks.md 
   overhead worth several plain single-client steps (``loop_below``).
 - Dense models with tiny steps (parameters x batch <= ``TINY_STEP``) train on one CPU thread: their operations
   are too small to gain from several, and the threads' fork/join costs more than it saves.
-- ``torch.compile`` only where the round program is plain and the estimated time it saves over the whole run is
-  at least its one-time warm-up (the cold one, or the warm one when the setting's graphs are in the compile cache),
-  and a compiler for the device is there.
+- ``torch.compile`` only where the estimated time it saves over the whole run is at least its one-time warm-up
+  (the cold one, or the warm one when the setting's graphs are in the compile cache) and a compiler for the device
+  is there. Every update's gradient function is compiled; runs of steps of the default phase (the plain program)
+  are also fused into one compiled call each.
 
 The process's CPU threads (:func:`cpu_threads`, applied before anything runs) never oversubscribe: unless
 ``engine.threads`` or ``OMP_NUM_THREADS`` says how many, they follow the cores this process may use (its CPU
@@ -85,6 +86,7 @@ class RunFacts:
     active: tuple[float, ...] = ()
     plain: bool = True  # the round program is the default phase (what the compiled fused path runs)
     batch: int = 1
+    updates: float = 1.0  # gradient updates per lockstep step, on average over the program (pFedMe's: K + 1)
 
     @property
     def lockstep_steps(self) -> float:
@@ -133,7 +135,9 @@ class Execution:
         if self.compile:
             parts.append(f"compile (fused x{self.fuse_steps})" if self.fuse_steps > 1 else "compile")
         text = "+".join(parts)
-        if self.loop_below > 2:
+        if self.compile:
+            pass  # (the compiled path pads its cohorts to a few shapes and never loops)
+        elif self.loop_below > 2:
             text += f", steps of < {self.loop_below} active clients looped"
         elif self.loop_below == 2:
             text += ", single-client steps looped"
@@ -186,7 +190,7 @@ def compile_saving_s(run: RunFacts, device: str, loop_below: int) -> float:
     dev = device if device in COMPILED_STEP_MS else "cuda"
     per_round = sum(n * max(0.0, eager_step_ms(dev, a, loop_below) - COMPILED_STEP_MS[dev])
                     for a, n in enumerate(run.active) if a)
-    return run.rounds * per_round / 1000
+    return run.rounds * per_round * run.updates / 1000
 
 
 def choose(backend: str, compile: bool | str, fuse_steps: int, model: ModelFacts, device: str, run: RunFacts,
@@ -222,20 +226,16 @@ def choose(backend: str, compile: bool | str, fuse_steps: int, model: ModelFacts
         compile = False
         if backend == "vectorized":  # (the sequential path has nothing to compile)
             chosen.append("compile")
-            if not run.plain:
-                why.append("no compile: the round program is not the plain one the compiled path runs")
+            dev = device if device in COMPILE_WARMUP_S else "cuda"
+            state = "warm" if warm else "cold"
+            saving, warmup = compile_saving_s(run, dev, loop_below), COMPILE_WARMUP_S[dev][state]
+            if saving < COMPILE_MARGIN * warmup:
+                why.append(f"no compile: it would save ~{saving:,.0f} s, the {state} warm-up costs ~{warmup:.0f} s")
+            elif not (compiler if compiler is not None else compiler_available(device)):
+                why.append(f"no compile: no compiler for {device} found")
             else:
-                dev = device if device in COMPILE_WARMUP_S else "cuda"
-                state = "warm" if warm else "cold"
-                saving, warmup = compile_saving_s(run, dev, loop_below), COMPILE_WARMUP_S[dev][state]
-                if saving < COMPILE_MARGIN * warmup:
-                    why.append(f"no compile: it would save ~{saving:,.0f} s, the {state} warm-up costs "
-                               f"~{warmup:.0f} s")
-                elif not (compiler if compiler is not None else compiler_available(device)):
-                    why.append(f"no compile: no compiler for {device} found")
-                else:
-                    compile = True
-                    why.append(f"compile: saves ~{saving:,.0f} s for ~{warmup:.0f} s of {state} warm-up")
+                compile = True
+                why.append(f"compile: saves ~{saving:,.0f} s for ~{warmup:.0f} s of {state} warm-up")
     compile = bool(compile) and backend == "vectorized"
     train_threads = None
     if auto_backend and threads is None and device == "cpu" and not model.conv and not compile \
@@ -246,8 +246,9 @@ def choose(backend: str, compile: bool | str, fuse_steps: int, model: ModelFacts
     channels_last = auto_backend and backend == "sequential" and model.conv and device == "cpu"
     if channels_last:
         why.append("channels-last inputs")
-    return Execution(backend, compile, fuse_steps if compile else 1, loop_below, "; ".join(why), tuple(chosen),
-                     train_threads, channels_last, warm=warm)
+    # fused blocks are of the default phase's steps: a program of other phases runs each step compiled alone
+    return Execution(backend, compile, fuse_steps if compile and run.plain else 1, loop_below, "; ".join(why),
+                     tuple(chosen), train_threads, channels_last, warm=warm)
 
 
 # ---- CPU threads -------------------------------------------------------------------------------------------------

@@ -126,8 +126,9 @@ class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
             if cache is not None:
                 cache.enable()
             seen = None if cache is None else (lambda: cache.record(key))
-            self._fused = CompiledOrEager(self._k_steps, failed, seen)
-            self._grads = CompiledOrEager(self._default, failed, seen)
+            self._compiled = lambda fn: CompiledOrEager(fn, failed, seen)
+            self._fused = self._compiled(self._k_steps)
+            self._grads = self._compiled(self._default)
 
     @property
     def judging(self) -> tuple:

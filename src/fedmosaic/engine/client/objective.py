@@ -85,8 +85,14 @@ class Objective:
         return LocalContext(partial(self.apply, buffers=buffers), params, state, payload, x, y, mask, self.task_loss,
                             pair or None, full, self.frozen)
 
-    def _grad_fn(self, step: Step, objective=None, with_acc: bool = True):
-        """The mapped gradient function of one update (cached): grads of its slots, loss, accumulated stats."""
+    def _grad_fn(self, step: Step, objective=None, with_acc: bool = True, compiled: bool = False):
+        """The mapped gradient function of one update (cached): grads of its slots, loss, accumulated stats.
+        ``compiled``: through ``torch.compile`` (the compiled path's updates other than the default one)."""
+        if compiled:
+            key = ("compiled", step, objective, with_acc)
+            if key not in self._fns:
+                self._fns[key] = self._compiled(self._grad_fn(step, objective, with_acc))
+            return self._fns[key]
         key = (step, objective, with_acc)
         if key not in self._fns:
             objective = objective or step.objective or self.algo.loss

@@ -63,10 +63,12 @@ class PhaseSteps:
         are updated in place. Returns the per-client sum of the first update's losses and of accumulated stats;
         ``last`` (if given) receives each client's first-update loss of its last step."""
         n, dev, steps = len(plan["steps"]), data.x.device, plan["steps"]
-        fast = self.compile and phase.plain
+        # compiled: every update's gradient function compiled, the cohort padded to a power of two (few shapes) and
+        # never looped; ``fast``: the default phase, whose steps the fused calls also run
+        padded, fast = self.compile, self.compile and phase.plain
         fuse = 1 if AMP in own else self.fuse  # fp16 checks every step's gradients for overflow: no fused blocks
         updates = list(dict.fromkeys(phase.updates))  # equal updates share one optimiser state
-        fns = [self._grad_fn(u, with_acc=i == 0) if not (fast and i == 0) else self._grads
+        fns = [self._grads if fast and i == 0 else self._grad_fn(u, with_acc=i == 0, compiled=self.compile)
                for i, u in enumerate(phase.updates)]
         tensors = {k: v for k, v in plan.items() if isinstance(v, torch.Tensor)}
         loss_sum = torch.zeros(n, device=dev)
@@ -86,12 +88,12 @@ class PhaseSteps:
         s0 = 0  # plan tensors start at step s0
         for s in range(S):
             stopping.check()  # a signal's grace is over: stop at this step, the round unfinished
-            if s in finish_at or (s == 0 and fast and n & (n - 1)):
+            if s in finish_at or (s == 0 and padded and n & (n - 1)):
                 now = np.flatnonzero(steps > s)
                 if packed.params is not params:  # write the finished clients' rows back
                     put((params, buffers), ia, tmap(lambda t: t[:real], (packed.params, packed.buffers)))
                 keep = np.searchsorted(active, now)
-                if fast:
+                if padded:
                     keep = np.concatenate([keep, np.full((1 << (len(keep) - 1).bit_length()) - len(keep), keep[0])])
                 keep = to_device(keep, dev)
                 packed = Packed(*(take(t, keep) for t in packed))
@@ -101,7 +103,7 @@ class PhaseSteps:
                     if k in tensors:
                         tensors[k][:, len(now) :] = 0  # padding rows never count
                 active, ia, real, s0 = now, to_device(now, dev), len(now), s
-            if not fast and real < self.loop_below:  # few clients left: the rest of the phase on the loop
+            if not padded and real < self.loop_below:  # few clients left: the rest of the phase on the loop
                 loss, acc, final = self._loop_rest(data, tensors, s, s0, packed, real, steps[active] - s,
                                                    phase.updates, updates, payload, lr)
                 loss_sum.index_add_(0, ia, loss)
