@@ -114,3 +114,33 @@ def test_reproduce_apfl_pd_end_to_end_with_a_dataset_missing(tmp_path, capsys):
     assert main(argv) == 0
     assert [p.stat().st_mtime_ns for p in metrics] == before
     assert json.loads((out / "reproduction.json").read_text())["claims"] == report["claims"]
+
+
+def test_status_reports_progress_and_judges_only_finished_seeds_writing_nothing(tmp_path, capsys):
+    """--status while a reproduction is under way (here: seed 1 cut short after one of its methods' first round):
+    per seed the finished methods and the rounds of the one under way, verdicts on the finished seed alone, and
+    nothing run or written; on a folder with no reproduction, one line."""
+    need_data("vehicle")
+    out = tmp_path / "rep"
+    argv = ["reproduce", "apfl-pd", "--claims", "vehicle-gain", "--seeds", "0", "1", "--set", "train.rounds=2",
+            "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    exp = out / "vehicle"
+    cut = sorted(p.parent for p in (exp / "seed_1").glob("*/summary.json"))[-1]
+    for f in (exp / "comparison.json", exp / "seed_1" / "comparison.json", cut / "summary.json"):
+        f.unlink()
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "metrics.jsonl").write_text(lines[0] + "\n")
+    capsys.readouterr()
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    assert main([*argv, "--status"]) == 0
+    text = capsys.readouterr().out
+    methods = len(list((exp / "seed_0").glob("*/summary.json")))
+    assert f"seed 0: {methods} of {methods} methods finished; seed 1: {methods - 1} of {methods} methods " \
+           f"finished, " in text and " 1 of 2 rounds" in text
+    assert "| vehicle-gain:" in text and "(1 seeds)" in text  # judged on seed 0 only
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+    assert main(["reproduce", "apfl-pd", "--status", "--out", str(tmp_path / "none")]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "no reproduction of apfl-pd started there" in err and "\n" not in err
+    assert not (tmp_path / "none").exists()

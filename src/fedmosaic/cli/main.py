@@ -142,7 +142,7 @@ def _run(args) -> None:
 
 
 def _reproduce(args) -> None:
-    from ..reports.reproduce import load_paper, reproduce
+    from ..reports.reproduce import load_paper, markdown, reproduce
 
     if args.list:
         spec = load_paper(args.paper)
@@ -154,9 +154,12 @@ def _reproduce(args) -> None:
     out = Path(args.out or f"runs/reproduce-{args.paper}-{args.scale}")
     try:
         report = reproduce(args.paper, out, scale=args.scale, claims=args.claims, sets=args.set, seeds=args.seeds,
-                           progress=not args.no_progress)
+                           progress=not args.no_progress, status=args.status)
     except KeyboardInterrupt as e:
         raise _interrupted(e, f"finished rounds are kept: the same command resumes {out}") from None
+    if args.status:
+        print(markdown(report), end="")
+        return
     for c in report["claims"]:
         print(f"{c['id']:18s} {c['verdict']}")
     print(f"\nreproduction: {out / 'reproduction.md'}")
@@ -367,6 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--out", help="its directory (default: runs/reproduce-PAPER-SCALE); the same command again "
                     "resumes it")
     rr.add_argument("--list", action="store_true", help="name the claims, their experiments and costs; run nothing")
+    rr.add_argument("--status", action="store_true", help="while it runs (or after it stopped): how far each "
+                    "experiment has got and the verdicts on the seeds finished so far; run and write nothing")
     rr.add_argument("--no-progress", action="store_true", help="no progress bar")
     rr.set_defaults(fn=_reproduce)
 

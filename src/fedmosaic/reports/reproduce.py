@@ -146,6 +146,26 @@ def finished(where: Path, cfg) -> bool:
     return (where / "comparison.json").is_file() and saved.is_file() and load_config(saved) == cfg
 
 
+def progress_of(where: Path, cfg) -> str:
+    """How far the experiment in ``where`` has got: per seed, its finished methods and the rounds of the one
+    under way (what ``--status`` reports while the run goes on elsewhere)."""
+    from .compare import dir_name
+
+    variants, rounds, parts = cfg.variants(), cfg.train.rounds, []
+    for s in cfg.seeds or [cfg.seed]:
+        base = where / f"seed_{s}" if cfg.seeds else where
+        done, going = 0, []
+        for v in variants:
+            sub = base / dir_name(v.name) if len(variants) > 1 else base
+            if (sub / "summary.json").is_file():
+                done += 1
+            elif (sub / "metrics.jsonl").is_file():
+                n = sum(1 for line in (sub / "metrics.jsonl").read_text().splitlines() if line.strip())
+                going.append(f"{v.name} {n} of {rounds} rounds")
+        parts.append(f"seed {s}: {done} of {len(variants)} methods finished" + "".join(f", {g}" for g in going))
+    return "; ".join(parts)
+
+
 def has_gpu() -> bool:
     import torch
 
@@ -231,9 +251,11 @@ def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
 
 # ---- the command ----------------------------------------------------------------------------------------------------
 def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | None = None, sets: list[str] = (),
-              seeds: list[int] | None = None, progress: bool = True, gpu: bool | None = None) -> dict:
+              seeds: list[int] | None = None, progress: bool = True, gpu: bool | None = None,
+              status: bool = False) -> dict:
     """Run (or resume) what the chosen claims of ``paper`` need under ``out`` and judge them; write
-    ``reproduction.md`` and ``reproduction.json`` there and return the latter's content."""
+    ``reproduction.md`` and ``reproduction.json`` there and return the latter's content. ``status``: run and write
+    nothing — how far each experiment has got, and the verdicts on the seeds finished so far."""
     from .compare import run_all
 
     spec = load_paper(paper)
@@ -247,6 +269,8 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
     names = list(dict.fromkeys(c.experiment for c in chosen))
     configs = {n: experiment_config(spec.experiments[n], scale, list(sets), seeds) for n in names}
     resume = (out / REQUEST).is_file()
+    if status and not resume:
+        raise FedMosaicError(f"{out}: no reproduction of {paper} started there (run it first, without --status)")
     if resume:
         saved = yaml.safe_load((out / REQUEST).read_text())
         if {k: saved.get(k) for k in ("paper", "scale")} != {"paper": paper, "scale": scale}:
@@ -265,6 +289,8 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
                                     not gpu else None)
         if why is None and finished(where, cfg):
             run["finished"] = True
+        elif why is None and status:
+            run["progress"] = progress_of(where, cfg)
         elif why is None:
             started = time.perf_counter()
             try:
@@ -283,6 +309,8 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
                          "experiment": c.experiment, **v})
     report = {"paper": paper, "title": spec.title, "scale": scale, "request": request, "machine": machine(),
               "experiments": runs, "claims": verdicts}
+    if status:
+        return report
     atomic_write(out / "reproduction.json", json.dumps(report, indent=2).encode())
     atomic_write(out / "reproduction.md", markdown(report).encode())
     return report
@@ -319,6 +347,6 @@ def markdown(report: dict) -> str:
               "Experiments (each command runs or resumes one by itself):", ""]
     for n, r in report["experiments"].items():
         state = f"not run: {r['not_run']}" if "not_run" in r else "finished before" if r.get("finished") else \
-            f"{r['wall_s']:.0f} s this time"
+            f"under way: {r['progress']}" if "progress" in r else f"{r['wall_s']:.0f} s this time"
         lines.append(f"- `{n}` ({state}; cost: {r.get('cost') or 'not estimated'}): `{r['command']}`")
     return "\n".join(lines) + "\n"
