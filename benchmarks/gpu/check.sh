@@ -24,7 +24,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/gpu-check}
 DEVICE=${DEVICE:-cuda} NPROC=${NPROC:-8} ROUNDS=${ROUNDS:-15} DIFF_ROUNDS=${DIFF_ROUNDS:-3}
-MODELS=${MODELS:-resnet10} ROWS=${ROWS-fp32,fp32 compiled}
+MODELS=${MODELS:-resnet10} ROWS=${ROWS-fp32,fp16,fp32 compiled}
 T_TESTS=${T_TESTS:-110} T_SPEED=${T_SPEED:-165} T_DIFF=${T_DIFF:-100} T_PAPER=${T_PAPER:-145}
 PAPER=${PAPER:-fedntd-cifar10-lda0.1} PAPER_ROUNDS=${PAPER_ROUNDS:-200} ALGOS=${ALGOS:-fedavg fedntd}
 COMPARE=${COMPARE:-configs/pfl-cifar10-compare.yaml} SEEDS=${SEEDS:-1 2} T_COMPARE=${T_COMPARE:-300}
