@@ -4,8 +4,8 @@ algorithm's objective and the execution path cost (e.g. pFedMe's K + 1 updates a
 Usage:  FEDMOSAIC_DATA=../shared/data OMP_NUM_THREADS=1 python benchmarks/algorithm_rounds.py pfedsrb-mnist-dir0.1 \\
             --algorithms pfedme pfedsrb --engines compile=false compile=true --rounds 3
 
-Each (algorithm, engine) builds the run as ``train.rounds`` = the preset's says (so ``compile: auto`` would decide as
-for the full run), trains round 0 (any compiling: reported apart) and then ``--rounds`` more, timed.
+Each (algorithm, engine) is built with the preset's ``train.rounds`` (so ``compile: auto`` decides as for the full
+run), trains round 0 (any compiling: reported apart) and then ``--rounds`` more, timed.
 """
 
 from __future__ import annotations

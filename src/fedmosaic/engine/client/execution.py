@@ -135,12 +135,11 @@ class Execution:
         if self.compile:
             parts.append(f"compile (fused x{self.fuse_steps})" if self.fuse_steps > 1 else "compile")
         text = "+".join(parts)
-        if self.compile:
-            pass  # (the compiled path pads its cohorts to a few shapes and never loops)
-        elif self.loop_below > 2:
-            text += f", steps of < {self.loop_below} active clients looped"
-        elif self.loop_below == 2:
-            text += ", single-client steps looped"
+        if not self.compile:  # (the compiled path pads its cohorts to a few shapes and never loops)
+            if self.loop_below > 2:
+                text += f", steps of < {self.loop_below} active clients looped"
+            elif self.loop_below == 2:
+                text += ", single-client steps looped"
         if self.threads is not None:
             text += f", {self.threads} thread{'s' if self.threads > 1 else ''} while training"
         return text

@@ -14,7 +14,7 @@ from ...protocol.tree import leaves, put, take, tmap
 from .. import stopping
 from ..tensors import gather, to_device
 from . import augment, optim
-from .objective import AMP, _sub
+from .objective import _sub
 
 
 class Packed(NamedTuple):
@@ -66,7 +66,6 @@ class PhaseSteps:
         # compiled: every update's gradient function compiled, the cohort padded to a power of two (few shapes) and
         # never looped; ``fast``: the default phase, whose steps the fused calls also run
         padded, fast = self.compile, self.compile and phase.plain
-        fuse = 1 if AMP in own else self.fuse  # fp16 checks every step's gradients for overflow: no fused blocks
         updates = list(dict.fromkeys(phase.updates))  # equal updates share one optimiser state
         fns = [self._grads if fast and i == 0 else self._grad_fn(u, with_acc=i == 0, compiled=self.compile)
                for i, u in enumerate(phase.updates)]
@@ -84,7 +83,7 @@ class PhaseSteps:
         S = int(steps.max()) if n else 0
         if fast:  # the fused calls' learning rate and step counter, made on the device (no copy from the host)
             lr_t, step_t = torch.full((), float(lr), device=dev), torch.arange(S, device=dev)
-        block0 = fused_until = 0  # steps block0..fused_until-1 run in fused blocks of ``fuse``
+        block0 = fused_until = 0  # steps block0..fused_until-1 run in fused blocks of ``self.fuse``
         s0 = 0  # plan tensors start at step s0
         for s in range(S):
             stopping.check()  # a signal's grace is over: stop at this step, the round unfinished
@@ -114,14 +113,14 @@ class PhaseSteps:
                         acc_sum = tmap(lambda t: torch.zeros((n, *t.shape[1:]), dtype=t.dtype, device=dev), acc)
                     tmap(lambda a, b: a.index_add_(0, ia, b), acc_sum, acc)
                 break
-            if fuse > 1 and fast and s >= fused_until:
+            if self.fuse > 1 and fast and s >= fused_until:
                 nxt = min([f for f in finish_at if f > s], default=S)
-                block0, fused_until = s, s + (nxt - s) // fuse * fuse
+                block0, fused_until = s, s + (nxt - s) // self.fuse * self.fuse
             p_, o_, st_, b_, own_ = packed
             if fast and s < fused_until:  # K steps in one compiled call: the active set cannot change inside them
-                if (s - block0) % fuse:
+                if (s - block0) % self.fuse:
                     continue  # already taken by the fused call that started at an earlier step
-                x, y, m, *_ = self._batch(data, tensors, slice(s - s0, s - s0 + fuse))
+                x, y, m, *_ = self._batch(data, tensors, slice(s - s0, s - s0 + self.fuse))
                 loss, acc = self._fused(p_, o_[0], st_, payload, own_, x, y, m, b_, lr_t, step_t[s].clone())
             else:
                 batch = self._batch(data, tensors, s - s0)
