@@ -70,6 +70,21 @@ def test_vectorized_equals_sequential_and_chunking(fd, algo):
         assert ev_ref[key]["acc"] == pytest.approx(ev_vec[key]["acc"], abs=1e-6)
 
 
+@pytest.mark.parametrize("algo", ["ifca", "fedcurv", "apfl_pd"])
+def test_looped_probes_client_by_client_equal_the_vectorized_ones(fd, algo):
+    """The looped backend probes client after client and only the batches each has (the padding steps of a
+    smaller client of a ragged cohort are skipped, not computed as zeros): the probes (IFCA's cluster losses:
+    sums; FedCurv's Fisher: squared gradients; APFL-PD's importance: gradients) and the training that reads them
+    equal the vectorized backend's, which passes every step for all clients at once."""
+    cfg = dict(algorithm={"name": algo}, train__clients_per_round=8, train__rounds=2)
+    seq = train(make_cfg(**cfg, engine={"backend": "sequential"}), fd)
+    sizes = seq.split["train"].sizes
+    assert sizes.min() * 2 <= sizes.max(), "the cohort is not ragged: the test would prove nothing"
+    vec = train(make_cfg(**cfg, engine={"backend": "vectorized"}), fd)
+    assert_trees_close(seq.server, vec.server)
+    assert_trees_close(seq.groups[0].store, vec.groups[0].store)
+
+
 def test_finished_client_does_not_move_under_momentum_and_weight_decay(fd):
     """A client with few samples stops early in a ragged cohort: its result equals training it alone."""
     cfg = make_cfg(algorithm={"name": "local"}, train__clients_per_round=8)

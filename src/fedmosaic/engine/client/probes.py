@@ -33,16 +33,16 @@ class Probes:
                                     probe.objective or self.algo.accumulate)
         fn = self._grad_fn(Step(probe.slots), probe.objective or self.algo.post_grad_loss, with_acc=False)
         total, count = None, torch.zeros(len(plan["steps"]), device=data.x.device)
-        for r, mk in zip(plan["rows"][:m], masks):
-            stopping.check()
+        for c, x, y, mk in self._probe_batches(data, plan["rows"][:m], masks):
             # on copies of the buffers: these extra forward passes must not move the running statistics
-            x, b = self.transform(data.x[r]), tmap(torch.clone, buffers)
-            grads, _, _ = self._scaled(lambda: fn(params, states, payload, own, x, data.y[r], mk, (), b), own, b)
+            b, o = tmap(lambda t: t[c].clone(), buffers), tmap(lambda t: t[c], own)
+            grads, _, _ = self._scaled(lambda: fn(tmap(lambda t: t[c], params), tmap(lambda t: t[c], states), payload,
+                                                  o, x, y, mk, (), b), o, b)
             w = (mk.sum(1) > 0).to(mk.dtype) if probe.kind == "grad_sq" else mk.sum(1)
             part = tmap(lambda g: (g * g if probe.kind == "grad_sq" else g) * w.view(-1, *([1] * (g.dim() - 1))),
                         grads)
-            total = part if total is None else tmap(torch.add, total, part)
-            count += w
+            total = _add_at(total, c, part, len(count))
+            count[c] += w
         if total is None:
             return tmap(torch.zeros_like, _sub(params, probe.slots))
         return tmap(lambda t: t / count.clamp(min=1).view(-1, *([1] * (t.dim() - 1))), total)
@@ -52,11 +52,11 @@ class Probes:
         """Per client: the sums of ``fn(ctx)`` (a dict of per-batch sums) over the batches ``rows`` (masked)."""
         mapped = self._each(partial(self._client_sums, fn=fn), (0, 0, None, 0, 0, 0, 0, 0, 0))
         total = None
-        for r, mk in zip(rows, masks):
-            stopping.check()
-            part = mapped(params, states, payload, own, self.transform(data.x[r]), data.y[r], mk, (),
-                          tmap(torch.clone, buffers))  # (copies: these passes must not move running statistics)
-            total = part if total is None else tmap(torch.add, total, part)
+        for c, x, y, mk in self._probe_batches(data, rows, masks):
+            at = partial(tmap, lambda t: t[c])
+            part = mapped(at(params), at(states), payload, at(own), x, y, mk, (),
+                          tmap(lambda t: t[c].clone(), buffers))  # (copies: must not move running statistics)
+            total = _add_at(total, c, part, rows.shape[1])
         if total is None:  # no client of this chunk has a batch (all empty): the zeros of one fully masked pass
             r = torch.zeros((rows.shape[1], 1), dtype=torch.long, device=data.x.device)
             part = mapped(params, states, payload, own, self.transform(data.x[r]), data.y[r],
@@ -64,5 +64,32 @@ class Probes:
             total = tmap(torch.zeros_like, part)
         return total
 
+    def _probe_batches(self, data, rows, masks):
+        """The batches of a probe as (clients, x, y, mask), ``clients`` a slice of the cohort: vectorized, every
+        step for all clients at once; looped, client after client and only the batches it has — the padding steps
+        of the clients with fewer batches than the cohort's largest would cost a full pass each — in the memory
+        order its training steps use (channels-last convolutions on the CPU). The sums are those of the stacked
+        passes exactly: a padding step adds zeros."""
+        if self.vectorize:
+            for r, mk in zip(rows, masks):
+                stopping.check()
+                yield slice(None), self.transform(data.x[r]), data.y[r], mk
+            return
+        has = (masks.sum(-1) > 0).T.tolist()  # [client][step]
+        for i, steps in enumerate(has):
+            for j in (j for j, h in enumerate(steps) if h):
+                stopping.check()
+                x = self.transform(data.x[rows[j, i]])
+                x = self._nhwc(x) if self.channels_last else x
+                yield slice(i, i + 1), x[None], data.y[rows[j, i]][None], masks[j, i][None]
+
     def _client_sums(self, params, state, shared, own, x, y, mask, pair, buffers, fn):
         return tmap(torch.detach, fn(self._ctx(params, state, {**shared, "own": own}, x, y, mask, pair, buffers)))
+
+
+def _add_at(total, clients: slice, part, n: int):
+    """``total`` (None: zeros for ``n`` clients) with ``part`` added to the rows of ``clients``."""
+    if total is None:
+        total = tmap(lambda t: t.new_zeros((n, *t.shape[1:])), part)
+    tmap(lambda t, p: t[clients].add_(p), total, part)
+    return total
