@@ -35,9 +35,9 @@ class Probes:
         total, count = None, torch.zeros(len(plan["steps"]), device=data.x.device)
         for c, x, y, mk in self._probe_batches(data, plan["rows"][:m], masks):
             # on copies of the buffers: these extra forward passes must not move the running statistics
-            b, o = tmap(lambda t: t[c].clone(), buffers), tmap(lambda t: t[c], own)
-            grads, _, _ = self._scaled(lambda: fn(tmap(lambda t: t[c], params), tmap(lambda t: t[c], states), payload,
-                                                  o, x, y, mk, (), b), o, b)
+            at = partial(tmap, lambda t: t[c])
+            b, o = tmap(lambda t: t[c].clone(), buffers), at(own)
+            grads, _, _ = self._scaled(lambda: fn(at(params), at(states), payload, o, x, y, mk, (), b), o, b)
             w = (mk.sum(1) > 0).to(mk.dtype) if probe.kind == "grad_sq" else mk.sum(1)
             part = tmap(lambda g: (g * g if probe.kind == "grad_sq" else g) * w.view(-1, *([1] * (g.dim() - 1))),
                         grads)
