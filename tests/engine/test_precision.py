@@ -258,3 +258,21 @@ def test_every_path_honours_fp16(fp16_here, other):
         assert abs(a - b) <= (0 if pool else 1e-3) * abs(a)
     assert ref not in (a, b)  # fp16 ran on both
     assert "fused" not in alt.execution
+
+
+def test_subnormals_are_flushed_by_default_and_kept_on_request():
+    """``engine.denormals``: 'flush' (the default) computes subnormal floats as zero — the CPU's FTZ/DAZ flags,
+    set when the run is built — and 'keep' leaves IEEE gradual underflow: 1e-20 x 1e-20 is 1e-40, a subnormal."""
+    def product() -> float:
+        return float(torch.tensor([1e-20]) * 1e-20)
+
+    before = product() == 0.0
+    if not torch.set_flush_denormal(before):
+        pytest.skip("this CPU has no flush-to-zero flags")
+    try:
+        build_federation(with_overrides(merged(BLOBS6, {"engine": {"denormals": "keep"}})))
+        assert product() == pytest.approx(1e-40, rel=1e-3)
+        build_federation(with_overrides(BLOBS6))
+        assert product() == 0.0
+    finally:
+        torch.set_flush_denormal(before)

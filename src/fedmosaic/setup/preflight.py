@@ -62,6 +62,13 @@ def precision(deterministic: bool, tf32: bool, device: torch.device) -> None:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, not deterministic
 
 
+def denormals(mode: str) -> None:
+    """``engine.denormals``: subnormal floats flushed to zero on the CPU (``flush``) or kept. The flags are
+    per thread: set on the calling one, and inherited by the threads it starts later (torch's intra-op pool is
+    started by the first parallel operation, after a run's start)."""
+    torch.set_flush_denormal(mode == "flush")
+
+
 #: ``engine.precision`` -> the dtype the forward passes autocast to (None: none, float32)
 AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 

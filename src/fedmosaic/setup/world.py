@@ -58,6 +58,7 @@ from .preflight import (
     check_precision,
     check_slots,
     check_training_memory,
+    denormals,
     memory_bytes,
     precision,
     resolve_device,
@@ -132,6 +133,7 @@ class World:
         """``local``: every client's state in this process (the local pool); else each runtime builds its own.
         ``warm``: as :func:`build_federation`'s."""
         self.cfg, self._warm = cfg, warm
+        denormals(cfg.engine.denormals)  # first: before torch starts its threads, which inherit the flags
         #: what the runtimes read of the config (``engine.settings``): they never see ``cfg`` itself
         self.settings = settings = RoundSettings(
             cfg.seed, cfg.algorithm.name, cfg.train, cfg.eval, cfg.participation, cfg.attack, cfg.aggregation,
