@@ -231,12 +231,13 @@ class EngineConfig(Schema):
         "with bf16 matrix units, Ampere and later GPUs); the parameters, optimizer states, losses and aggregation "
         "stay float32. 'fp16' (CUDA only): the same with a dynamic loss scale per client (an overflowing step is "
         "computed again at half the scale, never skipped). 'fp32': no autocast")
-    denormals: Literal["flush", "keep"] = Field(
-        "flush", description="CPU: 'flush' computes with subnormal floats (magnitudes below 1.2e-38) as zero "
-        "(torch.set_flush_denormal: x86's FTZ/DAZ flags, TensorFlow's CPU default), since arithmetic on them is "
-        "many times slower and a confident model makes them (softmax probabilities of classes a client never sees, "
-        "and the gradients they carry back: a pFedSRB round 1.5-2x slower); 'keep': IEEE gradual underflow. Set "
-        "on the threads torch starts after the run's start")
+    denormals: Literal["keep", "flush"] = Field(
+        "keep", description="CPU: 'flush' computes with subnormal floats (magnitudes below 1.2e-38) as zero "
+        "(torch.set_flush_denormal: x86's FTZ/DAZ flags), since arithmetic on them is many times slower and a "
+        "confident model makes them (softmax probabilities of classes a client never sees, and the gradients they "
+        "carry back: a pFedSRB round 1.5-2x slower late in a run); process-wide, for numpy and the rest of the "
+        "process too, and for the threads torch starts after the run's start. 'keep': the process's floating-point "
+        "mode left as it is (IEEE gradual underflow unless something else set it)")
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch CPU threads (kept as set). Default: OMP_NUM_THREADS if set, else the "
         "cores this process may use (CPU affinity, cgroup quota), divided by FEDMOSAIC_PARALLEL_RUNS (runs sharing "

@@ -260,19 +260,20 @@ def test_every_path_honours_fp16(fp16_here, other):
     assert "fused" not in alt.execution
 
 
-def test_subnormals_are_flushed_by_default_and_kept_on_request():
-    """``engine.denormals``: 'flush' (the default) computes subnormal floats as zero — the CPU's FTZ/DAZ flags,
-    set when the run is built — and 'keep' leaves IEEE gradual underflow: 1e-20 x 1e-20 is 1e-40, a subnormal."""
+def test_subnormals_are_flushed_on_request_and_left_alone_by_default():
+    """``engine.denormals: flush`` computes subnormal floats as zero — the CPU's FTZ/DAZ flags, set when the run is
+    built — and the default leaves the process's floating-point mode as it was (IEEE gradual underflow here): 1e-20
+    x 1e-20 is 1e-40, a subnormal."""
     def product() -> float:
         return float(torch.tensor([1e-20]) * 1e-20)
 
     before = product() == 0.0
-    if not torch.set_flush_denormal(before):
+    if not torch.set_flush_denormal(False):
         pytest.skip("this CPU has no flush-to-zero flags")
     try:
-        build_federation(with_overrides(merged(BLOBS6, {"engine": {"denormals": "keep"}})))
-        assert product() == pytest.approx(1e-40, rel=1e-3)
         build_federation(with_overrides(BLOBS6))
+        assert product() == pytest.approx(1e-40, rel=1e-3)
+        build_federation(with_overrides(merged(BLOBS6, {"engine": {"denormals": "flush"}})))
         assert product() == 0.0
     finally:
         torch.set_flush_denormal(before)

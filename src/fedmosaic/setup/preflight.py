@@ -63,10 +63,12 @@ def precision(deterministic: bool, tf32: bool, device: torch.device) -> None:
 
 
 def denormals(mode: str) -> None:
-    """``engine.denormals``: subnormal floats flushed to zero on the CPU (``flush``) or kept. The flags are
-    per thread: set on the calling one, and inherited by the threads it starts later (torch's intra-op pool is
-    started by the first parallel operation, after a run's start)."""
-    torch.set_flush_denormal(mode == "flush")
+    """``engine.denormals: flush``: subnormal floats flushed to zero on the CPU. The flags are per thread: set on
+    the calling one, and inherited by the threads it starts later (torch's intra-op pool is started by the first
+    parallel operation, after a run's start). ``keep`` changes nothing: a library does not reset a process-wide
+    floating-point mode its user did not ask it to."""
+    if mode == "flush":
+        torch.set_flush_denormal(True)
 
 
 #: ``engine.precision`` -> the dtype the forward passes autocast to (None: none, float32)
