@@ -35,9 +35,9 @@ class Probes:
         total, count = None, torch.zeros(len(plan["steps"]), device=data.x.device)
         for c, x, y, mk in self._probe_batches(data, plan["rows"][:m], masks):
             # on copies of the buffers: these extra forward passes must not move the running statistics
-            at = partial(tmap, lambda t: t[c])
-            b, o = tmap(lambda t: t[c].clone(), buffers), at(own)
-            grads, _, _ = self._scaled(lambda: fn(at(params), at(states), payload, o, x, y, mk, (), b), o, b)
+            p, s, o, b = self._rows((params, states, own, buffers), c)
+            b = tmap(torch.clone, b)
+            grads, _, _ = self._scaled(lambda: fn(p, s, payload, o, x, y, mk, (), b), o, b)
             w = (mk.sum(1) > 0).to(mk.dtype) if probe.kind == "grad_sq" else mk.sum(1)
             part = tmap(lambda g: (g * g if probe.kind == "grad_sq" else g) * w.view(-1, *([1] * (g.dim() - 1))),
                         grads)
@@ -53,9 +53,8 @@ class Probes:
         mapped = self._each(partial(self._client_sums, fn=fn), (0, 0, None, 0, 0, 0, 0, 0, 0))
         total = None
         for c, x, y, mk in self._probe_batches(data, rows, masks):
-            at = partial(tmap, lambda t: t[c])
-            part = mapped(at(params), at(states), payload, at(own), x, y, mk, (),
-                          tmap(lambda t: t[c].clone(), buffers))  # (copies: must not move running statistics)
+            p, s, o, b = self._rows((params, states, own, buffers), c)
+            part = mapped(p, s, payload, o, x, y, mk, (), tmap(torch.clone, b))  # (copies: must not move statistics)
             total = _add_at(total, c, part, rows.shape[1])
         if total is None:  # no client of this chunk has a batch (all empty): the zeros of one fully masked pass
             r = torch.zeros((rows.shape[1], 1), dtype=torch.long, device=data.x.device)
