@@ -277,3 +277,28 @@ def test_subnormals_are_flushed_on_request_and_left_alone_by_default():
         assert product() == 0.0
     finally:
         torch.set_flush_denormal(before)
+
+
+def test_fp16_loss_scales_count_the_same_steps_whether_probes_are_looped_or_stacked(fp16_here):
+    """A probe's stacked pass (vectorized) gives a client with fewer batches than the cohort's largest padding
+    steps; the looped pass takes only its own. Under fp16 only a client's real steps count towards its scale's
+    growth, so both backends leave each client the count of its own batches (FedCurv's Fisher probe over one
+    pass of a ragged cohort)."""
+    from fedmosaic.engine.client.objective import AMP
+    from fedmosaic.protocol.program import Probe
+    from fedmosaic.protocol.tree import tmap
+
+    counts = []
+    for backend in ("sequential", "vectorized"):
+        fed = build_federation(with_overrides(merged(BLOBS6, {"algorithm": {"name": "fedcurv"},
+                                                              "engine": {"precision": "fp16", "backend": backend}})))
+        clients, sizes = np.arange(fed.num_clients), fed.split["train"].sizes
+        n = len(clients)
+        params = {"model": tmap(lambda t: t.expand(n, *t.shape).clone(), fed.server["model"])}
+        own = {AMP: {"scale": torch.full((n,), 2.0**16), "good": torch.zeros(n, dtype=torch.int64)}}
+        fed.groups[0].trainer.probe_at(fed.split["train"], clients, params, {}, fed.algo.broadcast(fed.server, 0), own,
+                                       {}, [Probe("grad_sq", at="final")], seed=0, round_idx=0)
+        counts.append(own[AMP]["good"].tolist())
+    assert sizes.min() * 2 <= sizes.max(), "the cohort is not ragged: the test would prove nothing"
+    batches = (-(-sizes // BLOBS6["train"]["batch_size"])).tolist()
+    assert counts == [batches, batches], (counts, batches)

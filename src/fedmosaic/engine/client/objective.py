@@ -185,7 +185,7 @@ class Objective:
         return {**own, AMP: {"scale": torch.full((n,), SCALE_INIT, device=device),
                              "good": torch.zeros(n, dtype=torch.int64, device=device)}}
 
-    def _scaled(self, compute, own: dict, buffers):
+    def _scaled(self, compute, own: dict, buffers, live=None):
         """``compute()``'s (gradients, loss, stats) under fp16's dynamic loss scale (``own[AMP]``, one scale per
         client, updated in place; without one, just ``compute()``). The loss is multiplied by the scale before the
         backward pass (fp16 gradients of small values would underflow to zero) and the gradients divided by it
@@ -194,7 +194,9 @@ class Objective:
         step would change the number of local steps a client took, which algorithms count (FedNova's tau,
         SCAFFOLD's K) — with the model's buffers (BatchNorm statistics, which the forward pass moves) as they were
         before the step. Gradients still not finite at a scale of 1 are returned as they are (the model itself
-        diverged, as it would in float32). After ``GROWTH_EVERY`` finite steps in a row a scale doubles."""
+        diverged, as it would in float32). After ``GROWTH_EVERY`` finite steps in a row a scale doubles; ``live`` (per
+        client, default all): the clients whose batch this is, the others' padding step counting for nothing (a
+        probe's stacked pass: the looped one takes no such step)."""
         amp = own.get(AMP)
         if amp is None:
             return compute()
@@ -209,7 +211,8 @@ class Objective:
             scale.copy_(torch.where(again, scale / 2, scale))
             if saved is not None:
                 tmap(lambda b, v: b.copy_(v), buffers, saved)
-        good.copy_(torch.where(ok, good + 1, 0))
+        counted = torch.where(ok, good + 1, 0)
+        good.copy_(counted if live is None else torch.where(live, counted, good))
         grow = good >= GROWTH_EVERY
         scale.copy_(torch.where(grow, scale * 2, scale))
         good.masked_fill_(grow, 0)

@@ -37,8 +37,9 @@ class Probes:
             # on copies of the buffers: these extra forward passes must not move the running statistics
             p, s, o, b = self._rows((params, states, own, buffers), c)
             b = tmap(torch.clone, b)
-            grads, _, _ = self._scaled(lambda: fn(p, s, payload, o, x, y, mk, (), b), o, b)
-            w = (mk.sum(1) > 0).to(mk.dtype) if probe.kind == "grad_sq" else mk.sum(1)
+            live = mk.sum(1) > 0
+            grads, _, _ = self._scaled(lambda: fn(p, s, payload, o, x, y, mk, (), b), o, b, live)
+            w = live.to(mk.dtype) if probe.kind == "grad_sq" else mk.sum(1)
             part = tmap(lambda g: (g * g if probe.kind == "grad_sq" else g) * w.view(-1, *([1] * (g.dim() - 1))),
                         grads)
             total = _add_at(total, c, part, len(count))
