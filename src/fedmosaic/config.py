@@ -236,8 +236,9 @@ class EngineConfig(Schema):
         "(torch.set_flush_denormal: x86's FTZ/DAZ flags), since arithmetic on them is many times slower and a "
         "confident model makes them (softmax probabilities of classes a client never sees, and the gradients they "
         "carry back: a pFedSRB round 1.5-2x slower late in a run); process-wide, for numpy and the rest of the "
-        "process too, and for the threads torch starts after the run's start. 'keep': the process's floating-point "
-        "mode left as it is (IEEE gradual underflow unless something else set it)")
+        "process too; a warning where torch's threads started earlier without it (a fresh process flushes on "
+        "every thread). 'keep': the process's floating-point mode left as it is (IEEE gradual underflow unless "
+        "something else set it; a warning where it flushes)")
     threads: int | None = Field(
         None, ge=1, le=1024, description="torch CPU threads (kept as set). Default: OMP_NUM_THREADS if set, else the "
         "cores this process may use (CPU affinity, cgroup quota), divided by FEDMOSAIC_PARALLEL_RUNS (runs sharing "

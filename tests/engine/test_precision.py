@@ -260,23 +260,65 @@ def test_every_path_honours_fp16(fp16_here, other):
     assert "fused" not in alt.execution
 
 
-def test_subnormals_are_flushed_on_request_and_left_alone_by_default():
-    """``engine.denormals: flush`` computes subnormal floats as zero — the CPU's FTZ/DAZ flags, set when the run is
-    built — and the default leaves the process's floating-point mode as it was (IEEE gradual underflow here): 1e-20
-    x 1e-20 is 1e-40, a subnormal."""
-    def product() -> float:
-        return float(torch.tensor([1e-20]) * 1e-20)
+def test_subnormals_are_left_alone_by_default():
+    """``engine.denormals: keep`` leaves the process's floating-point mode as it was (IEEE gradual underflow here):
+    1e-20 x 1e-20 is 1e-40, a subnormal, on every intra-op thread; nothing warns."""
+    import warnings
 
-    before = product() == 0.0
-    if not torch.set_flush_denormal(False):
-        pytest.skip("this CPU has no flush-to-zero flags")
-    try:
+    from fedmosaic.setup.preflight import _subnormal_products
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
         build_federation(with_overrides(BLOBS6))
-        assert product() == pytest.approx(1e-40, rel=1e-3)
-        build_federation(with_overrides(merged(BLOBS6, {"engine": {"denormals": "flush"}})))
-        assert product() == 0.0
-    finally:
-        torch.set_flush_denormal(before)
+    assert float(_subnormal_products().min()) == pytest.approx(1e-40, rel=1e-3)
+
+
+#: a fresh process: torch's intra-op pool started (``START=1``) or not before a run asks to flush subnormals
+FLUSH_SCRIPT = """
+import json, os, sys, warnings
+import torch
+sys.path.insert(0, sys.argv[1])
+import conftest  # registers the blobs dataset
+from fedtest import BLOBS6, merged, with_overrides
+from fedmosaic.setup.preflight import _subnormal_products
+from fedmosaic.setup.world import build_federation
+torch.set_num_threads(2)
+if not torch.set_flush_denormal(False):
+    print(json.dumps("no flags")); sys.exit()
+if os.environ["START"] == "1":
+    torch.ones(1 << 20).mul_(2)  # starts the pool (each thread's flags as they are now: IEEE)
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    build_federation(with_overrides(merged(BLOBS6, {"engine": {"denormals": "flush"}})))
+torch.set_num_threads(2)  # (the run set its own: the pool's two threads again)
+print(json.dumps({"said": [str(w.message) for w in said if "denormals" in str(w.message)],
+                  "nonzero": int(_subnormal_products().ne(0).sum()), "main": float(torch.tensor([1e-20]) * 1e-20)}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("started", [False, True])
+def test_subnormals_are_flushed_on_request_by_every_thread_or_it_says_which_did_not(started):
+    """``engine.denormals: flush`` in a fresh process: every intra-op thread computes subnormals as zero, silently.
+    In a process whose thread pool ran before (its threads keep the flags they started with), the main thread
+    flushes and the others do not: a warning says so (the numbers would depend on how work is split)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    p = subprocess.run([sys.executable, "-c", FLUSH_SCRIPT, str(Path(__file__).resolve().parents[1])],
+                       capture_output=True, text=True, timeout=120, env={**os.environ, "START": str(int(started))})
+    assert p.returncode == 0, p.stderr[-2000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    if out == "no flags":
+        pytest.skip("this CPU has no flush-to-zero flags")
+    assert out["main"] == 0.0
+    if started:
+        assert out["nonzero"] > 0 and len(out["said"]) == 1 and "only some of torch's 2 threads" in out["said"][0]
+    else:
+        assert out["nonzero"] == 0 and out["said"] == [], out
 
 
 def test_fp16_loss_scales_count_the_same_steps_whether_probes_are_looped_or_stacked(fp16_here):

@@ -63,12 +63,33 @@ def precision(deterministic: bool, tf32: bool, device: torch.device) -> None:
 
 
 def denormals(mode: str) -> None:
-    """``engine.denormals: flush``: subnormal floats flushed to zero on the CPU. The flags are per thread: set on
-    the calling one, and inherited by the threads it starts later (torch's intra-op pool is started by the first
-    parallel operation, after a run's start). ``keep`` changes nothing: a library does not reset a process-wide
-    floating-point mode its user did not ask it to."""
-    if mode == "flush":
-        torch.set_flush_denormal(True)
+    """``engine.denormals: flush``: subnormal floats flushed to zero on the CPU, or one line where the CPU has no
+    such flags. The flags are per thread: set on the calling one and inherited by the threads started later, not
+    by those of a pool torch already runs (in a process that ran something before this run), so a product spread
+    over every intra-op thread checks that they all flush, and a warning says so where some do not. ``keep``
+    changes nothing — a library does not reset a floating-point mode its user did not ask it to — and warns where
+    the process already flushes (an earlier run's ``flush``, which no call can take back from torch's threads)."""
+    if mode == "flush" and not torch.set_flush_denormal(True):
+        raise ConfigError("engine.denormals: flush: this CPU has no flush-to-zero flags (x86 FTZ/DAZ); use keep")
+    flushed = int(_subnormal_products().eq(0).sum())
+    threads = torch.get_num_threads()
+    if mode == "flush" and flushed < _SUBNORMAL_CHECK * threads:
+        warnings.warn(f"engine.denormals: flush reached only some of torch's {threads} threads (their pool was "
+                      "started before this run): which numbers flush depends on how work is split; run it in a "
+                      "fresh process", stacklevel=3)
+    elif mode == "keep" and flushed:
+        warnings.warn("engine.denormals: keep, but this process already computes subnormal floats as zero (an "
+                      "earlier run's flush, or its user); run it in a fresh process for IEEE underflow", stacklevel=3)
+
+
+#: elements of the subnormal check per intra-op thread: two of at::parallel_for's grains (32,768), so that every
+#: thread of the pool computes a share
+_SUBNORMAL_CHECK = 65536
+
+
+def _subnormal_products() -> torch.Tensor:
+    """1e-20 x 1e-20 (= 1e-40, a subnormal) computed by every intra-op thread: zeros where a thread flushes."""
+    return torch.full((_SUBNORMAL_CHECK * torch.get_num_threads(),), 1e-20) * 1e-20
 
 
 #: ``engine.precision`` -> the dtype the forward passes autocast to (None: none, float32)
