@@ -327,6 +327,38 @@ def test_a_channels_last_model_is_judged_in_its_memory_order_in_small_batches_wi
     assert max(n for n, _ in inputs_nchw) > NHWC_BATCH and not any(last for _, last in inputs_nchw)
 
 
+@pytest.mark.cpu
+@pytest.mark.parametrize("algo", ["fedcurv", "apfl_pd", "fedpac", "ifca"])
+def test_probes_of_a_batchnorm_cnn_in_channels_last_order_equal_the_nchw_ones(algo):
+    """The CPU's default for a convolutional model (sequential, channels-last inputs) against the reference path
+    (NCHW; a model with BatchNorm takes the sequential path whatever the backend asked, vmap cannot move running
+    statistics per client), on 3-channel images (where the two memory orders differ) in a ragged cohort: gradient
+    probes (FedCurv's Fisher, APFL-PD's importance) and sums returned as dicts (FedPAC's, IFCA's) read the same
+    samples whichever order their inputs are laid out in."""
+    from conftest import blobs
+
+    from fedmosaic.data.federated import PartitionSpec, compute
+    from fedmosaic.models import MODELS, Wrapped, register_model
+    from fedmosaic.protocol.tree import leaves
+
+    if "user_tiny_bn_cnn" not in MODELS:
+        register_model("user_tiny_bn_cnn", lambda input_shape, num_classes: Wrapped(nn.Sequential(
+            nn.Conv2d(input_shape[0], 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 8),
+            nn.Tanh()), nn.Linear(8, num_classes)))
+    rgb = compute(PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25,
+                                0.0, 3), blobs(shape=(3, 6, 6)))
+    cfg = dict(model={"name": "user_tiny_bn_cnn"}, algorithm={"name": algo}, engine={"device": "cpu"})
+    auto = train(make_cfg(**cfg), rgb, rounds=2)
+    assert auto.groups[0].trainer.channels_last and not auto.groups[0].trainer.vectorize
+    sizes = auto.split["train"].sizes
+    assert sizes.min() * 2 <= sizes.max(), "the cohort is not ragged: the test would prove nothing"
+    ref = train(make_cfg(**{**cfg, "engine": {"device": "cpu", "backend": "sequential"}}), rgb, rounds=2)
+    assert not ref.groups[0].trainer.channels_last
+    assert_trees_close(auto.server, ref.server)
+    if leaves(auto.groups[0].store):
+        assert_trees_close(auto.groups[0].store, ref.groups[0].store)
+
+
 def test_the_finished_client_stays_put_on_the_looped_path(fd):
     """Packing and looping together: a small client trained in a cohort equals it trained alone."""
     fed = build_federation(make_cfg(algorithm={"name": "local"}, train__clients_per_round=8), fd)
