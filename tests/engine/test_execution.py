@@ -270,18 +270,33 @@ def test_auto_run_equals_vectorized_and_sequential(fd):
         assert_trees_close(auto.server, other.server)
 
 
-def tiny_cnn() -> str:
-    """The name of a registered convolutional model for the blobs' C x 6 x 6 images."""
+def tiny_cnn(batchnorm: bool = False) -> str:
+    """The name of a registered convolutional model for the blobs' C x 6 x 6 images (with BatchNorm after its
+    convolution, or not)."""
     from fedmosaic.models import MODELS, Wrapped, register_model
 
+    name = "user_tiny_bn_cnn" if batchnorm else "user_tiny_cnn"
+
     def build(input_shape, num_classes):
-        body = nn.Sequential(nn.Conv2d(input_shape[0], 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 8),
-                             nn.Tanh())
+        norm = [nn.BatchNorm2d(3)] if batchnorm else []
+        body = nn.Sequential(nn.Conv2d(input_shape[0], 3, 3), *norm, nn.ReLU(), nn.Flatten(),
+                             nn.Linear(3 * 4 * 4, 8), nn.Tanh())
         return Wrapped(body, nn.Linear(8, num_classes))
 
-    if "user_tiny_cnn" not in MODELS:
-        register_model("user_tiny_cnn", build)
-    return "user_tiny_cnn"
+    if name not in MODELS:
+        register_model(name, build)
+    return name
+
+
+def rgb_blobs(val: float):
+    """The blobs on 3-channel images, where the channels-last and NCHW orders are different memory (with one
+    channel they are the same), over 8 clients with ``val`` of each client's samples for validation."""
+    from conftest import blobs
+
+    from fedmosaic.data.federated import PartitionSpec, compute
+
+    return compute(PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25,
+                                 val, 3), blobs(shape=(3, 6, 6)))
 
 
 @pytest.mark.cpu
@@ -300,14 +315,9 @@ def test_a_channels_last_model_is_judged_in_its_memory_order_in_small_batches_wi
     """Models that train on the CPU's channels-last path are judged channels-last, ``NHWC_BATCH`` samples at a
     time (activations that stay in cache: the evaluation's speed); every metric — the global test set, the
     clients' test and validation splits, their own models, the cross matrix — is the NCHW evaluation's."""
-    from conftest import blobs
-
-    from fedmosaic.data.federated import PartitionSpec, compute
     from fedmosaic.engine.evaluate import NHWC_BATCH
 
-    # three channels: with one, the channels-last and NCHW orders are the same memory
-    rgb = compute(PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25,
-                                0.2, 3), blobs(shape=(3, 6, 6)))
+    rgb = rgb_blobs(0.2)
     cfg = make_cfg(model={"name": tiny_cnn()}, algorithm={"name": "ditto"}, engine={"device": "cpu"},
                    data__client_val=0.2, eval={"cross_clients": True, "global_test": True})
     fed = train(cfg, rgb, rounds=1)
@@ -335,19 +345,10 @@ def test_probes_of_a_batchnorm_cnn_in_channels_last_order_equal_the_nchw_ones(al
     statistics per client), on 3-channel images (where the two memory orders differ) in a ragged cohort: gradient
     probes (FedCurv's Fisher, APFL-PD's importance) and sums returned as dicts (FedPAC's, IFCA's) read the same
     samples whichever order their inputs are laid out in."""
-    from conftest import blobs
-
-    from fedmosaic.data.federated import PartitionSpec, compute
-    from fedmosaic.models import MODELS, Wrapped, register_model
     from fedmosaic.protocol.tree import leaves
 
-    if "user_tiny_bn_cnn" not in MODELS:
-        register_model("user_tiny_bn_cnn", lambda input_shape, num_classes: Wrapped(nn.Sequential(
-            nn.Conv2d(input_shape[0], 3, 3), nn.BatchNorm2d(3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 8),
-            nn.Tanh()), nn.Linear(8, num_classes)))
-    rgb = compute(PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25,
-                                0.0, 3), blobs(shape=(3, 6, 6)))
-    cfg = dict(model={"name": "user_tiny_bn_cnn"}, algorithm={"name": algo}, engine={"device": "cpu"})
+    rgb = rgb_blobs(0.0)
+    cfg = dict(model={"name": tiny_cnn(batchnorm=True)}, algorithm={"name": algo}, engine={"device": "cpu"})
     auto = train(make_cfg(**cfg), rgb, rounds=2)
     assert auto.groups[0].trainer.channels_last and not auto.groups[0].trainer.vectorize
     sizes = auto.split["train"].sizes
