@@ -66,10 +66,11 @@ def blobs6_partition(blob_data):
     return compute(spec, blob_data)
 
 
-def blobs8_partition(blob_data):
+def blobs8_partition(blob_data, partition: dict | None = None):
+    """BLOBS8's partition of ``blob_data`` (or ``partition``, a config's ``data.partition``)."""
     from fedmosaic.data.federated import PartitionSpec, compute
 
-    spec = PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25, 0.0, 3)
+    spec = PartitionSpec("blobs", 8, partition or BLOBS8["data"]["partition"], "train", 0.25, 0.0, 3)
     return compute(spec, blob_data)
 
 
