@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import shutil
 import signal
@@ -162,16 +161,31 @@ class LocalFederation:
 
     def wait(self, run_id: int, timeout: float = 300, done: Path | None = None) -> dict:
         """The run's status once finished. Every look is a `flwr ls`, a Python process of its own (about a second of
-        CPU, which a test polling every second spent many times over while its run went on): one every 10 s, or at
-        once when the file ``done`` appears (a run directory's summary.json: the ServerApp is ending)."""
-        deadline, looked = time.monotonic() + timeout, -math.inf
+        CPU, which a test polling every few seconds spent many times over while its run went on): every 2 s once the
+        run's ServerApp process has ended (or none runs and the file ``done`` is there: a run directory's
+        summary.json), until Flower says finished; otherwise one every 30 s (a run refused before its ServerApp
+        started)."""
+        deadline, looked, seen, st = time.monotonic() + timeout, time.monotonic(), False, {}
         while time.monotonic() < deadline:
-            if time.monotonic() - looked >= 10 or (done is not None and done.exists()):
+            running = self.serverapps()
+            seen = seen or running > 0
+            ending = not running and (seen or (done is not None and done.exists()))
+            if time.monotonic() - looked >= (2 if ending else 30):
                 st, looked = self.status(run_id), time.monotonic()
                 if str(st.get("status", "")).startswith("finished"):
                     return st
             time.sleep(0.25)
         raise TimeoutError(f"run {run_id} did not finish within {timeout} s: {st}")
+
+    def serverapps(self) -> int:
+        """How many ServerApp processes (`flwr-serverapp`, one a run, started by the SuperLink's SuperExec) the
+        federation's sessions hold now, read from /proc (no process started to ask)."""
+        sessions, n = {p.pid for p in self.procs.values()}, 0
+        for d in Path("/proc").iterdir():
+            if d.name.isdigit():
+                with contextlib.suppress(OSError):
+                    n += os.getsid(int(d.name)) in sessions and b"flwr-serverapp" in (d / "cmdline").read_bytes()
+        return n
 
     def logs_of(self, run_id: int) -> str:
         return self.flwr("log", str(run_id), "fedmosaic", "--show").stdout
@@ -258,12 +272,13 @@ def kill_after_round_0(fed: LocalFederation, run_id: int, run_dir: Path, timeout
     """Wait until round 0 of ``run_id`` is in ``run_dir``'s metrics, then ``kill()`` (default: stop node 2)."""
     from fedmosaic.runs.records import read_metrics
 
-    deadline, polls = time.monotonic() + timeout, 0
+    deadline, looked, seen = time.monotonic() + timeout, time.monotonic(), False
     while not (run_dir / "metrics.jsonl").is_file() or not read_metrics(run_dir):
         assert time.monotonic() < deadline, "round 0 did not finish"
-        polls += 1
-        if polls % 25 == 0:  # a run that ended before its first round: say why
-            st = fed.status(run_id)
+        running = fed.serverapps()
+        seen = seen or running > 0
+        if time.monotonic() - looked >= (2 if seen and not running else 30):  # it ended before its first round?
+            st, looked = fed.status(run_id), time.monotonic()
             assert not st["status"].startswith("finished"), f"{st['status-details']}\n{fed.logs_of(run_id)[-3000:]}"
         time.sleep(0.2)
     kill() if kill else fed.stop("node2")
