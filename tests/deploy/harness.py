@@ -161,16 +161,16 @@ class LocalFederation:
 
     def wait(self, run_id: int, timeout: float = 300, done: Path | None = None) -> dict:
         """The run's status once finished. Every look is a `flwr ls`, a Python process of its own (about a second of
-        CPU, which a test polling every few seconds spent many times over while its run went on): every 2 s once the
-        run's ServerApp process has ended (or none runs and the file ``done`` is there: a run directory's
-        summary.json), until Flower says finished; otherwise one every 30 s (a run refused before its ServerApp
-        started)."""
+        CPU, which a test polling every few seconds spent many times over while its run went on): none while the
+        run's ServerApp process runs; every 2 s once it has ended (or none runs and the file ``done`` is there: a run
+        directory's summary.json), until Flower says finished; otherwise one every 30 s (a run refused before its
+        ServerApp started)."""
         deadline, looked, seen, st = time.monotonic() + timeout, time.monotonic(), False, {}
         while time.monotonic() < deadline:
             running = self.serverapps()
             seen = seen or running > 0
             ending = not running and (seen or (done is not None and done.exists()))
-            if time.monotonic() - looked >= (2 if ending else 30):
+            if not running and time.monotonic() - looked >= (2 if ending else 30):
                 st, looked = self.status(run_id), time.monotonic()
                 if str(st.get("status", "")).startswith("finished"):
                     return st
@@ -178,13 +178,21 @@ class LocalFederation:
         raise TimeoutError(f"run {run_id} did not finish within {timeout} s: {st}")
 
     def serverapps(self) -> int:
-        """How many ServerApp processes (`flwr-serverapp`, one a run, started by the SuperLink's SuperExec) the
-        federation's sessions hold now, read from /proc (no process started to ask)."""
-        sessions, n = {p.pid for p in self.procs.values()}, 0
+        """How many ServerApp processes (`flwr-serverapp`, one a run, started by the SuperExec that the SuperLink
+        starts in a session of its own) run below this federation's processes now, read from /proc (no process
+        started to ask)."""
+        parent, apps = {}, []
         for d in Path("/proc").iterdir():
             if d.name.isdigit():
-                with contextlib.suppress(OSError):
-                    n += os.getsid(int(d.name)) in sessions and b"flwr-serverapp" in (d / "cmdline").read_bytes()
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                    if b"flwr-serverapp" in (d / "cmdline").read_bytes():
+                        apps.append(int(d.name))
+        ours, n = {p.pid for p in self.procs.values()}, 0
+        for pid in apps:
+            while pid > 1 and pid not in ours:
+                pid = parent.get(pid, 0)
+            n += pid in ours
         return n
 
     def logs_of(self, run_id: int) -> str:
@@ -277,7 +285,7 @@ def kill_after_round_0(fed: LocalFederation, run_id: int, run_dir: Path, timeout
         assert time.monotonic() < deadline, "round 0 did not finish"
         running = fed.serverapps()
         seen = seen or running > 0
-        if time.monotonic() - looked >= (2 if seen and not running else 30):  # it ended before its first round?
+        if not running and time.monotonic() - looked >= (2 if seen else 30):  # it ended before its first round?
             st, looked = fed.status(run_id), time.monotonic()
             assert not st["status"].startswith("finished"), f"{st['status-details']}\n{fed.logs_of(run_id)[-3000:]}"
         time.sleep(0.2)
