@@ -66,11 +66,12 @@ def blobs6_partition(blob_data):
     return compute(spec, blob_data)
 
 
-def blobs8_partition(blob_data, partition: dict | None = None):
-    """BLOBS8's partition of ``blob_data`` (or ``partition``, a config's ``data.partition``)."""
+def blobs8_partition(blob_data, partition: dict | None = None, val: float = 0.0):
+    """BLOBS8's partition of ``blob_data`` (or ``partition``, a config's ``data.partition``), ``val`` of each
+    client's samples for validation."""
     from fedmosaic.data.federated import PartitionSpec, compute
 
-    spec = PartitionSpec("blobs", 8, partition or BLOBS8["data"]["partition"], "train", 0.25, 0.0, 3)
+    spec = PartitionSpec("blobs", 8, partition or BLOBS8["data"]["partition"], "train", 0.25, val, 3)
     return compute(spec, blob_data)
 
 

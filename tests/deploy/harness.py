@@ -161,38 +161,37 @@ class LocalFederation:
 
     def wait(self, run_id: int, timeout: float = 300, done: Path | None = None) -> dict:
         """The run's status once finished. Every look is a `flwr ls`, a Python process of its own (about a second of
-        CPU, which a test polling every few seconds spent many times over while its run went on): none while the
-        run's ServerApp process runs; every 2 s once it has ended (or none runs and the file ``done`` is there: a run
-        directory's summary.json), until Flower says finished; otherwise one every 30 s (a run refused before its
-        ServerApp started)."""
+        CPU, which a test polling every few seconds spent many times over while its run went on): when ``look_due``
+        says (``done``: a run directory's summary.json, the ServerApp ending)."""
         deadline, looked, seen, st = time.monotonic() + timeout, time.monotonic(), False, {}
         while time.monotonic() < deadline:
-            running = self.serverapps()
-            seen = seen or running > 0
-            ending = not running and (seen or (done is not None and done.exists()))
-            if not running and time.monotonic() - looked >= (2 if ending else 30):
+            due, seen = self.look_due(looked, seen, done)
+            if due:
                 st, looked = self.status(run_id), time.monotonic()
                 if str(st.get("status", "")).startswith("finished"):
                     return st
             time.sleep(0.25)
         raise TimeoutError(f"run {run_id} did not finish within {timeout} s: {st}")
 
+    def look_due(self, looked: float, seen: bool, done: Path | None = None) -> tuple[bool, bool]:
+        """Whether to ask Flower for the run's status now (the last look at ``looked``), and whether a ServerApp has
+        been seen: never while the run's ServerApp process runs; 2 s after the last look once it has ended (or none
+        runs and the file ``done`` is there); 30 s after it otherwise (a run refused before its ServerApp started)."""
+        running = self.serverapps()
+        seen = seen or running > 0
+        ending = seen or (done is not None and done.exists())
+        return not running and time.monotonic() - looked >= (2 if ending else 30), seen
+
     def serverapps(self) -> int:
         """How many ServerApp processes (`flwr-serverapp`, one a run, started by the SuperExec that the SuperLink
         starts in a session of its own) run below this federation's processes now, read from /proc (no process
         started to ask)."""
-        parent, apps = {}, []
-        for d in Path("/proc").iterdir():
-            if d.name.isdigit():
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    parent[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                    if b"flwr-serverapp" in (d / "cmdline").read_bytes():
-                        apps.append(int(d.name))
-        ours, n = {p.pid for p in self.procs.values()}, 0
-        for pid in apps:
-            while pid > 1 and pid not in ours:
-                pid = parent.get(pid, 0)
-            n += pid in ours
+        from scale.raytools import descendants
+
+        n = 0
+        for pid in descendants(*(p.pid for p in self.procs.values())):
+            with contextlib.suppress(OSError):
+                n += b"flwr-serverapp" in Path(f"/proc/{pid}/cmdline").read_bytes()
         return n
 
     def logs_of(self, run_id: int) -> str:
@@ -283,9 +282,8 @@ def kill_after_round_0(fed: LocalFederation, run_id: int, run_dir: Path, timeout
     deadline, looked, seen = time.monotonic() + timeout, time.monotonic(), False
     while not (run_dir / "metrics.jsonl").is_file() or not read_metrics(run_dir):
         assert time.monotonic() < deadline, "round 0 did not finish"
-        running = fed.serverapps()
-        seen = seen or running > 0
-        if not running and time.monotonic() - looked >= (2 if seen else 30):  # it ended before its first round?
+        due, seen = fed.look_due(looked, seen)
+        if due:  # the run ended before its first round?
             st, looked = fed.status(run_id), time.monotonic()
             assert not st["status"].startswith("finished"), f"{st['status-details']}\n{fed.logs_of(run_id)[-3000:]}"
         time.sleep(0.2)

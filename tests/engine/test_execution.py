@@ -293,10 +293,7 @@ def rgb_blobs(val: float):
     channel they are the same), over 8 clients with ``val`` of each client's samples for validation."""
     from conftest import blobs
 
-    from fedmosaic.data.federated import PartitionSpec, compute
-
-    return compute(PartitionSpec("blobs", 8, {"scheme": "dirichlet", "alpha": 0.5, "min_size": 5}, "train", 0.25,
-                                 val, 3), blobs(shape=(3, 6, 6)))
+    return blobs8_partition(blobs(shape=(3, 6, 6)), val=val)
 
 
 @pytest.mark.cpu

@@ -15,15 +15,15 @@ RAY_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "RAY_DED
 SHARDED = {"data": {"clients": 5}, "train": {"clients_per_round": 4, "rounds": 3}}
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid`` (from /proc)."""
+def descendants(*pids: int) -> list[int]:
+    """Every process below ``pids`` (from /proc)."""
     children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
             with contextlib.suppress(OSError, ValueError, IndexError):
                 ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
                 children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
+    out, todo = [], list(pids)
     while todo:
         for c in children.get(todo.pop(), []):
             out.append(c)
