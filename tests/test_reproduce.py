@@ -140,6 +140,18 @@ def test_status_reports_progress_and_judges_only_finished_seeds_writing_nothing(
            f"finished, " in text and " 1 of 2 rounds" in text
     assert "| vehicle-gain:" in text and "(1 seeds)" in text  # judged on seed 0 only
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+    # a finished seed's runs kept without its comparison.json (as docs/runs/ commits them): the same verdict
+    verdict = next(line for line in text.splitlines() if line.startswith("| vehicle-gain:"))
+    (exp / "seed_0" / "comparison.json").unlink()
+    assert main([*argv, "--status"]) == 0
+    assert verdict in capsys.readouterr().out.splitlines()
+    # an experiment that has not started is said to be so, not under way
+    need_data("mnist")
+    assert main(["reproduce", "apfl-pd", "--claims", "vehicle-gain", "mnist-gain", "--seeds", "0", "1",
+                 "--set", "train.rounds=2", "--out", str(out), "--no-progress", "--status"]) == 0
+    text = capsys.readouterr().out
+    assert "- `vehicle` (under way: seed 0:" in text and "- `mnist` (not started; " in text
+    assert not (out / "mnist").exists()
     assert main(["reproduce", "apfl-pd", "--status", "--out", str(tmp_path / "none")]) != 0
     err = capsys.readouterr().err.strip()
     assert "no reproduction of apfl-pd started there" in err and "\n" not in err

@@ -146,11 +146,13 @@ def finished(where: Path, cfg) -> bool:
     return (where / "comparison.json").is_file() and saved.is_file() and load_config(saved) == cfg
 
 
-def progress_of(where: Path, cfg) -> str:
+def progress_of(where: Path, cfg) -> str | None:
     """How far the experiment in ``where`` has got: per seed, its finished methods and the rounds of the one
-    under way (what ``--status`` reports while the run goes on elsewhere)."""
+    under way (what ``--status`` reports while the run goes on elsewhere); None where it has not started."""
     from .compare import dir_name
 
+    if not where.is_dir():
+        return None
     variants, rounds, parts = cfg.variants(), cfg.train.rounds, []
     for s in cfg.seeds or [cfg.seed]:
         base = where / f"seed_{s}" if cfg.seeds else where
@@ -174,10 +176,24 @@ def has_gpu() -> bool:
 
 # ---- verdicts -----------------------------------------------------------------------------------------------------
 def per_seed(out: Path) -> list[list[dict]]:
-    """The summaries of each seed's comparison under ``out`` (``seed_<s>/comparison.json``, or ``out``'s own)."""
-    files = sorted(out.glob("seed_*/comparison.json"), key=lambda p: int(p.parent.name.split("_")[1]))
-    files = files or [out / "comparison.json"]
-    return [json.loads(f.read_text()) for f in files if f.is_file()]
+    """The summaries of each finished seed's comparison under ``out`` (``seed_<s>/``, or ``out`` itself)."""
+    dirs = sorted((p for p in out.glob("seed_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
+    return [s for s in map(seed_summaries, dirs or [out]) if s is not None]
+
+
+def seed_summaries(where: Path) -> list[dict] | None:
+    """One seed's summaries: its ``comparison.json``, or, where that was not kept (a seed's runs committed
+    without it, docs/runs/), its runs' own once every variant of its ``comparison.yaml`` has finished."""
+    from .compare import dir_name, from_runs
+
+    if (where / "comparison.json").is_file():
+        return json.loads((where / "comparison.json").read_text())
+    if not (where / "comparison.yaml").is_file():
+        return None
+    variants = load_config(where / "comparison.yaml").variants()
+    if not all((where / dir_name(v.name) / "summary.json").is_file() for v in variants):
+        return None
+    return from_runs([where])[0]
 
 
 def find(summaries: list[dict], method: str) -> dict | None:
@@ -347,6 +363,7 @@ def markdown(report: dict) -> str:
               "Experiments (each command runs or resumes one by itself):", ""]
     for n, r in report["experiments"].items():
         state = f"not run: {r['not_run']}" if "not_run" in r else "finished before" if r.get("finished") else \
-            f"under way: {r['progress']}" if "progress" in r else f"{r['wall_s']:.0f} s this time"
+            ("not started" if r["progress"] is None else f"under way: {r['progress']}") if "progress" in r else \
+            f"{r['wall_s']:.0f} s this time"
         lines.append(f"- `{n}` ({state}; cost: {r.get('cost') or 'not estimated'}): `{r['command']}`")
     return "\n".join(lines) + "\n"
