@@ -191,7 +191,7 @@ def test_diagnostics_draws_each_term_and_reported_measure_per_method_and_nothing
     assert plots.diagnostics({"a": a, "b": b}, tmp_path / "d.png") is not None
     fig = figures[0]
     titles = [ax.get_title() for ax in fig.axes if ax.get_visible() and ax.axison]
-    assert titles == ["l_c (per round)", "teacher_entropy (per round)", "proto_inter (per evaluation)"]
+    assert titles == ["l_c (per round)", "teacher_entropy (per round)", "proto_inter (reported)"]
     lc, entropy, inter = (ax for ax in fig.axes if ax.axison)
     assert len(lc.lines) == 2 and len(entropy.lines) == 1  # b has no teacher entropy
     assert list(inter.lines[0].get_xdata()) == [2, 4] and list(inter.lines[0].get_ydata()) == [3.0, 1.0]

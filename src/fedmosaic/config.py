@@ -388,6 +388,10 @@ class DeployConfig(Schema):
 
 class EvalConfig(Schema):
     every: int = Field(1, ge=1, le=MAX_COUNT, description="evaluate every N rounds (and always after the last)")
+    report_every: int | None = Field(
+        None, ge=1, le=MAX_COUNT, description="also the algorithm's measures of its clients' states (its report: "
+        "ProtoFCL's prototype geometry, pFedSRB's sparsity) every N rounds between evaluations; they read no data, "
+        "but a deployment asks its nodes once more. null: with each evaluation only")
     global_test: bool = True
     client_test: bool = True
     split: Literal["test", "val"] = Field(
@@ -646,6 +650,13 @@ def advise(cfg: RunConfig, compare_given: bool = False) -> None:
         names = ", ".join(sorted({repr(algo.name) for algo in running}))
         warnings.warn(f"data.public: no algorithm of this run uses a public stream ({names}); it is ignored",
                       stacklevel=2)
+    if cfg.eval.report_every is not None:
+        from .engine.evaluation import reports
+
+        if not any(map(reports, running)):
+            names = ", ".join(sorted({repr(algo.name) for algo in running}))
+            warnings.warn(f"eval.report_every: no algorithm of this run reports measures of its own ({names}); it "
+                          "is ignored", stacklevel=2)
     # the default section (which comparison.yaml files written before dump() left it out hold) says nothing
     if cfg.compare and not compare_given and cfg.algorithm != AlgorithmConfig() and cfg.algorithm not in cfg.compare:
         raise ConfigError(f"algorithm: {label(cfg.algorithm)} would not run: beside compare: only its entries run; "

@@ -189,6 +189,25 @@ def test_protofcl_reports_its_terms_and_the_teachers_entropy():
     assert 0 < recs[2]["terms"]["teacher_entropy"] <= 1  # task 2: the teacher of task 1
 
 
+def test_report_every_round_gives_the_geometry_between_evaluations_and_changes_no_number(tmp_path):
+    """eval.report_every: 1 puts ProtoFCL's prototype geometry in every round's record (a collapse is seen when
+    it happens, not at the task's end); the rounds an evaluation reports are the same numbers, and the rest of
+    every record too."""
+    every = 3
+    run(continual(eval={"every": every, "client_test": False}), tmp_path / "a", progress=False)
+    run(continual(eval={"every": every, "client_test": False, "report_every": 1}), tmp_path / "b", progress=False)
+    a, b = (strip_timing(read_metrics(tmp_path / d)) for d in "ab")
+    assert [("report" in r) for r in a] == [("continual" in r) for r in a] != [True] * 6  # with evaluations only
+    assert all("proto_inter" in r["report"] and "proto_spread_ratio" in r["report"] for r in b)
+    assert [r["report"] for r in b if "report" in a[r["round"]]] == [r["report"] for r in a if "report" in r]
+    assert [{k: v for k, v in r.items() if k != "report"} for r in b] == \
+        [{k: v for k, v in r.items() if k != "report"} for r in a]
+    assert b[0]["report"] != b[1]["report"]  # measured each round, not repeated
+    wire = build_federation(continual(eval={"every": every, "client_test": False, "report_every": 1}), pool="wire")
+    wire.round(0)
+    assert wire.report(0) == {"report": b[0]["report"]}  # a report-only request crosses the wire as it is
+
+
 def test_protofcl_with_local_prototypes_exchanges_nothing_and_predicts_by_its_own_nearest_prototype():
     fed = build_federation(continual(algorithm={"name": "protofcl", "prototypes": "local"}))
     rec = fed.round(0)

@@ -66,13 +66,32 @@ def evaluate(fed, round_idx: int = 0) -> dict:
             out["cross"]["names"] = list(names)  # one client per group: name the rows by the domain
     if plan is not None:
         out["continual"] = continual(fed, t, plan, reply.get("continual"))
-    report = fed.algo.report(fed.server, reply["report"]["reports"] if "report" in reply else {})
-    if report:
-        out["report"] = report
+    out.update(_report(fed, reply))
     notes = fed.pool.notes()  # a deployment: who answered the evaluation
     if notes:
         out["deploy_eval"] = notes["deploy"]
     return out
+
+
+def report(fed, round_idx: int) -> dict:
+    """The algorithm's report alone, between evaluations (``eval.report_every``): its measures of the server's
+    and the clients' states, without reading any data."""
+    if not reports(type(fed.algo)):
+        return {}
+    reply = {} if type(fed.algo).client_report is Algorithm.client_report else fed.pool.evaluate({
+        "round": round_idx, "payload": fed.algo.broadcast(fed.server, round_idx),
+        "assignment": fed.assign(fed.everyone), "report": True})
+    return _report(fed, reply)
+
+
+def reports(cls: type) -> bool:
+    """Whether an algorithm (its class) reports measures of its own (``report``, ``client_report``)."""
+    return any(getattr(cls, m) is not getattr(Algorithm, m) for m in ("report", "client_report"))
+
+
+def _report(fed, reply: dict) -> dict:
+    got = fed.algo.report(fed.server, reply["report"]["reports"] if "report" in reply else {})
+    return {"report": got} if got else {}
 
 
 def continual_plan(fed, t: int) -> dict:

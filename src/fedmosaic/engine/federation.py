@@ -182,6 +182,9 @@ class Federation:
     def evaluate(self, round_idx: int = 0) -> dict:
         return evaluation.evaluate(self, round_idx)
 
+    def report(self, round_idx: int) -> dict:
+        return evaluation.report(self, round_idx)
+
     def metric_sides(self) -> dict:
         return evaluation.metric_sides(self)
 

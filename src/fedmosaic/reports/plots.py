@@ -175,7 +175,7 @@ def accuracy_per_task(summaries: list[dict | list[dict]], path: str | Path, titl
 def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path, title: str = "",
                 colors: dict[str, object] | None = None) -> Path | None:
     """One small panel per named part of the local objective (``terms``, every round) and per measure an algorithm
-    reports (``report``, every evaluation): ProtoFCL's L_C, L_D, L_R, teacher entropy and prototype geometry, a
+    reports (``report``, with every evaluation, or every ``eval.report_every`` rounds): ProtoFCL's L_C, L_D, L_R, teacher entropy and prototype geometry, a
     sparsity, ... — one line per method that has it (the mean over seeds with a band), so a collapse or a term that
     does nothing is seen, not inferred. ``runs`` and ``colors`` as :func:`learning_curves`. None, and no file,
     when no run has any."""
@@ -196,7 +196,7 @@ def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path
                 x, mean, sd = _mean_std(per_seed)
                 _line(ax, x, mean, sd, colors[name], "-", len(x) <= SHORT_RUN, len(s) > 1)
                 drawn[name] = (len(x) <= SHORT_RUN, len(s))
-        ax.set(xlabel="rounds completed", title=key + (" (per round)" if kind == "terms" else " (per evaluation)"))
+        ax.set(xlabel="rounds completed", title=key + (" (per round)" if kind == "terms" else " (reported)"))
         ax.title.set_fontsize(9)
         _integer_ticks(ax.xaxis)
         ax.grid(alpha=0.3)

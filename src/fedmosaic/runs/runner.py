@@ -159,6 +159,8 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
                     t1 = time.perf_counter()
                     rec.update(fed.evaluate(t))
                     rec["time_eval_s"] = time.perf_counter() - t1
+                elif cfg.eval.report_every and (t + 1) % cfg.eval.report_every == 0:
+                    rec.update(fed.report(t))
                 metrics.write(json.dumps(rec) + "\n")
                 metrics.flush()
                 records.append(rec)
