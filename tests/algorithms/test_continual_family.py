@@ -373,6 +373,52 @@ def test_protofcl_paper_predicts_with_the_nearest_own_prototype():
     assert pred.tolist() == [0, 1, 1]  # class 2 (no own prototype) is never chosen, the server's never used
 
 
+def test_protofcl_class_means_and_the_pull_of_a_batch_with_a_repeated_and_an_absent_class():
+    """Two samples of class 1, one of class 0, none of class 2 (which has a global prototype): L_C's new class is
+    the MEAN of its two features, L_R pulls that mean (not each sample) and only for classes in the batch; the
+    mean form weighs a class by its samples."""
+    z = torch.tensor([[0.0, 0.0], [1.0, 0.0], [3.0, 2.0]], requires_grad=True)
+    teacher, student = {"w": torch.tensor(0.0)}, {"w": torch.tensor(1.0)}
+    y = torch.tensor([0, 1, 1])
+    own = torch.tensor([[0.0, 1.0], [0.0, 0.0], [0.0, 0.0]])
+    glob = torch.tensor([[0.0, 0.0], [2.0, 3.0], [7.0, 7.0]])  # classes 1 and 2 (2 is not in the batch)
+    payload = {"protos": glob, "has": torch.tensor([0.0, 1.0, 1.0])}
+    state = {"teacher": teacher, "protos": own, "has": torch.tensor([1.0, 0.0, 0.0]), "known": torch.zeros(3),
+             "teacher_protos": torch.zeros(3, 2)}
+    ctx = LocalContext(lambda params, x, slot=None: (z, z), {"model": student}, state, payload, None, y,
+                       torch.ones(3))
+    mean1 = (z[1] + z[2]) / 2
+    protos = torch.stack([own[0], mean1.detach()])  # class 2: neither its own prototype nor in the batch
+    T = 2.0
+    lc = torch.nn.functional.cross_entropy(-torch.cdist(z, protos) / T, y)
+    for lr_sum, lr in ((True, (mean1 - glob[1]).norm()), (False, 2 * (mean1 - glob[1]).norm() / 3)):
+        algo = ProtoFCL(ProtoFCL.Config(alpha=0.0, beta=0.5, T=T, lr_sum=lr_sum),
+                        Setting(num_classes=3, feature_dim=2, head_keys=HEAD))
+        torch.testing.assert_close(algo.loss(ctx), lc + 0.5 * lr)
+
+
+def test_protofcl_a_client_keeps_a_class_prototype_until_it_meets_the_class_again():
+    """finish: the classes met this round take the round's means; the others keep the prototype they had (the
+    memory-free ablation's classes of past tasks rest on this)."""
+    algo = ProtoFCL(setting=Setting(num_classes=3, feature_dim=2, head_keys=HEAD))
+    state = algo.init_client({"body": torch.zeros(2), "head.weight": torch.zeros(3, 2), "head.bias": torch.zeros(3)})
+    state.update(protos=torch.tensor([[5.0, 5.0], [0.0, 0.0], [7.0, 7.0]]), has=torch.tensor([1.0, 0.0, 1.0]))
+    stats = {"protos": {"sum": torch.tensor([[0.0, 0.0], [2.0, 4.0], [3.0, 0.0]]),
+                        "count": torch.tensor([0.0, 2.0, 3.0])}}
+    upload, new = algo.finish({"model": state["model"]}, state, {}, stats)
+    torch.testing.assert_close(new["protos"], torch.tensor([[5.0, 5.0], [1.0, 2.0], [1.0, 0.0]]))
+    assert new["has"].tolist() == [1, 1, 1]
+    assert upload["has"].tolist() == [0, 1, 1]  # it sends only this round's classes
+
+
+def test_protofcl_global_predicts_with_the_nearest_server_prototype_not_the_head():
+    algo = ProtoFCL(ProtoFCL.Config(prototypes="global"), Setting(num_classes=3, feature_dim=2))
+    payload = {"protos": torch.tensor([[0.0, 0.0], [4.0, 0.0], [1.0, 0.0]]), "has": torch.tensor([1.0, 1.0, 0.0])}
+    z = torch.tensor([[0.9, 0.0], [2.1, 0.0], [3.0, 1.0]])
+    head = torch.tensor([[0.0, 0.0, 9.0]] * 3)  # the head's logits would say class 2 everywhere
+    assert algo.eval_logits(z, head, payload).argmax(1).tolist() == [0, 1, 1]  # class 2 has no prototype
+
+
 def test_protofcl_cosine_is_the_paper_loss_on_unit_features_and_cannot_be_lowered_by_scale():
     """distance: cosine (not the paper's): prototypes are means of unit features, every distance (L_C, L_D, L_R) is
     between unit vectors, so scaling the features changes no loss term; prediction is the nearest unit prototype."""
