@@ -62,6 +62,24 @@ def test_dropped_clients_neither_train_nor_count_and_every_algorithm_sees_the_sa
     assert all(np.array_equal(other.srv.cohort(t), fed.srv.cohort(t)) for t in range(5))
 
 
+def test_the_server_rules_over_every_client_count_only_the_clients_that_train():
+    """SCAFFOLD's c += |S|/N mean dc and FedDyn's h -= alpha/m sum(theta - theta0): N and m are the training
+    population, so held-out clients (who never send a correction) do not shrink the server's state."""
+    for name in ("scaffold", "feddyn"):
+        fed = build_federation(cfg_of(TWENTY, algorithm={"name": name}, participation={"held_out": 0.25}))
+        assert len(fed.srv.held_out) == 5 and fed.algo.trained_clients == 15 and fed.algo.num_clients == 20
+        assert build_federation(cfg_of(TWENTY, algorithm={"name": name})).algo.trained_clients == 20
+    # FedDyn's h after two clients each moved every weight by +1 from the server's model: -alpha * 2 / 15
+    from fedmosaic.protocol.program import Signals
+
+    algo, server = fed.algo, fed.server
+    up = {k: torch.stack([v + 1, v + 1]) for k, v in server["model"].items()}
+    w = torch.ones(2)
+    h = algo.aggregate(server, {"model": up}, w, 0, Signals(torch.tensor([0, 1]), w, w, 0.1))["h"]
+    for v in h.values():
+        torch.testing.assert_close(v, torch.full_like(v, -algo.cfg.alpha * 2 / 15))
+
+
 def test_held_out_clients_never_train_and_are_evaluated_apart():
     fed = build_federation(cfg_of(TWENTY, algorithm={"name": "ditto"}, participation={"held_out": 0.25}))
     held = fed.srv.held_out

@@ -66,6 +66,6 @@ class FedDyn(Algorithm):
         a, mean = self.cfg.alpha, weighted_mean(uploads["model"], weights)
         if a == 0:
             return {**server, "model": mean}
-        h = tmap(lambda h, w, w0: h - a / self.num_clients * (w - w0).sum(0), server["h"], uploads["model"],
+        h = tmap(lambda h, w, w0: h - a / self.trained_clients * (w - w0).sum(0), server["h"], uploads["model"],
                  server["model"])
         return {**server, "model": tmap(lambda m, h: m - h / a, mean, h), "h": h}

@@ -32,7 +32,7 @@ class Scaffold(Algorithm):
 
     def aggregate(self, server, uploads, weights, round_idx, signals):
         n = len(weights)
-        c = tmap(lambda c, dc: c + (n / self.num_clients) * dc.mean(0), server["c"], uploads["dc"])
+        c = tmap(lambda c, dc: c + (n / self.trained_clients) * dc.mean(0), server["c"], uploads["dc"])
         return {**server, "model": weighted_mean(uploads["model"], weights), "c": c}
 
     def init_client(self, init_params):

@@ -77,6 +77,12 @@ class Algorithm:
         return self.setting.num_clients
 
     @property
+    def trained_clients(self) -> int:
+        """The federation's training population: its clients less those held out of training (the N of
+        SCAFFOLD's and FedDyn's server rules, whose held-out clients never send a correction)."""
+        return self.setting.trained_clients or self.setting.num_clients
+
+    @property
     def optimizer(self):
         return self.setting.optimizer
 

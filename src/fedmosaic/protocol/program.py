@@ -143,6 +143,7 @@ class Setting:
     n_tasks: int = 0  # data.tasks.n_tasks: the most tasks a client's stream holds (FedWeIT's knowledge-base size)
     init: dict = field(default_factory=dict)  # the run's initial model (the first architecture's): FedWeIT's B_0
     norm_keys: tuple[str, ...] = ()  # the parameters of the model's BatchNorm layers (FedBN keeps them local)
+    trained_clients: int = 0  # the clients that train: num_clients less participation.held_out's (0: all of them)
 
 
 @dataclass

@@ -30,7 +30,7 @@ from ..engine.federation import Federation
 from ..engine.group import Group
 from ..engine.pools.local import InProcessPool
 from ..engine.pools.wire import WirePool
-from ..engine.seeding import POOL, TASKS, rng
+from ..engine.seeding import POOL, TASKS, held_out, rng
 from ..engine.server.calendar import TaskCalendar
 from ..engine.server.runtime import ServerRuntime
 from ..engine.settings import RoundSettings
@@ -217,12 +217,14 @@ class World:
                           f"{pc.patience}: the learning rate is never reduced", stacklevel=3)
         self.extra = build_extra(cfg, algo_cls.extra_models(algo_cfg, cfg.model), len(self.groups),
                                  self.fd.dataset.input_shape, self.fd.num_classes, self.num_clients, self.memory, dev)
+        part = cfg.participation
         setting = Setting(self.fd.num_classes, dims.pop() if len(dims) == 1 else 0, self.fd.num_clients,
                           cfg.train.optimizer,
                           cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module),
                           {s: {k: v.detach().clone() for k, v in m.named_parameters()} for s, m in self.extra.items()},
                           cfg.train.rounds, tc.rounds_per_task if tc else 0, tc.n_tasks if tc else 0,
-                          self.groups[0].init, norm_keys(self.groups[0].module))
+                          self.groups[0].init, norm_keys(self.groups[0].module),
+                          self.num_clients - len(held_out(self.num_clients, part.held_out if part else 0.0, cfg.seed)))
         self.algo = algo_cls(algo_cfg, setting)
         if self.algo.pooled:
             self._pool_train_split()
