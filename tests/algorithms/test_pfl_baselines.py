@@ -176,6 +176,31 @@ def test_apfl_at_alpha_0_is_fedavg_and_at_alpha_1_its_personal_models_are_local(
     assert one.evaluate(2)["personal"]["acc"] == local.evaluate(2)["personal"]["acc"]  # v(x) alone
 
 
+def test_apfl_steps_w_first_then_v_on_the_mix_at_the_updated_w(fd):
+    """The authors' order on one batch (a client's whole train split, one step of each): w <- w - lr grad CE(w(x)),
+    then v <- v - lr grad_v CE(alpha v(x) + (1 - alpha) w'(x)) at the UPDATED w'; v at the old w differs."""
+    a, lr = 0.3, 0.05
+    fed = train(make_cfg(algorithm={"name": "apfl", "alpha": a}, train__clients_per_round=6, train__batch_size=1000),
+                fd, rounds=1)
+    assert fed.settings.train.optimizer.lr == lr
+    g, tr = fed.groups[0], fed.split["train"]
+    F = torch.nn.functional
+
+    def step(params, loss):
+        grads = torch.autograd.grad(loss, list(params.values()))
+        return {k: (t - lr * d).detach() for (k, t), d in zip(params.items(), grads, strict=True)}
+
+    k = 2
+    x, y = fed.transform(tr.x[tr.ptr[k]:tr.ptr[k + 1]]), tr.y[tr.ptr[k]:tr.ptr[k + 1]]
+    init = {n: t.clone().requires_grad_(True) for n, t in g.init.items()}
+    w1 = step(init, F.cross_entropy(g.apply(init, x)[1], y))
+    mix = lambda w: F.cross_entropy(a * g.apply(init, x)[1] + (1 - a) * g.apply(w, x)[1], y)  # noqa: E731
+    v1 = step(init, mix(w1))
+    assert_trees_close(client_state(fed, k)["personal"], v1, atol=1e-6, rtol=1e-5)
+    v_at_old_w = step(init, mix({n: t.detach() for n, t in g.init.items()}))
+    assert not all(torch.allclose(v1[n], v_at_old_w[n], atol=1e-6) for n in v1)
+
+
 def test_apfl_mixes_outputs_not_parameters_on_a_hand_example(fd):
     fed = train(make_cfg(algorithm={"name": "apfl", "alpha": 0.3}), fd, rounds=2)
     g, algo = fed.groups[0], fed.algo
