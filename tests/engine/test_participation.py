@@ -96,6 +96,15 @@ def test_held_out_clients_never_train_and_are_evaluated_apart():
     assert last["personal"]["acc"] > last["held_out"]["personal"]["acc"]  # their personal models are untrained
 
 
+def test_held_out_clients_are_evaluated_after_fine_tuning_where_the_algorithm_fine_tunes():
+    """FedAvg + fine-tuning: a held-out client never trains in a round, but its personal model is the global model
+    fine-tuned on its own train split, as every client's — on label-skewed clients it beats the global model."""
+    fed = build_federation(cfg_of(TWENTY, algorithm={"name": "fedavg_ft"}, participation={"held_out": 0.25}))
+    last = rounds(fed, 4)[-1]["held_out"]
+    assert last["personal"]["clients"] == last["global_clients"]["clients"] > 0
+    assert last["personal"]["acc"] > last["global_clients"]["acc"]
+
+
 def test_participation_is_the_same_on_the_wire_pool_and_off_it_changes_nothing(blob_data):
     fd = blobs6_partition(blob_data)
     raw = {"algorithm": {"name": "ditto"}, "participation": {"dropout": 0.3, "held_out": 0.2, "stragglers": 0.5},
