@@ -145,6 +145,14 @@ def test_status_reports_progress_and_judges_only_finished_seeds_writing_nothing(
     (exp / "seed_0" / "comparison.json").unlink()
     assert main([*argv, "--status"]) == 0
     assert verdict in capsys.readouterr().out.splitlines()
+    # ... and one of its methods diverged (no summary.json; meta.json says when): its rounds before still count
+    one = sorted(p.parent for p in (exp / "seed_0").glob("*/summary.json"))[0]
+    (one / "summary.json").unlink()
+    meta = json.loads((one / "meta.json").read_text())
+    (one / "meta.json").write_text(json.dumps({**meta, "diverged_round": 1}))
+    assert main([*argv, "--status"]) == 0
+    text = capsys.readouterr().out
+    assert verdict in text.splitlines() and f"seed 0: {methods} of {methods} methods finished" in text
     # an experiment that has not started is said to be so, not under way
     need_data("mnist")
     assert main(["reproduce", "apfl-pd", "--claims", "vehicle-gain", "mnist-gain", "--seeds", "0", "1",

@@ -657,6 +657,10 @@ def advise(cfg: RunConfig, compare_given: bool = False) -> None:
             names = ", ".join(sorted({repr(algo.name) for algo in running}))
             warnings.warn(f"eval.report_every: no algorithm of this run reports measures of its own ({names}); it "
                           "is ignored", stacklevel=2)
+        elif cfg.eval.report_every % cfg.eval.every == 0:
+            warnings.warn(f"eval.report_every: {cfg.eval.report_every} is a multiple of eval.every "
+                          f"({cfg.eval.every}): those rounds report with their evaluation anyway; it adds nothing",
+                          stacklevel=2)
     # the default section (which comparison.yaml files written before dump() left it out hold) says nothing
     if cfg.compare and not compare_given and cfg.algorithm != AlgorithmConfig() and cfg.algorithm not in cfg.compare:
         raise ConfigError(f"algorithm: {label(cfg.algorithm)} would not run: beside compare: only its entries run; "

@@ -56,6 +56,19 @@ def test_deployed_pool_equals_the_simulator(family, tmp_path):
     assert grid.sent, "nothing went through the grid"
 
 
+def test_a_report_between_evaluations_asks_the_nodes_and_notes_its_own_round(tmp_path):
+    """eval.report_every: the rounds between evaluations ask every node for its report alone — the same numbers
+    as the simulator's, and each round's notes say who answered that round's request, not the next's."""
+    cfg = config("protofcl", data={"tasks": {"rounds_per_task": 2}}, train={"rounds": 6},
+                 eval={"every": 3, "report_every": 1})
+    got, _ = deployed(cfg, tmp_path)
+    assert same_metrics(got, simulated(cfg, tmp_path), tol=0) == []
+    assert all("proto_inter" in r["report"] for r in got)
+    between = [r for r in got if "continual" not in r]
+    assert between and all(r["deploy_eval"]["evaluate"]["client_reported"] == ["report"] for r in between)
+    assert all("evaluate" not in r["deploy"] for r in got)  # no request's notes carried into the next round
+
+
 @pytest.mark.parametrize("family", ["fedavg", "ditto"])
 def test_deployed_pool_equals_the_simulator_on_the_vectorized_backend(family, tmp_path):
     """Each node vmaps over its one client, the simulator over the cohort: the same numbers up to float rounding."""

@@ -65,19 +65,25 @@ def test_dropped_clients_neither_train_nor_count_and_every_algorithm_sees_the_sa
 def test_the_server_rules_over_every_client_count_only_the_clients_that_train():
     """SCAFFOLD's c += |S|/N mean dc and FedDyn's h -= alpha/m sum(theta - theta0): N and m are the training
     population, so held-out clients (who never send a correction) do not shrink the server's state."""
+    from fedmosaic.protocol.program import Signals
+
+    w = torch.ones(2)
+    sig = Signals(torch.tensor([0, 1]), w, w, 0.1)
     for name in ("scaffold", "feddyn"):
         fed = build_federation(cfg_of(TWENTY, algorithm={"name": name}, participation={"held_out": 0.25}))
         assert len(fed.srv.held_out) == 5 and fed.algo.trained_clients == 15 and fed.algo.num_clients == 20
         assert build_federation(cfg_of(TWENTY, algorithm={"name": name})).algo.trained_clients == 20
-    # FedDyn's h after two clients each moved every weight by +1 from the server's model: -alpha * 2 / 15
-    from fedmosaic.protocol.program import Signals
-
-    algo, server = fed.algo, fed.server
-    up = {k: torch.stack([v + 1, v + 1]) for k, v in server["model"].items()}
-    w = torch.ones(2)
-    h = algo.aggregate(server, {"model": up}, w, 0, Signals(torch.tensor([0, 1]), w, w, 0.1))["h"]
-    for v in h.values():
-        torch.testing.assert_close(v, torch.full_like(v, -algo.cfg.alpha * 2 / 15))
+        algo, server = fed.algo, fed.server
+        # two clients, each every weight moved by +1 from the server's model (FedDyn) / each dc = 1 (SCAFFOLD)
+        up = {k: torch.stack([v + 1, v + 1]) for k, v in server["model"].items()}
+        if name == "scaffold":  # c += |S|/N mean dc = 2/15
+            new = algo.aggregate(server, {"model": up, "dc": {k: torch.ones_like(v) for k, v in up.items()}}, w, 0,
+                                 sig)["c"]
+            want = 2 / 15
+        else:  # h -= alpha/m sum(theta - theta0) = -alpha 2/15
+            new, want = algo.aggregate(server, {"model": up}, w, 0, sig)["h"], -algo.cfg.alpha * 2 / 15
+        for v in new.values():
+            torch.testing.assert_close(v, torch.full_like(v, want))
 
 
 def test_held_out_clients_never_train_and_are_evaluated_apart():

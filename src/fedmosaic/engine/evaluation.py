@@ -67,10 +67,7 @@ def evaluate(fed, round_idx: int = 0) -> dict:
     if plan is not None:
         out["continual"] = continual(fed, t, plan, reply.get("continual"))
     out.update(_report(fed, reply))
-    notes = fed.pool.notes()  # a deployment: who answered the evaluation
-    if notes:
-        out["deploy_eval"] = notes["deploy"]
-    return out
+    return {**out, **_answered(fed)}
 
 
 def report(fed, round_idx: int) -> dict:
@@ -78,15 +75,22 @@ def report(fed, round_idx: int) -> dict:
     and the clients' states, without reading any data."""
     if not reports(type(fed.algo)):
         return {}
-    reply = {} if type(fed.algo).client_report is Algorithm.client_report else fed.pool.evaluate({
-        "round": round_idx, "payload": fed.algo.broadcast(fed.server, round_idx),
-        "assignment": fed.assign(fed.everyone), "report": True})
-    return _report(fed, reply)
+    if type(fed.algo).client_report is Algorithm.client_report:
+        return _report(fed, {})
+    reply = fed.pool.evaluate({"round": round_idx, "payload": fed.algo.broadcast(fed.server, round_idx),
+                               "assignment": fed.assign(fed.everyone), "report": True})
+    return {**_report(fed, reply), **_answered(fed)}
 
 
 def reports(cls: type) -> bool:
     """Whether an algorithm (its class) reports measures of its own (``report``, ``client_report``)."""
     return any(getattr(cls, m) is not getattr(Algorithm, m) for m in ("report", "client_report"))
+
+
+def _answered(fed) -> dict:
+    """A deployment: who answered this round's evaluation request, and which of its metrics they reported."""
+    notes = fed.pool.notes()
+    return {"deploy_eval": notes["deploy"]} if notes else {}
 
 
 def _report(fed, reply: dict) -> dict:

@@ -24,6 +24,7 @@ import os
 import platform
 import shlex
 import time
+import warnings
 from itertools import pairwise
 from pathlib import Path
 from typing import Literal
@@ -149,8 +150,6 @@ def finished(where: Path, cfg) -> bool:
 def progress_of(where: Path, cfg) -> str | None:
     """How far the experiment in ``where`` has got: per seed, its finished methods and the rounds of the one
     under way (what ``--status`` reports while the run goes on elsewhere); None where it has not started."""
-    from .compare import dir_name
-
     if not where.is_dir():
         return None
     variants, rounds, parts = cfg.variants(), cfg.train.rounds, []
@@ -158,8 +157,8 @@ def progress_of(where: Path, cfg) -> str | None:
         base = where / f"seed_{s}" if cfg.seeds else where
         done, going = 0, []
         for v in variants:
-            sub = base / dir_name(v.name) if len(variants) > 1 else base
-            if (sub / "summary.json").is_file():
+            sub = variant_dir(base, v, variants)
+            if ended(sub):
                 done += 1
             elif (sub / "metrics.jsonl").is_file():
                 n = sum(1 for line in (sub / "metrics.jsonl").read_text().splitlines() if line.strip())
@@ -175,25 +174,40 @@ def has_gpu() -> bool:
 
 
 # ---- verdicts -----------------------------------------------------------------------------------------------------
-def per_seed(out: Path) -> list[list[dict]]:
-    """The summaries of each finished seed's comparison under ``out`` (``seed_<s>/``, or ``out`` itself)."""
-    dirs = sorted((p for p in out.glob("seed_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-    return [s for s in map(seed_summaries, dirs or [out]) if s is not None]
+def per_seed(out: Path, cfg) -> list[list[dict]]:
+    """The summaries of each finished seed of the experiment ``cfg`` under ``out`` (``seed_<s>/``, or ``out``)."""
+    dirs = [out / f"seed_{s}" for s in cfg.seeds] if cfg.seeds else [out]
+    return [s for s in (seed_summaries(d, cfg.variants()) for d in dirs) if s is not None]
 
 
-def seed_summaries(where: Path) -> list[dict] | None:
+def seed_summaries(where: Path, variants: list) -> list[dict] | None:
     """One seed's summaries: its ``comparison.json``, or, where that was not kept (a seed's runs committed
-    without it, docs/runs/), its runs' own once every variant of its ``comparison.yaml`` has finished."""
-    from .compare import dir_name, from_runs
+    without it, docs/runs/), its runs' own once each of the experiment's ``variants`` has ended (finished, or
+    diverged: its rounds before count, as in the comparison's own table)."""
+    from .compare import from_runs
 
     if (where / "comparison.json").is_file():
         return json.loads((where / "comparison.json").read_text())
-    if not (where / "comparison.yaml").is_file():
+    subs = [variant_dir(where, v, variants) for v in variants]
+    if not all(map(ended, subs)):
         return None
-    variants = load_config(where / "comparison.yaml").variants()
-    if not all((where / dir_name(v.name) / "summary.json").is_file() for v in variants):
-        return None
-    return from_runs([where])[0]
+    summaries, _, notes = from_runs(subs)
+    for n in notes:  # (a missing meta.json, runs of one seed on different partitions)
+        warnings.warn(n, stacklevel=2)
+    return summaries
+
+
+def variant_dir(where: Path, v, variants: list) -> Path:
+    from .compare import dir_name
+
+    return where / dir_name(v.name) if len(variants) > 1 else where
+
+
+def ended(run_dir: Path) -> bool:
+    """A run that finished (its summary written) or diverged (its rounds before are its result)."""
+    from ..runs.dirs import diverged_round
+
+    return (run_dir / "summary.json").is_file() or diverged_round(run_dir) is not None
 
 
 def find(summaries: list[dict], method: str) -> dict | None:
@@ -320,7 +334,8 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
     verdicts = []
     for c in chosen:
         r = runs[c.experiment]
-        v = {"verdict": "not run", "why": r["not_run"]} if "not_run" in r else judge(c, per_seed(out / c.experiment))
+        v = {"verdict": "not run", "why": r["not_run"]} if "not_run" in r else \
+            judge(c, per_seed(out / c.experiment, configs[c.experiment]))
         verdicts.append({"id": c.id, "source": c.source, "text": c.text, "kind": c.kind, "paper": c.paper,
                          "experiment": c.experiment, **v})
     report = {"paper": paper, "title": spec.title, "scale": scale, "request": request, "machine": machine(),
