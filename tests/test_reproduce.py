@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from fedmosaic.cli.main import main
 from fedmosaic.reports.reproduce import ClaimSpec, experiment_config, judge, load_paper, papers
@@ -70,6 +71,19 @@ def test_every_claim_names_an_experiment_that_builds_and_methods_it_runs(paper):
             for c in (c for c in spec.claims if c.experiment == name):
                 for m in filter(None, [c.method, c.baseline, *c.methods]):
                     assert m in names or algos.count(m) == 1, f"{paper} {c.id}: {m} is not one of {sorted(names)}"
+
+
+def test_the_cifar100_continual_comparison_is_protofcls_reproduction_at_cpu_scale():
+    """configs/cil-cifar100-compare.yaml and `reproduce protofcl --scale cpu` are one experiment (issue 33's table
+    (a) and the paper's claims): the same config but for the name, the thread count and the variants' order."""
+    from fedmosaic.config import dump, load_config
+
+    repro = yaml.safe_load(dump(experiment_config(load_paper("protofcl").experiments["cifar100"], "cpu", [], None)))
+    mine = yaml.safe_load(dump(load_config(Path(__file__).parents[1] / "configs" / "cil-cifar100-compare.yaml")))
+    for cfg in (repro, mine):
+        cfg.pop("name"), cfg["engine"].pop("threads")
+        cfg["compare"] = sorted(cfg["compare"], key=json.dumps)
+    assert repro == mine
 
 
 def test_an_unknown_paper_or_claim_is_one_line_and_writes_nothing(tmp_path, capsys):
