@@ -175,10 +175,10 @@ def accuracy_per_task(summaries: list[dict | list[dict]], path: str | Path, titl
 def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path, title: str = "",
                 colors: dict[str, object] | None = None) -> Path | None:
     """One small panel per named part of the local objective (``terms``, every round) and per measure an algorithm
-    reports (``report``, with every evaluation, or every ``eval.report_every`` rounds): ProtoFCL's L_C, L_D, L_R, teacher entropy and prototype geometry, a
-    sparsity, ... — one line per method that has it (the mean over seeds with a band), so a collapse or a term that
-    does nothing is seen, not inferred. ``runs`` and ``colors`` as :func:`learning_curves`. None, and no file,
-    when no run has any."""
+    reports (``report``, with every evaluation, or every ``eval.report_every`` rounds): ProtoFCL's L_C, L_D, L_R,
+    teacher entropy and prototype geometry, a sparsity, ... — one line per method that has it (the mean over
+    seeds with a band), so a collapse or a term that does nothing is seen, not inferred. ``runs`` and ``colors``
+    as :func:`learning_curves`. None, and no file, when no run has any."""
     seeds = {name: recs if recs and isinstance(recs[0], list) else [recs] for name, recs in runs.items()}
     keys = list(dict.fromkeys((kind, k) for s in seeds.values() for rs in s for r in rs
                               for kind in ("terms", "report") for k in r.get(kind, {})))
