@@ -48,7 +48,7 @@ def evaluate(fed, round_idx: int = 0) -> dict:
         "round": t, "payload": sent, "assignment": fed.assign(fed.everyone), "global": model,
         "global_clients": model is not None and ev_cfg.client_test, "global_val": model is not None,
         "personal": personal, "personal_val": personal, "cross": personal and ev_cfg.cross_clients,
-        "report": type(fed.algo).client_report is not Algorithm.client_report,
+        "report": asks_clients(type(fed.algo)),
         # personal models judge their continual rows in the same message (one message round, not two)
         **({} if plan is None or fed.algo.global_model else {"continual": plan["request"]})})
     apart = np.isin(np.arange(fed.num_clients), fed.srv.held_out)  # (participation.held_out: never trained)
@@ -75,7 +75,7 @@ def report(fed, round_idx: int) -> dict:
     and the clients' states, without reading any data."""
     if not reports(type(fed.algo)):
         return {}
-    if type(fed.algo).client_report is Algorithm.client_report:
+    if not asks_clients(type(fed.algo)):  # measures of the server's state alone
         return _report(fed, {})
     reply = fed.pool.evaluate({"round": round_idx, "payload": fed.algo.broadcast(fed.server, round_idx),
                                "assignment": fed.assign(fed.everyone), "report": True})
@@ -84,7 +84,12 @@ def report(fed, round_idx: int) -> dict:
 
 def reports(cls: type) -> bool:
     """Whether an algorithm (its class) reports measures of its own (``report``, ``client_report``)."""
-    return any(getattr(cls, m) is not getattr(Algorithm, m) for m in ("report", "client_report"))
+    return cls.report is not Algorithm.report or asks_clients(cls)
+
+
+def asks_clients(cls: type) -> bool:
+    """Whether an algorithm's report needs its clients' states (``client_report``)."""
+    return cls.client_report is not Algorithm.client_report
 
 
 def _answered(fed) -> dict:

@@ -155,14 +155,11 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
                     raise RunError(f"{e} (learning rate {lr:g}); stopped {where}",
                                    amend=f"train.optimizer.lr={yaml_scalar(smaller)}", diverged=t) from None
                 rec["time_round_s"] = time.perf_counter() - t0
-                if (t + 1) % cfg.eval.every == 0 or t == rounds - 1 or fed.task_ends(t):
-                    t1 = time.perf_counter()
-                    rec.update(fed.evaluate(t))
+                evaluated = (t + 1) % cfg.eval.every == 0 or t == rounds - 1 or fed.task_ends(t)
+                if evaluated or (cfg.eval.report_every and (t + 1) % cfg.eval.report_every == 0):
+                    t1 = time.perf_counter()  # (a report alone is a message round in a deployment too)
+                    rec.update(fed.evaluate(t) if evaluated else fed.report(t))
                     rec["time_eval_s"] = time.perf_counter() - t1
-                elif cfg.eval.report_every and (t + 1) % cfg.eval.report_every == 0:
-                    t1 = time.perf_counter()
-                    rec.update(fed.report(t))
-                    rec["time_eval_s"] = time.perf_counter() - t1  # (a message round in a deployment)
                 metrics.write(json.dumps(rec) + "\n")
                 metrics.flush()
                 records.append(rec)
