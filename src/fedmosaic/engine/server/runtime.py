@@ -21,7 +21,7 @@ from ...protocol.tree import leaves, tmap, weighted_mean
 from .. import robust
 from ..group import Group
 from ..messages import ids_of
-from ..seeding import drop_out, held_out, sample_cohort
+from ..seeding import drop_out, sample_cohort
 from ..tensors import ClientTensors, cat_trees
 from .calendar import TaskCalendar
 
@@ -42,7 +42,7 @@ class ServerRuntime:
 
     def __init__(self, settings: RoundSettings, algo: Algorithm, groups: list[Group], num_clients: int,
                  calendar: TaskCalendar | None, public: ClientTensors | None, transform, batch: int,
-                 device: torch.device):
+                 device: torch.device, held_out: np.ndarray):
         self.settings, self.algo, self.groups, self.num_clients = settings, algo, groups, num_clients
         self.calendar, self.public, self.transform, self.batch, self.device = calendar, public, transform, batch, device
         self.group_index = {g.gid: i for i, g in enumerate(groups)}
@@ -53,9 +53,8 @@ class ServerRuntime:
         self.opt_state: dict | None = None
         #: ``privacy``: the clip of the next round (adaptive clipping moves it)
         self.dp_clip: float | None = None
-        #: ``participation.held_out``: the clients that never train
-        self.held_out = held_out(num_clients, settings.participation.held_out if settings.participation else 0.0,
-                                 settings.seed)
+        #: ``participation.held_out``: the clients that never train (``seeding.held_out``, drawn once by the world)
+        self.held_out = held_out
 
     # ---- what goes down ---------------------------------------------------------------------------
     def chosen(self, t: int) -> np.ndarray:
