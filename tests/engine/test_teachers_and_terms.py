@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 from fedtest import assert_trees_close, with_overrides
@@ -206,6 +207,34 @@ def test_report_every_round_gives_the_geometry_between_evaluations_and_changes_n
     wire = build_federation(continual(eval={"every": every, "client_test": False, "report_every": 1}), pool="wire")
     wire.round(0)
     assert wire.report(0) == {"report": b[0]["report"]}  # a report-only request crosses the wire as it is
+
+
+def test_per_task_geometry_and_entropy_by_hand_over_seeds_and_in_the_report(tmp_path):
+    """`fedmosaic report` on class-incremental runs gives per task: the seen-class accuracy, the report at the
+    task's end (ProtoFCL's geometry) and each term's mean over the task's rounds (the teacher's entropy) — by
+    hand from metrics.jsonl, then the mean ± std over two seeds."""
+    from fedmosaic.reports.compare import from_runs, tasks_table
+
+    cfg = continual(eval={"every": 1, "client_test": False})
+    for seed in (2, 3):
+        run(with_overrides(cfg.model_dump(), seed=seed), tmp_path / f"s{seed}", progress=False)
+    recs = read_metrics(tmp_path / "s2")
+    tasks = summarize(recs, cfg)["continual_per_task"]
+    assert len(tasks) == 3  # 6 rounds, 2 a task
+    for i, t in enumerate(tasks):
+        mine, end = recs[2 * i: 2 * i + 2], recs[2 * i + 1]
+        assert t["seen"] == end["continual"]["seen_acc"] and t["proto_inter"] == end["report"]["proto_inter"]
+        assert t["teacher_entropy_mean"] == pytest.approx(np.mean([r["terms"]["teacher_entropy"] for r in mine]))
+    assert tasks[0]["teacher_entropy_mean"] == 0 < tasks[1]["teacher_entropy_mean"]  # a teacher from task 2 on
+    (both,), _, _ = from_runs([tmp_path / "s2", tmp_path / "s3"])
+    other = summarize(read_metrics(tmp_path / "s3"), cfg)["continual_per_task"]
+    assert both["seeds"] == 2 and both["continual_per_task"][1]["proto_inter"] == pytest.approx(
+        (tasks[1]["proto_inter"] + other[1]["proto_inter"]) / 2)
+    assert both["continual_per_task_std"][1]["seen"] == pytest.approx(
+        np.std([tasks[1]["seen"], other[1]["seen"]], ddof=1))
+    text = tasks_table([both, {"name": "fedavg"}])
+    assert "task 3" in text and "proto_spread_ratio" in text and " ± " in text and "fedavg" not in text
+    assert tasks_table([{"name": "fedavg"}]) == ""
 
 
 def test_protofcl_with_local_prototypes_exchanges_nothing_and_predicts_by_its_own_nearest_prototype():

@@ -181,12 +181,12 @@ def _check(cfg, args) -> None:
 
 
 def _print_tables(summaries: list[dict]) -> None:
-    from ..reports.compare import table, terms_table
+    from ..reports.compare import table, tasks_table, terms_table
 
     print(table(summaries))
-    parts = terms_table(summaries)
-    if parts:
-        print(f"\n{parts}")
+    for part in (terms_table(summaries), tasks_table(summaries)):
+        if part:
+            print(f"\n{part}")
 
 
 def _report(args) -> None:

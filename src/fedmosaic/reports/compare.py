@@ -285,6 +285,12 @@ def over_seeds(groups: dict[str, list[dict]]) -> list[dict]:
             elif key == "continual_seen" and all(isinstance(v, list) and len(v) == len(vals[0]) for v in vals):
                 agg[key] = np.mean(vals, axis=0).tolist()
                 agg[f"{key}_std"] = (np.std(vals, axis=0, ddof=1) if len(vals) > 1 else np.zeros(len(vals[0]))).tolist()
+            elif key == "continual_per_task" and all(isinstance(v, list) and len(v) == len(vals[0]) for v in vals):
+                agg[key], agg[f"{key}_std"] = [], []
+                for tasks in zip(*vals):  # one task over the seeds: each number the seeds all have
+                    common = [n for n in tasks[0] if all(n in t for t in tasks)]
+                    agg[key].append({n: float(np.mean([t[n] for t in tasks])) for n in common})
+                    agg[f"{key}_std"].append({n: float(np.std([t[n] for t in tasks], ddof=1)) for n in common})
             elif key == "terms_last" and all(isinstance(v, dict) for v in vals):
                 agg[key] = {n: float(np.mean([v[n] for v in vals if n in v])) for n in vals[0]}
         out.append(agg)
@@ -332,6 +338,24 @@ def terms_table(summaries: list[dict]) -> str:
     rows = [["loss terms (last round)", *names]]
     rows += [[s["name"], *(f"{s['terms_last'][n]:.4g}" if n in s.get("terms_last", {}) else "-" for n in names)]
              for s in summaries]
+    return _aligned(rows)
+
+
+def tasks_table(summaries: list[dict]) -> str:
+    """Class-incremental runs, per task: the accuracy on the classes seen so far, the algorithm's report at the
+    task's end and the loss terms' means over its rounds (mean ± std where over seeds; empty without such runs)."""
+    runs = [s for s in summaries if s.get("continual_per_task")]
+    if not runs:
+        return ""
+    T = max(len(s["continual_per_task"]) for s in runs)
+    rows = [["per task", "", *(f"task {i + 1}" for i in range(T))]]
+    for s in runs:
+        tasks, stds = s["continual_per_task"], s.get("continual_per_task_std")
+        for n in dict.fromkeys(n for t in tasks for n in t):
+            f = "{:.2%}" if n == "seen" else "{:.4g}"
+            cells = [f.format(t[n]) + (f" ± {f.format(stds[i][n])}" if stds and s.get("seeds", 1) > 1 else "")
+                     if n in t else "-" for i, t in enumerate(tasks)]
+            rows.append([s["name"], n, *cells, *["-"] * (T - len(tasks))])
     return _aligned(rows)
 
 

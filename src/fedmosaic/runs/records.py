@@ -150,6 +150,7 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
                     "continual_seen": cs["seen"], "continual_bwt": cs["bwt"],
                     "continual_forgetting": cs["forgetting_mean"],
                     "continual_matrix": [[None if np.isnan(v) else float(v) for v in row] for row in a]})
+        out["continual_per_task"] = per_task(records, [r for r in ev if r.get("continual", {}).get("task_end")])
     terms = [r["terms"] for r in records if "terms" in r]
     if terms:  # the named parts of the local objective: in the last round, and their mean over the rounds
         out["terms_last"] = terms[-1]
@@ -162,6 +163,21 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
         out["epsilon"], out["delta"] = spent[-1]["epsilon"], spent[-1]["delta"]
     out["bytes_per_round"] = float(np.mean([r["bytes_up"] + r["bytes_down"] for r in records])) if records else 0.0
     out["wall_time_s"] = float(sum(r.get("time_round_s", 0) + r.get("time_eval_s", 0) for r in records))
+    return out
+
+
+def per_task(records: list[dict], ends: list[dict]) -> list[dict[str, float]]:
+    """Per task of a class-incremental run: the accuracy on the classes seen so far (``seen``), the algorithm's
+    report at the task's last round (e.g. ProtoFCL's prototype geometry) and each loss term's mean over the task's
+    rounds (``<term>_mean``, e.g. the teacher's entropy); ``ends``: the evaluation records ending each task."""
+    out, start = [], -1
+    for end in ends:
+        rounds = [r for r in records if start < r["round"] <= end["round"]]
+        terms = [r["terms"] for r in rounds if "terms" in r]
+        names = dict.fromkeys(n for t in terms for n in t)
+        out.append({"seen": end["continual"]["seen_acc"], **end.get("report", {}),
+                    **{f"{n}_mean": float(np.mean([t[n] for t in terms if n in t])) for n in names}})
+        start = end["round"]
     return out
 
 
