@@ -213,7 +213,7 @@ def test_per_task_geometry_and_entropy_by_hand_over_seeds_and_in_the_report(tmp_
     """`fedmosaic report` on class-incremental runs gives per task: the seen-class accuracy, the report at the
     task's end (ProtoFCL's geometry) and each term's mean over the task's rounds (the teacher's entropy) — by
     hand from metrics.jsonl, then the mean ± std over two seeds."""
-    from fedmosaic.reports.compare import from_runs, tasks_table
+    from fedmosaic.reports.compare import from_runs, over_seeds, tasks_table
 
     cfg = continual(eval={"every": 1, "client_test": False})
     for seed in (2, 3):
@@ -234,6 +234,10 @@ def test_per_task_geometry_and_entropy_by_hand_over_seeds_and_in_the_report(tmp_
         np.std([tasks[1]["seen"], other[1]["seen"]], ddof=1))
     text = tasks_table([both, {"name": "fedavg"}])
     assert "task 3" in text and "proto_spread_ratio" in text and " ± " in text and "fedavg" not in text
+    # a seed that stopped early (diverged) leaves the later tasks to the seeds that reached them, and says so
+    (cut,) = over_seeds({"p": [{"continual_per_task": tasks}, {"continual_per_task": other[:1]}]})
+    assert cut["continual_per_task_seeds"] == [2, 1, 1] and cut["continual_per_task"][2] == tasks[2]
+    assert "(1 of 2 seeds)" in tasks_table([cut]) and tasks_table([cut]).count("(1 of 2 seeds)") == 2 * len(tasks[2])
     assert tasks_table([{"name": "fedavg"}]) == ""
 
 

@@ -285,12 +285,15 @@ def over_seeds(groups: dict[str, list[dict]]) -> list[dict]:
             elif key == "continual_seen" and all(isinstance(v, list) and len(v) == len(vals[0]) for v in vals):
                 agg[key] = np.mean(vals, axis=0).tolist()
                 agg[f"{key}_std"] = (np.std(vals, axis=0, ddof=1) if len(vals) > 1 else np.zeros(len(vals[0]))).tolist()
-            elif key == "continual_per_task" and all(isinstance(v, list) and len(v) == len(vals[0]) for v in vals):
-                agg[key], agg[f"{key}_std"] = [], []
-                for tasks in zip(*vals):  # one task over the seeds: each number the seeds all have
+            elif key == "continual_per_task" and all(isinstance(v, list) for v in vals):
+                agg[key], agg[f"{key}_std"], agg[f"{key}_seeds"] = [], [], []
+                for i in range(max(map(len, vals))):  # task i over the seeds that reached it (one may diverge)
+                    tasks = [v[i] for v in vals if len(v) > i]
                     common = [n for n in tasks[0] if all(n in t for t in tasks)]
                     agg[key].append({n: float(np.mean([t[n] for t in tasks])) for n in common})
-                    agg[f"{key}_std"].append({n: float(np.std([t[n] for t in tasks], ddof=1)) for n in common})
+                    agg[f"{key}_std"].append({n: float(np.std([t[n] for t in tasks], ddof=1)) if len(tasks) > 1
+                                              else 0.0 for n in common})
+                    agg[f"{key}_seeds"].append(len(tasks))
             elif key == "terms_last" and all(isinstance(v, dict) for v in vals):
                 agg[key] = {n: float(np.mean([v[n] for v in vals if n in v])) for n in vals[0]}
         out.append(agg)
@@ -351,11 +354,17 @@ def tasks_table(summaries: list[dict]) -> str:
     rows = [["per task", "", *(f"task {i + 1}" for i in range(T))]]
     for s in runs:
         tasks, stds = s["continual_per_task"], s.get("continual_per_task_std")
+        seeds = s.get("continual_per_task_seeds", [1] * len(tasks))
+
+        def cell(i: int, n: str, f: str) -> str:
+            if n not in tasks[i]:
+                return "-"
+            fewer = f" ({seeds[i]} of {s['seeds']} seeds)" if seeds[i] < s.get("seeds", 1) else ""
+            return f.format(tasks[i][n]) + (f" ± {f.format(stds[i][n])}" if seeds[i] > 1 else "") + fewer
+
         for n in dict.fromkeys(n for t in tasks for n in t):
             f = "{:.2%}" if n == "seen" else "{:.4g}"
-            cells = [f.format(t[n]) + (f" ± {f.format(stds[i][n])}" if stds and s.get("seeds", 1) > 1 else "")
-                     if n in t else "-" for i, t in enumerate(tasks)]
-            rows.append([s["name"], n, *cells, *["-"] * (T - len(tasks))])
+            rows.append([s["name"], n, *(cell(i, n, f) for i in range(len(tasks))), *["-"] * (T - len(tasks))])
     return _aligned(rows)
 
 
