@@ -212,10 +212,11 @@ def test_report_every_round_gives_the_geometry_between_evaluations_and_changes_n
 def test_per_task_geometry_and_entropy_by_hand_over_seeds_and_in_the_report(tmp_path):
     """`fedmosaic report` on class-incremental runs gives per task: the seen-class accuracy, the report at the
     task's end (ProtoFCL's geometry) and each term's mean over the task's rounds (the teacher's entropy) — by
-    hand from metrics.jsonl, then the mean ± std over two seeds."""
+    hand from metrics.jsonl (every 3rd round evaluated: the terms' mean is over every round of the task, the
+    report the task end's), then the mean ± std over two seeds."""
     from fedmosaic.reports.compare import from_runs, over_seeds, tasks_table
 
-    cfg = continual(eval={"every": 1, "client_test": False})
+    cfg = continual(eval={"every": 3, "client_test": False})
     for seed in (2, 3):
         run(with_overrides(cfg.model_dump(), seed=seed), tmp_path / f"s{seed}", progress=False)
     recs = read_metrics(tmp_path / "s2")
@@ -238,6 +239,8 @@ def test_per_task_geometry_and_entropy_by_hand_over_seeds_and_in_the_report(tmp_
     (cut,) = over_seeds({"p": [{"continual_per_task": tasks}, {"continual_per_task": other[:1]}]})
     assert cut["continual_per_task_seeds"] == [2, 1, 1] and cut["continual_per_task"][2] == tasks[2]
     assert "(1 of 2 seeds)" in tasks_table([cut]) and tasks_table([cut]).count("(1 of 2 seeds)") == 2 * len(tasks[2])
+    (none,) = over_seeds({"p": [{"continual_per_task": tasks}, {"continual_avg": 0.1}]})  # one ended no task yet
+    assert none["continual_per_task_seeds"] == [1, 1, 1] and none["continual_per_task"] == tasks
     assert tasks_table([{"name": "fedavg"}]) == ""
 
 

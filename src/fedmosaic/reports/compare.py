@@ -285,7 +285,8 @@ def over_seeds(groups: dict[str, list[dict]]) -> list[dict]:
             elif key == "continual_seen" and all(isinstance(v, list) and len(v) == len(vals[0]) for v in vals):
                 agg[key] = np.mean(vals, axis=0).tolist()
                 agg[f"{key}_std"] = (np.std(vals, axis=0, ddof=1) if len(vals) > 1 else np.zeros(len(vals[0]))).tolist()
-            elif key == "continual_per_task" and all(isinstance(v, list) for v in vals):
+            elif key == "continual_per_task" and all(isinstance(v, list) or v is None for v in vals):
+                vals = [v or [] for v in vals]  # (None: a seed that ended no task yet)
                 agg[key], agg[f"{key}_std"], agg[f"{key}_seeds"] = [], [], []
                 for i in range(max(map(len, vals))):  # task i over the seeds that reached it (one may diverge)
                     tasks = [v[i] for v in vals if len(v) > i]

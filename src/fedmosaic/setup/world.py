@@ -218,20 +218,20 @@ class World:
         self.extra = build_extra(cfg, algo_cls.extra_models(algo_cfg, cfg.model), len(self.groups),
                                  self.fd.dataset.input_shape, self.fd.num_classes, self.num_clients, self.memory, dev)
         part = cfg.participation
-        held = held_out(self.num_clients, part.held_out if part else 0.0, cfg.seed)  # (participation.held_out)
+        never_train = held_out(self.num_clients, part.held_out if part else 0.0, cfg.seed)  # participation
         setting = Setting(self.fd.num_classes, dims.pop() if len(dims) == 1 else 0, self.fd.num_clients,
                           cfg.train.optimizer,
                           cfg.train.local_epochs, self.batch, head_keys(self.groups[0].module),
                           {s: {k: v.detach().clone() for k, v in m.named_parameters()} for s, m in self.extra.items()},
                           cfg.train.rounds, tc.rounds_per_task if tc else 0, tc.n_tasks if tc else 0,
                           self.groups[0].init, norm_keys(self.groups[0].module),
-                          self.num_clients - len(held))
+                          self.num_clients - len(never_train))
         self.algo = algo_cls(algo_cfg, setting)
         if self.algo.pooled:
             self._pool_train_split()
         #: the server side of every round (``server.runtime.ServerRuntime``)
         self.srv = ServerRuntime(settings, self.algo, self.groups, self.num_clients, self.calendar, self.public,
-                                 self.transform, self.batch, dev, held)
+                                 self.transform, self.batch, dev, never_train)
         # the batch plans are drawn on the host, then copied to the device: both must hold them
         for memory, where in [(self.memory, dev)] + ([] if dev.type == "cpu" else
                                                      [(memory_bytes(torch.device("cpu")), torch.device("cpu"))]):
