@@ -139,7 +139,8 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
         out["inter_last3"] = float(np.mean([c["inter_avg"] for c in cross]))
     if ev and "report" in ev[-1]:  # the algorithm's own measures (e.g. sparsity of personal parts)
         out.update({f"{k}_final": v for k, v in ev[-1]["report"].items()})
-    ends = [r["continual"] for r in ev if r.get("continual", {}).get("task_end")]
+    end_records = [r for r in ev if r.get("continual", {}).get("task_end")]
+    ends = [r["continual"] for r in end_records]
     if ends:  # class-incremental: the accuracy matrix from the evaluations at the end of each task
         T = len(ends)
         a = np.full((T, T), np.nan)
@@ -150,7 +151,7 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
                     "continual_seen": cs["seen"], "continual_bwt": cs["bwt"],
                     "continual_forgetting": cs["forgetting_mean"],
                     "continual_matrix": [[None if np.isnan(v) else float(v) for v in row] for row in a]})
-        out["continual_per_task"] = per_task(records, [r for r in ev if r.get("continual", {}).get("task_end")])
+        out["continual_per_task"] = per_task(records, end_records)
     terms = [r["terms"] for r in records if "terms" in r]
     if terms:  # the named parts of the local objective: in the last round, and their mean over the rounds
         out["terms_last"] = terms[-1]
