@@ -54,6 +54,21 @@ def test_a_method_or_metric_missing_is_not_run_never_a_verdict():
         == "not run"
 
 
+def test_a_claim_is_judged_on_the_seeds_where_all_its_methods_have_results():
+    """A comparison under way (seed 1 has a but not yet b): a gain is paired on seed 0 alone and says so; a value
+    of a uses both seeds; a method with a result in no seed is named."""
+    runs = seeds({"a": 0.60, "b": 0.50}, {"a": 0.80})
+    gain = judge(claim(kind="gain", method="a", baseline="b", paper=10.0, tolerance=1.0), runs)
+    assert (gain["ours"], gain["seeds"], gain["of"]) == (pytest.approx(10.0), 1, 2) and gain["std"] is None
+    value = judge(claim(kind="value", method="a", paper=70.0, tolerance=1.0), runs)
+    assert (value["ours"], value["seeds"], value["of"]) == (pytest.approx(70.0), 2, 2)
+    assert judge(claim(kind="best", method="a", methods=["b"]), runs)["seeds"] == 1
+    apart = judge(claim(kind="gain", method="a", baseline="b", paper=1.0), seeds({"a": 0.6}, {"b": 0.5}))
+    assert apart["verdict"] == "not run" and apart["why"].endswith("of a, b together")
+    none = judge(claim(kind="value", method="c", paper=1.0), runs)
+    assert none["verdict"] == "not run" and none["why"] == "no seed has a acc of c"
+
+
 def test_a_claim_is_refused_without_what_its_kind_needs():
     with pytest.raises(ValueError, match="gain claim needs baseline"):
         claim(kind="gain", method="a", paper=1.0)
@@ -131,16 +146,17 @@ def test_reproduce_apfl_pd_end_to_end_with_a_dataset_missing(tmp_path, capsys):
 
 
 def test_status_reports_progress_and_judges_only_finished_seeds_writing_nothing(tmp_path, capsys):
-    """--status while a reproduction is under way (here: seed 1 cut short after one of its methods' first round):
-    per seed the finished methods and the rounds of the one under way, verdicts on the finished seed alone, and
-    nothing run or written; on a folder with no reproduction, one line."""
+    """--status while a reproduction is under way (here: seed 1's FedAvg cut short after its first round): per seed
+    the finished methods and the rounds of the one under way, each claim judged on the seeds where its methods
+    have finished (the gain over FedAvg on seed 0 alone, APFL-PD against centralized on both), and nothing run or
+    written; on a folder with no reproduction, one line."""
     need_data("vehicle")
     out = tmp_path / "rep"
-    argv = ["reproduce", "apfl-pd", "--claims", "vehicle-gain", "--seeds", "0", "1", "--set", "train.rounds=2",
-            "--out", str(out), "--no-progress"]
+    argv = ["reproduce", "apfl-pd", "--claims", "vehicle-gain", "vehicle-central", "--seeds", "0", "1", "--set",
+            "train.rounds=2", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     exp = out / "vehicle"
-    cut = sorted(p.parent for p in (exp / "seed_1").glob("*/summary.json"))[-1]
+    cut = next(p.parent for p in (exp / "seed_1").glob("*/summary.json") if p.parent.name.startswith("fedavg"))
     for f in (exp / "comparison.json", exp / "seed_1" / "comparison.json", cut / "summary.json"):
         f.unlink()
     lines = (cut / "metrics.jsonl").read_text().splitlines()
@@ -152,7 +168,8 @@ def test_status_reports_progress_and_judges_only_finished_seeds_writing_nothing(
     methods = len(list((exp / "seed_0").glob("*/summary.json")))
     assert f"seed 0: {methods} of {methods} methods finished; seed 1: {methods - 1} of {methods} methods " \
            f"finished, " in text and " 1 of 2 rounds" in text
-    assert "| vehicle-gain:" in text and "(1 seeds)" in text  # judged on seed 0 only
+    rows = {line.split(":")[0]: line for line in text.splitlines() if line.startswith("| vehicle-")}
+    assert "(1 of 2 seeds)" in rows["| vehicle-gain"] and "(2 seeds)" in rows["| vehicle-central"]
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
     # a finished seed's runs kept without its comparison.json (as docs/runs/ commits them): the same verdict
     verdict = next(line for line in text.splitlines() if line.startswith("| vehicle-gain:"))

@@ -175,22 +175,24 @@ def has_gpu() -> bool:
 
 # ---- verdicts -----------------------------------------------------------------------------------------------------
 def per_seed(out: Path, cfg) -> list[list[dict]]:
-    """The summaries of each finished seed of the experiment ``cfg`` under ``out`` (``seed_<s>/``, or ``out``)."""
+    """Per seed of the experiment ``cfg`` under ``out`` (``seed_<s>/``, or ``out``), the summaries of its methods
+    that have ended so far (empty where none has): each claim is judged on the seeds where all of its methods
+    have, so a comparison under way already answers the claims its finished runs decide."""
     dirs = [out / f"seed_{s}" for s in cfg.seeds] if cfg.seeds else [out]
-    return [s for s in (seed_summaries(d, cfg.variants()) for d in dirs) if s is not None]
+    return [seed_summaries(d, cfg.variants()) for d in dirs]
 
 
-def seed_summaries(where: Path, variants: list) -> list[dict] | None:
-    """One seed's summaries: its ``comparison.json``, or, where that was not kept (a seed's runs committed
-    without it, docs/runs/), its runs' own once each of the experiment's ``variants`` has ended (finished, or
-    diverged: its rounds before count, as in the comparison's own table)."""
+def seed_summaries(where: Path, variants: list) -> list[dict]:
+    """One seed's summaries: its ``comparison.json``, or, where that was not kept (a seed under way, or its runs
+    committed without it, docs/runs/), those of its ``variants`` that have ended (finished, or diverged: their
+    rounds before count, as in the comparison's own table)."""
     from .compare import from_runs
 
     if (where / "comparison.json").is_file():
         return json.loads((where / "comparison.json").read_text())
-    subs = [variant_dir(where, v, variants) for v in variants]
-    if not all(map(ended, subs)):
-        return None
+    subs = [d for d in (variant_dir(where, v, variants) for v in variants) if ended(d)]
+    if not subs:
+        return []
     summaries, _, notes = from_runs(subs)
     for n in notes:  # (a missing meta.json, runs of one seed on different partitions)
         warnings.warn(n, stacklevel=2)
@@ -231,24 +233,28 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
 
 
 def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
-    """The claim's verdict on the seeds' summaries: ours (mean, std over seeds), the difference to the paper's
+    """The claim's verdict on the seeds' summaries (one list per seed of the experiment): ours (mean, std over the
+    seeds where every method the claim names has a result, paired per seed), the difference to the paper's
     number, the verdict and a note."""
-    def values(method):
-        got = [metric(find(s, method), claim) for s in seeds]
-        return None if any(v is None for v in got) else got
-
     names = [m for m in [claim.method, claim.baseline, *claim.methods] if m]
-    absent = [m for m in names if values(m) is None]
-    if not seeds or absent:
-        return {"verdict": "not run", "why": f"no {' / '.join(claim.metric)} of {', '.join(absent or names)} in the "
-                "experiment's results"}
+    have = [{m: metric(find(s, m), claim) for m in names} for s in seeds]
+    have = [h for h in have if None not in h.values()]
+    if not have:
+        absent = [m for m in names if all(metric(find(s, m), claim) is None for s in seeds)]
+        return {"verdict": "not run", "why": f"no seed has a {' / '.join(claim.metric)} of "
+                f"{', '.join(absent or names)}" + ("" if absent else " together")}
+    of = {"seeds": len(have), "of": len(seeds)}
+
+    def values(method):
+        return [h[method] for h in have]
+
     sign = -1 if claim.lower else 1
     if claim.kind in ("value", "gain"):
         ours = values(claim.method)
         if claim.kind == "gain":
             ours = [a - b for a, b in zip(ours, values(claim.baseline), strict=True)]
         mean, std = mean_std(ours)
-        out = {"ours": mean, "std": std, "seeds": len(ours)}
+        out = {"ours": mean, "std": std, **of}
         if claim.paper is None:
             return {**out, "verdict": "holds" if sign * mean > 0 else "contradicted"}
         diff = mean - claim.paper
@@ -263,7 +269,7 @@ def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
     if claim.kind == "best":
         above = [m for m in claim.methods if sign * means[m][0] >= sign * means[claim.method][0]]
         runner = max(claim.methods, key=lambda m: sign * means[m][0])
-        out = {"ours": means[claim.method][0], "std": means[claim.method][1], "seeds": len(seeds),
+        out = {"ours": means[claim.method][0], "std": means[claim.method][1], **of,
                "difference": means[claim.method][0] - means[runner][0],
                "note": f"next: {runner} {means[runner][0]:.2f}"}
         if above:
@@ -274,9 +280,9 @@ def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
     note = " > ".join(f"{m} {means[m][0]:.2f}" for m in order) if not claim.lower else \
         " < ".join(f"{m} {means[m][0]:.2f}" for m in order)
     if flipped:
-        return {"verdict": "contradicted", "seeds": len(seeds), "note": f"{flipped[0]} is not above {flipped[1]}; "
+        return {"verdict": "contradicted", **of, "note": f"{flipped[0]} is not above {flipped[1]}; "
                 f"ours: {note}"}
-    return {"verdict": "holds", "seeds": len(seeds), "note": note}
+    return {"verdict": "holds", **of, "note": note}
 
 
 # ---- the command ----------------------------------------------------------------------------------------------------
@@ -361,6 +367,14 @@ def _num(v: float | None, std: float | None = None) -> str:
     return f"{v:.2f}" + (f" ± {std:.2f}" if std is not None else "")
 
 
+def _seeds(c: dict) -> str:
+    """" (3 seeds)", or " (1 of 3 seeds)" where the claim's methods have results in fewer seeds than were asked."""
+    if not c.get("seeds"):
+        return ""
+    k, n = c["seeds"], c.get("of", c["seeds"])
+    return f" ({k} of {n} seeds)" if k < n else f" ({n} seed{'s' if n > 1 else ''})"
+
+
 def markdown(report: dict) -> str:
     m = report["machine"]
     lines = [f"# Reproduction: {report['title']}", "",
@@ -371,7 +385,7 @@ def markdown(report: dict) -> str:
     for c in report["claims"]:
         detail = c.get("why") or c.get("note") or ""
         lines.append(f"| {c['id']}: {c['text']} | {c['source']} | {_num(c['paper'])} | "
-                     f"{_num(c.get('ours'), c.get('std'))}{' (' + str(c['seeds']) + ' seeds)' if c.get('seeds') else ''}"
+                     f"{_num(c.get('ours'), c.get('std'))}{_seeds(c)}"
                      f" | {_num(c.get('difference'))} | **{c['verdict']}**{': ' + detail if detail else ''} |")
     lines += ["", ("ours: the mean over seeds (a gain: paired per seed; a best: the method's own value); difference: "
                    "ours - paper (a best: the margin to the next method); accuracies in percent points."), "",
