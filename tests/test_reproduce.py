@@ -155,6 +155,18 @@ def test_status_reports_progress_and_judges_only_finished_seeds_writing_nothing(
     argv = ["reproduce", "apfl-pd", "--claims", "vehicle-gain", "vehicle-central", "--seeds", "0", "1", "--set",
             "train.rounds=2", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
+    # the same folder with other seeds or another --set: one line before anything runs or is written, with or
+    # without --status (it used to train nothing, call every claim "not run: refused" and rewrite the report)
+    capsys.readouterr()
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    other = {"seeds: [0, 1] -> [0]": [a for a in argv if a != "1"],  # --seeds 0
+             "train.rounds: 2 -> 3": [*argv, "--set", "train.rounds=3"]}
+    for change, changed in other.items():
+        for status in ([], ["--status"]):
+            assert main([*changed, *status]) == 2
+            err = capsys.readouterr().err.strip()
+            assert "\n" not in err and "was started with another setting" in err and change in err, err
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
     exp = out / "vehicle"
     cut = next(p.parent for p in (exp / "seed_1").glob("*/summary.json") if p.parent.name.startswith("fedavg"))
     for f in (exp / "comparison.json", exp / "seed_1" / "comparison.json", cut / "summary.json"):

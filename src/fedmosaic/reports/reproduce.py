@@ -147,6 +147,23 @@ def finished(where: Path, cfg) -> bool:
     return (where / "comparison.json").is_file() and saved.is_file() and load_config(saved) == cfg
 
 
+def check_same_setting(paper: str, out: Path, where: Path, cfg) -> None:
+    """An experiment already started under ``where`` resumes only with the config it started with: another --set
+    or --seeds is refused in one line before anything runs or is written (the resume itself would refuse it
+    later, and the claims would be reported as not run over the report of the runs that exist)."""
+    from ..runs.checkpoints import flat
+
+    saved = next((where / f for f in ("seeds.yaml", "comparison.yaml", "config.yaml") if (where / f).is_file()), None)
+    if saved is None:
+        return
+    old, new = flat(load_config(saved).model_dump(mode="json")), flat(cfg.model_dump(mode="json"))
+    changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
+               if old.get(k) != new.get(k)]
+    if changed:
+        raise FedMosaicError(f"reproduce {paper}: {where} was started with another setting ({', '.join(changed[:3])});"
+                             f" resume it with the --set and --seeds saved in {out / REQUEST}, or choose another --out")
+
+
 def progress_of(where: Path, cfg) -> str | None:
     """How far the experiment in ``where`` has got: per seed, its finished methods and the rounds of the one
     under way (what ``--status`` reports while the run goes on elsewhere); None where it has not started."""
@@ -312,6 +329,8 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
         if {k: saved.get(k) for k in ("paper", "scale")} != {"paper": paper, "scale": scale}:
             raise FedMosaicError(f"{out} holds the reproduction of {saved.get('paper')} at scale {saved.get('scale')}; "
                                  "choose another --out")
+        for n in names:
+            check_same_setting(paper, out, out / n, configs[n])
     else:
         check_out(out, resume=False)
         out.mkdir(parents=True, exist_ok=True)
