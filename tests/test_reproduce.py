@@ -143,6 +143,20 @@ def test_reproduce_apfl_pd_end_to_end_with_a_dataset_missing(tmp_path, capsys):
     assert main(argv) == 0
     assert [p.stat().st_mtime_ns for p in metrics] == before
     assert json.loads((out / "reproduction.json").read_text())["claims"] == report["claims"]
+    # a copy of it on a machine without the data (or --status there): the finished experiments are judged from
+    # their runs as before, not reported as not run for want of a dataset they no longer need
+    nodata = tmp_path / "empty"
+    nodata.mkdir()
+    elsewhere = [*argv[:argv.index("--data-dir") + 1], str(nodata), *argv[argv.index("--data-dir") + 2:]]
+    assert main(elsewhere) == 0
+    again = json.loads((out / "reproduction.json").read_text())["claims"]
+    assert [c for c in again if not c["id"].startswith("cifar10")] == \
+        [c for c in report["claims"] if not c["id"].startswith("cifar10")]
+    rows = [line for line in md.splitlines() if line.startswith(("| mnist-", "| vehicle-", "| femnist-"))]
+    capsys.readouterr()
+    assert main([*elsewhere, "--status"]) == 0
+    assert [line for line in capsys.readouterr().out.splitlines() if line in rows] == rows
+    assert [p.stat().st_mtime_ns for p in metrics] == before
 
 
 def test_status_reports_progress_and_judges_only_finished_seeds_writing_nothing(tmp_path, capsys):

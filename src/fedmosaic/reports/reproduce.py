@@ -340,27 +340,30 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
     for n in names:
         exp, cfg, where = spec.experiments[n], configs[n], out / n
         run = {"command": command(exp, scale, list(sets), cfg.seeds, where), "cost": exp.cost.get(scale)}
-        why = missing_data(cfg) or (f"the {scale} setting needs a GPU and none is here" if scale in exp.gpu and
-                                    not gpu else None)
-        if why is None and finished(where, cfg):
+        why = None
+        if finished(where, cfg):  # judged from its runs, also where its data or GPU is not (a copy elsewhere)
             run["finished"] = True
-        elif why is None and status:
-            run["progress"] = progress_of(where, cfg)
-        elif why is None:
-            started = time.perf_counter()
-            try:
-                run_all(cfg, where, resume=(where / "seeds.yaml").is_file(), progress=progress)
-            except (RunError, Stopped):  # the machine's problem or the user's signal: the whole command stops
-                raise
-            except FedMosaicError as e:  # refused (e.g. too big for this machine): its claims say why, the rest run
-                why = f"refused: {e}"
-            run["wall_s"] = time.perf_counter() - started
+        else:
+            why = missing_data(cfg) or (f"the {scale} setting needs a GPU and none is here" if scale in exp.gpu and
+                                        not gpu else None)
+            if status or why:
+                run["progress"] = progress_of(where, cfg)
+            if why is None and not status:
+                started = time.perf_counter()
+                try:
+                    run_all(cfg, where, resume=(where / "seeds.yaml").is_file(), progress=progress)
+                except (RunError, Stopped):  # the machine's problem or the user's signal: the whole command stops
+                    raise
+                except FedMosaicError as e:  # refused (e.g. too big for this machine): the rest run
+                    why = f"refused: {e}"
+                run["wall_s"] = time.perf_counter() - started
         runs[n] = {**run, "not_run": why} if why else run
     verdicts = []
     for c in chosen:
-        r = runs[c.experiment]
-        v = {"verdict": "not run", "why": r["not_run"]} if "not_run" in r else \
-            judge(c, per_seed(out / c.experiment, configs[c.experiment]))
+        # a claim is judged on the runs there are; where there are none, the reason its experiment did not run
+        v = judge(c, per_seed(out / c.experiment, configs[c.experiment]))
+        if v["verdict"] == "not run" and "not_run" in runs[c.experiment]:
+            v["why"] = runs[c.experiment]["not_run"]
         verdicts.append({"id": c.id, "source": c.source, "text": c.text, "kind": c.kind, "paper": c.paper,
                          "experiment": c.experiment, **v})
     report = {"paper": paper, "title": spec.title, "scale": scale, "request": request, "machine": machine(),
@@ -410,8 +413,10 @@ def markdown(report: dict) -> str:
                    "ours - paper (a best: the margin to the next method); accuracies in percent points."), "",
               "Experiments (each command runs or resumes one by itself):", ""]
     for n, r in report["experiments"].items():
-        state = f"not run: {r['not_run']}" if "not_run" in r else "finished before" if r.get("finished") else \
-            ("not started" if r["progress"] is None else f"under way: {r['progress']}") if "progress" in r else \
+        so_far = r.get("progress")
+        state = f"not run: {r['not_run']}" + (f"; so far: {so_far}" if so_far else "") if "not_run" in r else \
+            "finished before" if r.get("finished") else \
+            ("not started" if so_far is None else f"under way: {so_far}") if "progress" in r else \
             f"{r['wall_s']:.0f} s this time"
         lines.append(f"- `{n}` ({state}; cost: {r.get('cost') or 'not estimated'}): `{r['command']}`")
     return "\n".join(lines) + "\n"
