@@ -371,8 +371,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "resumes it")
     rr.add_argument("--list", action="store_true", help="name the claims, their experiments and costs; run nothing")
     rr.add_argument("--status", action="store_true", help="while it runs (or after it stopped): how far each "
-                    "experiment has got and each claim's verdict on the seeds where its methods have finished; run and write "
-                    "nothing")
+                    "experiment has got and each claim's verdict on the seeds where its methods have finished; "
+                    "run and write nothing")
     rr.add_argument("--no-progress", action="store_true", help="no progress bar")
     rr.set_defaults(fn=_reproduce)
 

@@ -390,7 +390,7 @@ def _num(v: float | None, std: float | None = None) -> str:
 
 
 def _seeds(c: dict) -> str:
-    """" (3 seeds)", or " (1 of 3 seeds)" where the claim's methods have results in fewer seeds than were asked."""
+    """The seeds a claim was judged on: " (3 seeds)", or " (1 of 3 seeds)" where fewer have its results."""
     if not c.get("seeds"):
         return ""
     k, n = c["seeds"], c.get("of", c["seeds"])
