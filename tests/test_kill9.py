@@ -115,3 +115,36 @@ def test_kill9_in_a_comparison_then_resume(point, nth, tmp_path, comparison):
     assert rc == 0, err
     assert _variants(out) == comparison
     assert not list(out.rglob(".*.tmp"))
+
+
+def test_a_second_process_is_refused_while_a_run_goes_on_and_not_after_it_was_killed(tmp_path):
+    """`fedmosaic run --resume` on a directory whose run still goes on in another process is refused in one line
+    (it used to restore the same checkpoints and write the same metrics file beside it); once that process is
+    killed (-9), nothing holds the directory and the resume goes on from its last round."""
+    import time
+
+    from test_recovery import error_line
+
+    cfg, out, log = write_cfg(tmp_path, train__rounds=100_000), tmp_path / "r", tmp_path / "child.err"
+    code = "import sys; from fedmosaic.cli.main import main; sys.exit(main(sys.argv[1:]))"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code, "run", str(cfg), "--no-progress", "--out", str(out)],
+                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 240
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None, log.read_text()[-2000:]
+            assert time.monotonic() < deadline, "the child finished no round in 240 s"
+            time.sleep(0.2)
+        # the second process, bounded in time: were it not refused it would train 100,000 rounds
+        second = subprocess.run([sys.executable, "-c", code, "run", "--no-progress", "--resume", str(out)],
+                                capture_output=True, text=True, timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert second.returncode == 2 and "is in use by another fedmosaic process" in error_line(second.stderr)
+        assert proc.poll() is None  # the first goes on
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    done = len(metrics(out))
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", f"train.rounds={done + 1}")
+    assert rc == 0, err
+    assert len(metrics(out)) == done + 1

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
+import os
 import platform
 import sys
 import warnings
@@ -101,6 +103,39 @@ def claim(path: Path, text: str) -> None:
         atomic_write(path, text.encode(), exclusive=True)
     except FileExistsError:
         raise FedMosaicError(f"{path.parent} was taken by another run meanwhile; choose another --out") from None
+
+
+_HELD: set[str] = set()  # the directories this process holds (a comparison's own runs take their own)
+
+
+@contextlib.contextmanager
+def holding(out: Path):
+    """Yields ``take()``: lock the directory ``out`` (it must exist by then) for as long as the ``with`` lasts, so
+    that a second process — a resume started while the run still goes on, the same command twice — is refused in
+    one line instead of training and writing the same runs at once. An advisory ``flock`` on the directory
+    itself: nothing is written, and a process that is killed holds nothing any more."""
+    held: list[tuple[int, str]] = []
+
+    def take() -> None:
+        key = os.path.realpath(out)
+        if held or key in _HELD:
+            return
+        fd = os.open(out, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise FedMosaicError(f"{out} is in use by another fedmosaic process (a run, comparison or reproduction "
+                                 "still going on there); wait for it to end, or choose another --out") from None
+        _HELD.add(key)
+        held.append((fd, key))
+
+    try:
+        yield take
+    finally:
+        for fd, key in held:
+            _HELD.discard(key)
+            os.close(fd)
 
 
 def deployed(out: Path) -> bool:

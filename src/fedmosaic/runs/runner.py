@@ -33,6 +33,7 @@ from .dirs import (
     claim,
     deployed,
     discard,
+    holding,
     not_a_run,
     note_divergence,
     record_amendment,
@@ -56,10 +57,19 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
     With ``resume`` and ``amend``, ``cfg`` may differ from the saved config in the fields of ``AMENDABLE`` (a smaller
     learning rate after a divergence, more rounds); the change applies from the resumed round on and is recorded
     in ``meta.json`` under ``amendments``. ``pool``: where the clients run (``Federation``'s argument; default
-    ``engine.pool``).
+    ``engine.pool``). The directory is held from its claim (a resume: from the start) to the end: another process
+    that resumes it meanwhile is refused.
     """
     out = Path(out)
+    with holding(out) as hold:
+        return _run(cfg, out, resume, amend, progress, stop_after, fd, pool, hold)
+
+
+def _run(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, stop_after: int | None,
+         fd: FederatedData | None, pool, hold) -> dict:
     check_out(out, resume)
+    if resume and out.is_dir():
+        hold()
     changes: dict = {}
     if (out / "checkpoints").exists() and not (out / "checkpoints").is_dir():
         raise FedMosaicError(f"{out / 'checkpoints'} is not a directory; move it aside")
@@ -91,6 +101,7 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
             start, records = 0, []
             claim(out / "config.yaml", dump(cfg))
             claimed = True
+            hold()
             atomic_write(out / "meta.json", json.dumps(run_meta(cfg, fed), indent=2).encode())
     except OSError as e:
         if claimed:  # nothing of value yet: leave no half-made run directory
