@@ -14,7 +14,7 @@ from ..data.federated import build
 from ..errors import FedMosaicError, RunError
 from ..files import atomic_write, remove_temp_files
 from ..runs.checkpoints import config_changes, run_hash
-from ..runs.dirs import check_out, claim, diverged_round, unclaimed
+from ..runs.dirs import check_out, claim, diverged_round, holding, unclaimed
 from ..runs.records import read_metrics, summarize
 from ..runs.runner import run
 from ..setup.groups import data_spec
@@ -71,15 +71,20 @@ def run_all(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: boo
     write the table (JSON, Markdown, LaTeX) and the plots. Returns one summary per method (over the seeds: mean
     and std, ``over_seeds``)."""
     out = Path(out)
+    with holding(out) as hold:  # a comparison's directory is held as a run's is (each of its runs: its own)
+        return _run_all(cfg, out, resume, amend, progress, hold)
+
+
+def _run_all(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, hold) -> list[dict]:
     if cfg.seeds:
-        return _run_seeds(cfg, out, resume=resume, amend=amend, progress=progress)
+        return _run_seeds(cfg, out, resume=resume, amend=amend, progress=progress, hold=hold)
     variants = cfg.variants()
     colors = method_colors([v.name for v in variants])
     if len(variants) == 1:  # one algorithm: the variant, which is cfg itself or the one `compare:` names
         summaries = [run(variants[0], out, resume=resume, amend=amend, progress=progress)]
         curves = {variants[0].name: read_metrics(out)}
     else:
-        fd, created = _claim_comparison(cfg, out, "comparison.yaml", resume, amend)
+        fd, created = _claim_comparison(cfg, out, "comparison.yaml", resume, amend, hold)
         summaries, curves = [], {}
         try:
             for v in variants:
@@ -111,10 +116,10 @@ def run_all(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: boo
     return summaries
 
 
-def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress: bool) -> list[dict]:
+def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress: bool, hold) -> list[dict]:
     """Every seed its own run or comparison in ``out/seed_<s>`` (its own partition unless data.seed is set), then
     the table over the seeds and banded curves in ``out``."""
-    _, created = _claim_comparison(cfg, out, "seeds.yaml", resume, amend, partition=False)
+    _, created = _claim_comparison(cfg, out, "seeds.yaml", resume, amend, hold, partition=False)
     names = [v.name for v in cfg.variants()]
     try:
         for seed in cfg.seeds:
@@ -132,14 +137,17 @@ def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress
     return summaries
 
 
-def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend: bool, partition: bool = True):
-    """Claim (or, resuming, check and amend) a directory that holds several runs under the config file ``saved``;
-    the shared partition (``partition``), on which every later variant is built once before the first runs, so
-    that what only the partition tells (a variant's memory budget, batch plan) is refused before anything runs;
-    and whether ``out`` was created here."""
+def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend: bool, hold,
+                      partition: bool = True):
+    """Claim (or, resuming, check and amend) a directory that holds several runs under the config file ``saved``,
+    and hold it (``hold``, from ``holding``); the shared partition (``partition``), on which every later variant
+    is built once before the first runs, so that what only the partition tells (a variant's memory budget, batch
+    plan) is refused before anything runs; and whether ``out`` was created here."""
     check_out(out, resume)
     changes = {}
     if resume:  # the runs check their own configs; this checks (and records) the whole
+        if out.is_dir():
+            hold()
         changes = config_changes(load_config(out / saved), cfg, out / saved, amend)
         remove_temp_files(out)  # a table or plot whose writing was killed
     fd = build(data_spec(cfg)) if partition else None
@@ -153,6 +161,7 @@ def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend
         out.mkdir(parents=True, exist_ok=True)
         if not resume:
             claim(out / saved, dump(cfg))
+            hold()
         elif changes:
             atomic_write(out / saved, dump(cfg).encode())
     except OSError as e:
@@ -192,17 +201,33 @@ def _variant_started(sub: Path, v: RunConfig) -> bool:
     return True
 
 
+def diverged_first(d: Path) -> dict[str, int]:
+    """The variants that the finished comparison in ``d`` (its ``comparison.json``) records as diverged before
+    their first round ended: a new run that finishes no round leaves no directory, so only the table says so."""
+    try:
+        table = json.loads((d / "comparison.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return {r["name"]: r["diverged_round"] for r in table if isinstance(r, dict) and isinstance(r.get("name"), str)
+            and r.get("diverged_round") == 0} if isinstance(table, list) else {}
+
+
 def _variant_dirs(d: Path, notes: list[str]) -> list[Path]:
     """A comparison directory stands for its variants, in the comparison's order; a variant that has not started
-    (or lost its config) is named in ``notes``."""
+    (or lost its config), or diverged in its first round, is named in ``notes``."""
     if not (d / "comparison.yaml").is_file() or (d / "config.yaml").is_file():
         return [d]
     found = sorted(p.parent for p in d.glob("*/config.yaml"))
-    expected = [d / dir_name(v.name) for v in load_config(d / "comparison.yaml").variants()]
-    missing = [p.name for p in expected if p not in found]
+    variants = load_config(d / "comparison.yaml").variants()
+    expected = [d / dir_name(v.name) for v in variants]
+    first = diverged_first(d)
+    broke = [dir_name(v.name) for v in variants if v.name in first and d / dir_name(v.name) not in found]
+    missing = [p.name for p in expected if p not in found and p.name not in broke]
     if missing:
         notes.append(f"{d}: {len(missing)} of its {len(expected)} variants have no run yet, left out of the table: "
                      + ", ".join(missing))
+    if broke:
+        notes.append(f"{d}: {', '.join(broke)} diverged in round 0 (no run kept), left out of the table")
     return [p for p in expected if p in found] + [p for p in found if p not in expected]
 
 
