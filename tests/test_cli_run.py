@@ -163,6 +163,11 @@ def test_report_compares_existing_runs_at_a_common_round(tmp_path, capsys):
     assert plot.read_bytes()[:4] == b"\x89PNG"
     assert main(["report", *runs, "--rounds", "3", "--plot", str(plot)]) == 2  # never overwrites a plot
     assert "already exists" in capsys.readouterr().err
+    (tmp_path / "new-tasks.png").write_text("mine")  # nor the per-task plot named after it
+    assert main(["report", *runs, "--plot", str(tmp_path / "new.png")]) == 2
+    assert "new-tasks.png already exists" in capsys.readouterr().err and not (tmp_path / "new.png").exists()
+    assert main(["report", *runs, "--plot", str(tmp_path / "c.pdf")]) == 2  # PNG data under another name: no
+    assert "ending in .png" in capsys.readouterr().err and not (tmp_path / "c.pdf").exists()
     assert main(["report", *runs, "--rounds", "3"]) == 0
     assert "has only 2 rounds" in capsys.readouterr().err
     assert main(["report", str(tmp_path)]) == 2

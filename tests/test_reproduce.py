@@ -1,6 +1,7 @@
 """`fedmosaic reproduce`: the claims files, the verdicts on hand-made summaries, and one paper end to end."""
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -67,6 +68,17 @@ def test_a_claim_is_judged_on_the_seeds_where_all_its_methods_have_results():
     assert apart["verdict"] == "not run" and apart["why"].endswith("of a, b together")
     none = judge(claim(kind="value", method="c", paper=1.0), runs)
     assert none["verdict"] == "not run" and none["why"] == "no seed has a acc of c"
+
+
+def test_a_method_that_diverged_is_named_in_the_claim():
+    runs = [[{"name": "a", "algorithm": "a", "acc": 0.3, "diverged_round": 4}, {"name": "b", "algorithm": "b",
+                                                                                  "acc": 0.5}],
+            [{"name": "a", "algorithm": "a", "acc": 0.6}, {"name": "b", "algorithm": "b", "acc": 0.5}]]
+    out = judge(claim(kind="gain", method="a", baseline="b", paper=1.0), runs)
+    assert out["seeds"] == 2 and out["diverged"] == "a diverged (round 4) in 1 of 2 seeds: its rounds before count"
+    first = [[{"name": "a", "algorithm": "a", "diverged_round": 0}, {"name": "b", "algorithm": "b", "acc": 0.5}]]
+    out = judge(claim(kind="gain", method="a", baseline="b", paper=1.0), first)
+    assert out["verdict"] == "not run" and out["why"].endswith("of a (a diverged in its first round)")
 
 
 def test_a_claim_is_refused_without_what_its_kind_needs():
@@ -169,18 +181,6 @@ def test_status_reports_progress_and_judges_only_finished_seeds_writing_nothing(
     argv = ["reproduce", "apfl-pd", "--claims", "vehicle-gain", "vehicle-central", "--seeds", "0", "1", "--set",
             "train.rounds=2", "--out", str(out), "--no-progress"]
     assert main(argv) == 0
-    # the same folder with other seeds or another --set: one line before anything runs or is written, with or
-    # without --status (it used to train nothing, call every claim "not run: refused" and rewrite the report)
-    capsys.readouterr()
-    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
-    other = {"seeds: [0, 1] -> [0]": [a for a in argv if a != "1"],  # --seeds 0
-             "train.rounds: 2 -> 3": [*argv, "--set", "train.rounds=3"]}
-    for change, changed in other.items():
-        for status in ([], ["--status"]):
-            assert main([*changed, *status]) == 2
-            err = capsys.readouterr().err.strip()
-            assert "\n" not in err and "was started with another setting" in err and change in err, err
-    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
     exp = out / "vehicle"
     cut = next(p.parent for p in (exp / "seed_1").glob("*/summary.json") if p.parent.name.startswith("fedavg"))
     for f in (exp / "comparison.json", exp / "seed_1" / "comparison.json", cut / "summary.json"):
@@ -202,22 +202,115 @@ def test_status_reports_progress_and_judges_only_finished_seeds_writing_nothing(
     (exp / "seed_0" / "comparison.json").unlink()
     assert main([*argv, "--status"]) == 0
     assert verdict in capsys.readouterr().out.splitlines()
-    # ... and one of its methods diverged (no summary.json; meta.json says when): its rounds before still count
-    one = sorted(p.parent for p in (exp / "seed_0").glob("*/summary.json"))[0]
+    # ... and its APFL-PD diverged (no summary.json; meta.json says when): its rounds before still count, and the
+    # claim says so
+    one = next(p.parent for p in (exp / "seed_0").glob("*/summary.json") if p.parent.name.startswith("apfl_pd"))
     (one / "summary.json").unlink()
     meta = json.loads((one / "meta.json").read_text())
     (one / "meta.json").write_text(json.dumps({**meta, "diverged_round": 1}))
     assert main([*argv, "--status"]) == 0
     text = capsys.readouterr().out
-    assert verdict in text.splitlines() and f"seed 0: {methods} of {methods} methods finished" in text
+    row = next(line for line in text.splitlines() if line.startswith("| vehicle-gain:"))
+    assert row == verdict.removesuffix(" |") + ": apfl_pd diverged (round 1) in 1 of 1 seeds: its rounds before " \
+        "count |", row
+    assert f"seed 0: {methods} of {methods} methods finished" in text
     # an experiment that has not started is said to be so, not under way
     need_data("mnist")
     assert main(["reproduce", "apfl-pd", "--claims", "vehicle-gain", "mnist-gain", "--seeds", "0", "1",
                  "--set", "train.rounds=2", "--out", str(out), "--no-progress", "--status"]) == 0
     text = capsys.readouterr().out
     assert "- `vehicle` (under way: seed 0:" in text and "- `mnist` (not started; " in text
+    assert "| vehicle-central:" in text  # a claim of an experiment in the folder is reported, asked for or not
     assert not (out / "mnist").exists()
     assert main(["reproduce", "apfl-pd", "--status", "--out", str(tmp_path / "none")]) != 0
     err = capsys.readouterr().err.strip()
     assert "no reproduction of apfl-pd started there" in err and "\n" not in err
     assert not (tmp_path / "none").exists()
+
+
+def test_a_started_reproduction_resumes_as_it_started_one_command_at_a_time(tmp_path, capsys):
+    """Another --set or --seeds on a started reproduction, a config that no longer matches its saved one, a damaged
+    reproduction.yaml, a second command while one runs there, a --set of the seeds, a folder that holds something
+    else: each one line, before anything runs or is written. The same command without --set and --seeds resumes
+    it (and --status reads it) as it started; a seed lost since is run again."""
+    import fcntl
+    import os
+
+    need_data("vehicle")
+    out = tmp_path / "rep"
+    argv = ["reproduce", "apfl-pd", "--claims", "vehicle-gain", "--seeds", "0", "1", "--set", "train.rounds=2",
+            "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    state = lambda: {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}  # noqa: E731
+    before = state()
+
+    def refused(args, needle):
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert "\n" not in err and needle in err, err
+        assert state() == before
+
+    started = "started with --set train.rounds=2 --seeds 0 1; the same command without --set and --seeds resumes"
+    short = ["reproduce", "apfl-pd", "--claims", "vehicle-gain", "--out", str(out), "--no-progress"]
+    for status in ([], ["--status"]):
+        refused([*argv[:argv.index("1")], *argv[argv.index("1") + 1:], *status], started)  # --seeds 0
+        refused([*argv, "--set", "train.rounds=3", *status], started)
+    refused([*short, "--set", "seeds=[3]"], "use --seeds")
+    assert main([*short, "--status"]) == 0  # the saved --set and --seeds
+    assert "(2 seeds)" in next(line for line in capsys.readouterr().out.splitlines() if "| vehicle-gain:" in line)
+    saved = (out / "vehicle" / "seeds.yaml").read_text()  # a config that no longer matches (fedmosaic changed)
+    (out / "vehicle" / "seeds.yaml").write_text(saved.replace("rounds: 2", "rounds: 5"))
+    before = state()
+    refused(short, "was started with another config than this fedmosaic builds")
+    (out / "vehicle" / "seeds.yaml").write_text(saved)
+    request = (out / "reproduction.yaml").read_text()
+    for damaged in ("{", "- a\n", ""):
+        (out / "reproduction.yaml").write_text(damaged)
+        before = state()
+        refused(short, "reproduction.yaml is damaged")
+    (out / "reproduction.yaml").write_text(request)
+    before = state()
+    fd = os.open(out, os.O_RDONLY)  # another process holds the folder: what a second command would see
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        refused(short, "is in use by another fedmosaic process")
+        assert main([*short, "--status"]) == 0  # reading beside it is fine
+    finally:
+        os.close(fd)
+    capsys.readouterr()
+    shutil.rmtree(out / "vehicle" / "seed_1")  # lost: the same command runs it again
+    assert main(short) == 0
+    assert len(list((out / "vehicle" / "seed_1").glob("*/summary.json"))) == \
+        len(list((out / "vehicle" / "seed_0").glob("*/summary.json")))
+    assert "vehicle-gain       " in capsys.readouterr().out
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    before = state()
+    refused([*argv[:-3], "--out", str(other), "--no-progress"], "holds no reproduction")
+    assert (other / "notes.txt").read_text() == "mine"
+
+
+def test_a_method_that_diverged_in_its_first_round_is_named_and_not_run_again(tmp_path, capsys):
+    """At a learning rate of 1e30 APFL-PD (and FedProx) diverge in round 0 on Vehicle, so no run directory of
+    theirs is kept; only the seed's table records it. The claims say so, the experiment counts as finished (the same
+    command trains nothing again) and `report` names them apart from the variants not run yet."""
+    need_data("vehicle")
+    out = tmp_path / "rep"
+    argv = ["reproduce", "apfl-pd", "--claims", "vehicle-gain", "--seeds", "0", "--set", "train.rounds=2",
+            "--set", "train.optimizer.lr=1.0e+30", "--out", str(out), "--no-progress"]
+    assert main(argv) == 0
+    assert not list((out / "vehicle" / "seed_0").glob("apfl_pd*"))
+    claims = {c["id"]: c for c in json.loads((out / "reproduction.json").read_text())["claims"]}
+    assert claims["vehicle-gain"]["verdict"] == "not run"
+    assert claims["vehicle-gain"]["why"].endswith("(apfl_pd diverged in its first round)")
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")}
+    capsys.readouterr()
+    assert main(argv) == 0
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("metrics.jsonl")} == before
+    assert main(["reproduce", "apfl-pd", "--claims", "vehicle-gain", "--out", str(out), "--status"]) == 0
+    assert "- `vehicle` (finished before;" in capsys.readouterr().out
+    assert main(["report", str(out / "vehicle")]) == 0
+    err = capsys.readouterr().err
+    assert "diverged in round 0 (no run kept)" in err and "no run yet" not in err

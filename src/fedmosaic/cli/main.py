@@ -142,7 +142,7 @@ def _run(args) -> None:
 
 
 def _reproduce(args) -> None:
-    from ..reports.reproduce import load_paper, markdown, reproduce
+    from ..reports.reproduce import REQUEST, load_paper, markdown, reproduce, seeds_judged
 
     if args.list:
         spec = load_paper(args.paper)
@@ -156,12 +156,13 @@ def _reproduce(args) -> None:
         report = reproduce(args.paper, out, scale=args.scale, claims=args.claims, sets=args.set, seeds=args.seeds,
                            progress=not args.no_progress, status=args.status)
     except KeyboardInterrupt as e:
-        raise _interrupted(e, f"finished rounds are kept: the same command resumes {out}") from None
+        raise _interrupted(e, f"finished rounds are kept: the same command resumes {out}" if (out / REQUEST).is_file()
+                           else "nothing was written") from None
     if args.status:
         print(markdown(report), end="")
         return
     for c in report["claims"]:
-        print(f"{c['id']:18s} {c['verdict']}")
+        print(f"{c['id']:18s} {c['verdict']}{seeds_judged(c)}{': ' + c['why'] if c.get('why') else ''}")
     print(f"\nreproduction: {out / 'reproduction.md'}")
 
 
@@ -194,8 +195,12 @@ def _report(args) -> None:
     from ..reports.plots import accuracy_per_task, learning_curves
 
     plot = Path(args.plot) if args.plot else None
-    if plot is not None and plot.exists():
-        raise FedMosaicError(f"--plot {plot} already exists; choose another file")
+    tasks = None if plot is None else plot.with_name(f"{plot.stem}-tasks.png")  # class-incremental runs: per task
+    if plot is not None and plot.suffix.lower() != ".png":
+        raise FedMosaicError(f"--plot {plot}: the plots are PNG images; give a name ending in .png")
+    for path in (plot, tasks):
+        if path is not None and (path.exists() or path.is_symlink()):
+            raise FedMosaicError(f"--plot: {path} already exists; choose another file")
     summaries, curves, notes = from_runs([Path(d) for d in args.runs], args.rounds)
     for n in notes:
         print(f"fedmosaic: warning: {n}", file=sys.stderr)
@@ -204,8 +209,7 @@ def _report(args) -> None:
         plot.parent.mkdir(parents=True, exist_ok=True)
         learning_curves(curves, plot, title=args.title or "")
         print(f"\nlearning curves: {plot}")
-        tasks = plot.with_name(f"{plot.stem}-tasks.png")  # class-incremental runs: accuracy after each task too
-        if not tasks.exists() and accuracy_per_task(summaries, tasks, title=args.title or ""):
+        if accuracy_per_task(summaries, tasks, title=args.title or ""):
             print(f"accuracy after each task: {tasks}")
 
 

@@ -34,9 +34,9 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from ..config import dump, load_config, validate
-from ..errors import ConfigError, FedMosaicError, RunError, Stopped
+from ..errors import ConfigError, FedMosaicError, RunError, Stopped, one_line
 from ..files import atomic_write
-from ..runs.dirs import check_out, claim
+from ..runs.dirs import check_out, claim, holding
 from ..schema import Schema
 
 CLAIMS = Path(__file__).with_name("claims")
@@ -120,7 +120,9 @@ def experiment_config(spec: ExperimentSpec, scale: str, sets: list[str], seeds: 
 
 
 def command(spec: ExperimentSpec, scale: str, sets: list[str], seeds: list[int], out: Path) -> str:
-    """The ``fedmosaic run`` command that runs (or resumes) one experiment by itself."""
+    """The ``fedmosaic run`` command that runs one experiment by itself (``--resume`` once it has started)."""
+    if (out / "seeds.yaml").is_file():
+        return shlex.join(["fedmosaic", "run", "--resume", str(out)])
     parts = ["fedmosaic", "run", spec.preset, "--seeds", *map(str, seeds)]
     for s in [*getattr(spec, scale), *sets]:
         parts += ["--set", s]
@@ -142,9 +144,14 @@ def missing_data(cfg) -> str | None:
 
 
 def finished(where: Path, cfg) -> bool:
-    """Every seed of the experiment in ``where`` ran to its end with this very config (nothing to resume)."""
-    saved = where / "seeds.yaml"
-    return (where / "comparison.json").is_file() and saved.is_file() and load_config(saved) == cfg
+    """Every seed of the experiment in ``where`` ran to its end with this very config (nothing to resume): its
+    table written and each seed's every method ended (a seed's folder lost since is run again)."""
+    from .compare import diverged_first
+
+    saved, variants = where / "seeds.yaml", cfg.variants()
+    return ((where / "comparison.json").is_file() and saved.is_file() and load_config(saved) == cfg
+            and all(ended(variant_dir(where / f"seed_{s}", v, variants)) or v.name in diverged_first(where / f"seed_{s}")
+                    for s in cfg.seeds for v in variants))
 
 
 def check_same_setting(paper: str, out: Path, where: Path, cfg) -> None:
@@ -156,12 +163,18 @@ def check_same_setting(paper: str, out: Path, where: Path, cfg) -> None:
     saved = next((where / f for f in ("seeds.yaml", "comparison.yaml", "config.yaml") if (where / f).is_file()), None)
     if saved is None:
         return
-    old, new = flat(load_config(saved).model_dump(mode="json")), flat(cfg.model_dump(mode="json"))
+    try:
+        started = load_config(saved)
+    except FedMosaicError as e:
+        raise FedMosaicError(f"reproduce {paper}: {saved} is damaged ({e}); restore it, or choose another --out") \
+            from None
+    old, new = flat(started.model_dump(mode="json")), flat(cfg.model_dump(mode="json"))
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
                if old.get(k) != new.get(k)]
-    if changed:
-        raise FedMosaicError(f"reproduce {paper}: {where} was started with another setting ({', '.join(changed[:3])});"
-                             f" resume it with the --set and --seeds saved in {out / REQUEST}, or choose another --out")
+    if changed:  # the request is the saved one: the preset or fedmosaic's defaults changed since it started
+        raise FedMosaicError(f"reproduce {paper}: {where} was started with another config than this fedmosaic "
+                             f"builds from {out / REQUEST} ({', '.join(changed[:3])}); resume it with the version "
+                             "that started it, or choose another --out")
 
 
 def progress_of(where: Path, cfg) -> str | None:
@@ -178,7 +191,7 @@ def progress_of(where: Path, cfg) -> str | None:
             if ended(sub):
                 done += 1
             elif (sub / "metrics.jsonl").is_file():
-                n = sum(1 for line in (sub / "metrics.jsonl").read_text().splitlines() if line.strip())
+                n = sum(1 for line in (sub / "metrics.jsonl").read_bytes().splitlines() if line.strip())
                 going.append(f"{v.name} {n} of {rounds} rounds")
         parts.append(f"seed {s}: {done} of {len(variants)} methods finished" + "".join(f", {g}" for g in going))
     return "; ".join(parts)
@@ -200,19 +213,26 @@ def per_seed(out: Path, cfg) -> list[list[dict]]:
 
 
 def seed_summaries(where: Path, variants: list) -> list[dict]:
-    """One seed's summaries: its ``comparison.json``, or, where that was not kept (a seed under way, or its runs
-    committed without it, docs/runs/), those of its ``variants`` that have ended (finished, or diverged: their
-    rounds before count, as in the comparison's own table)."""
-    from .compare import from_runs
+    """One seed's summaries, from its runs (the one source: a seed's ``comparison.json`` may be lost, stale or not
+    committed): those of its ``variants`` that have ended — finished, or diverged (its rounds before are its
+    result, marked ``diverged_round``; one that diverged in its first round has only that mark)."""
+    from ..runs.dirs import diverged_round
+    from ..runs.records import read_metrics
+    from .compare import diverged_first, from_runs
 
-    if (where / "comparison.json").is_file():
-        return json.loads((where / "comparison.json").read_text())
-    subs = [d for d in (variant_dir(where, v, variants) for v in variants) if ended(d)]
-    if not subs:
-        return []
-    summaries, _, notes = from_runs(subs)
-    for n in notes:  # (a missing meta.json, runs of one seed on different partitions)
-        warnings.warn(n, stacklevel=2)
+    subs, summaries, first = [], [], diverged_first(where)
+    for v in variants:
+        d = variant_dir(where, v, variants)
+        if ended(d) and read_metrics(d):
+            subs.append(d)
+        elif ended(d) or v.name in first:  # (a new run that diverged in round 0 leaves no directory)
+            summaries.append({"name": v.name, "algorithm": v.algorithm.name,
+                              "diverged_round": diverged_round(d) if ended(d) else first[v.name]})
+    if subs:
+        found, _, notes = from_runs(subs)
+        for n in notes:  # (a missing meta.json, runs of one seed on different partitions)
+            warnings.warn(n, stacklevel=2)
+        summaries = found + summaries
     return summaries
 
 
@@ -255,12 +275,20 @@ def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
     number, the verdict and a note."""
     names = [m for m in [claim.method, claim.baseline, *claim.methods] if m]
     have = [{m: metric(find(s, m), claim) for m in names} for s in seeds]
+    used = [s for s, h in zip(seeds, have, strict=True) if None not in h.values()]
     have = [h for h in have if None not in h.values()]
     if not have:
         absent = [m for m in names if all(metric(find(s, m), claim) is None for s in seeds)]
+        broke = sorted({m for s in seeds for m in absent if (find(s, m) or {}).get("diverged_round") is not None})
         return {"verdict": "not run", "why": f"no seed has a {' / '.join(claim.metric)} of "
-                f"{', '.join(absent or names)}" + ("" if absent else " together")}
+                f"{', '.join(absent or names)}" + ("" if absent else " together")
+                + (f" ({', '.join(broke)} diverged in its first round)" if broke else "")}
     of = {"seeds": len(have), "of": len(seeds)}
+    broke = {m: [find(s, m)["diverged_round"] for s in used if find(s, m).get("diverged_round") is not None]
+             for m in names}
+    if any(broke.values()):  # its rounds before count as its result, and the claim says so
+        of["diverged"] = "; ".join(f"{m} diverged (round {', '.join(map(str, r))}) in {len(r)} of {len(used)} "
+                                   "seeds: its rounds before count" for m, r in broke.items() if r)
 
     def values(method):
         return [h[method] for h in have]
@@ -308,7 +336,8 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
               status: bool = False) -> dict:
     """Run (or resume) what the chosen claims of ``paper`` need under ``out`` and judge them; write
     ``reproduction.md`` and ``reproduction.json`` there and return the latter's content. ``status``: run and write
-    nothing — how far each experiment has got, and the verdicts on the seeds finished so far."""
+    nothing — how far each experiment has got, and each claim's verdict on the seeds where its methods have
+    ended. A resume takes the --set and --seeds the reproduction started with; one command at a time holds ``out``."""
     from .compare import run_all
 
     spec = load_paper(paper)
@@ -316,63 +345,105 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
     unknown = [c for c in claims or [] if c not in known]
     if unknown:
         raise FedMosaicError(f"reproduce {paper}: no claim {unknown[0]!r}; claims: {', '.join(known)}")
-    chosen = [c for c in spec.claims if not claims or c.id in claims]
-    request = {"paper": paper, "scale": scale, "set": list(sets), "seeds": seeds}
-    # every config is built before anything runs or is written: a bad --set is refused in one line first
-    names = list(dict.fromkeys(c.experiment for c in chosen))
-    configs = {n: experiment_config(spec.experiments[n], scale, list(sets), seeds) for n in names}
+    if any(s.split("=", 1)[0].strip() == "seeds" for s in sets):
+        raise FedMosaicError(f"reproduce {paper}: --set seeds=... is not how a reproduction's seeds are chosen: "
+                             "use --seeds")
     resume = (out / REQUEST).is_file()
     if status and not resume:
         raise FedMosaicError(f"{out}: no reproduction of {paper} started there (run it first, without --status)")
+    if resume:  # it resumes as it started: its --set and --seeds are the saved ones
+        defaults = [e.seeds for e in spec.experiments.values()]
+        sets, seeds = saved_request(out, paper, scale, list(sets), seeds, defaults)
+    else:
+        try:
+            check_out(out, resume=False)
+        except FedMosaicError:
+            raise FedMosaicError(f"{out} exists and holds no reproduction (no {REQUEST}); choose another --out") \
+                from None
+    request = {"paper": paper, "scale": scale, "set": list(sets), "seeds": seeds}
+    asked = {c.experiment for c in spec.claims if not claims or c.id in claims}
+    # the report covers the claims asked for and every claim whose experiment is in the folder (asked before)
+    chosen = [c for c in spec.claims if not claims or c.id in claims or (out / c.experiment).is_dir()]
+    names = list(dict.fromkeys(c.experiment for c in chosen))
+    # every config is built before anything runs or is written: a bad --set is refused in one line first
+    configs = {n: experiment_config(spec.experiments[n], scale, list(sets), seeds) for n in names}
     if resume:
-        saved = yaml.safe_load((out / REQUEST).read_text())
-        if {k: saved.get(k) for k in ("paper", "scale")} != {"paper": paper, "scale": scale}:
-            raise FedMosaicError(f"{out} holds the reproduction of {saved.get('paper')} at scale {saved.get('scale')}; "
-                                 "choose another --out")
         for n in names:
             check_same_setting(paper, out, out / n, configs[n])
-    else:
-        check_out(out, resume=False)
-        out.mkdir(parents=True, exist_ok=True)
-        claim(out / REQUEST, yaml.safe_dump(request, sort_keys=False))
     gpu = has_gpu() if gpu is None else gpu
-    runs: dict[str, dict] = {}
-    for n in names:
-        exp, cfg, where = spec.experiments[n], configs[n], out / n
-        run = {"command": command(exp, scale, list(sets), cfg.seeds, where), "cost": exp.cost.get(scale)}
-        why = None
-        if finished(where, cfg):  # judged from its runs, also where its data or GPU is not (a copy elsewhere)
-            run["finished"] = True
-        else:
-            why = missing_data(cfg) or (f"the {scale} setting needs a GPU and none is here" if scale in exp.gpu and
-                                        not gpu else None)
-            if status or why:
-                run["progress"] = progress_of(where, cfg)
-            if why is None and not status:
-                started = time.perf_counter()
-                try:
-                    run_all(cfg, where, resume=(where / "seeds.yaml").is_file(), progress=progress)
-                except (RunError, Stopped):  # the machine's problem or the user's signal: the whole command stops
-                    raise
-                except FedMosaicError as e:  # refused (e.g. too big for this machine): the rest run
-                    why = f"refused: {e}"
-                run["wall_s"] = time.perf_counter() - started
-        runs[n] = {**run, "not_run": why} if why else run
-    verdicts = []
-    for c in chosen:
-        # a claim is judged on the runs there are; where there are none, the reason its experiment did not run
-        v = judge(c, per_seed(out / c.experiment, configs[c.experiment]))
-        if v["verdict"] == "not run" and "not_run" in runs[c.experiment]:
-            v["why"] = runs[c.experiment]["not_run"]
-        verdicts.append({"id": c.id, "source": c.source, "text": c.text, "kind": c.kind, "paper": c.paper,
-                         "experiment": c.experiment, **v})
-    report = {"paper": paper, "title": spec.title, "scale": scale, "request": request, "machine": machine(),
-              "experiments": runs, "claims": verdicts}
-    if status:
-        return report
-    atomic_write(out / "reproduction.json", json.dumps(report, indent=2).encode())
-    atomic_write(out / "reproduction.md", markdown(report).encode())
+    with holding(out) as hold:  # one reproduction at a time in a folder; --status reads beside it
+        if not status:
+            if not resume:
+                out.mkdir(parents=True, exist_ok=True)
+                claim(out / REQUEST, yaml.safe_dump(request, sort_keys=False))
+            hold()
+        runs: dict[str, dict] = {}
+        for n in names:
+            exp, cfg, where = spec.experiments[n], configs[n], out / n
+            run = {"command": command(exp, scale, list(sets), cfg.seeds, where), "cost": exp.cost.get(scale)}
+            why = None
+            if finished(where, cfg):  # judged from its runs, also where its data or GPU is not (a copy elsewhere)
+                run["finished"] = True
+            else:
+                why = missing_data(cfg) or (f"the {scale} setting needs a GPU and none is here"
+                                            if scale in exp.gpu and not gpu else None)
+                if status or why or n not in asked:
+                    run["progress"] = progress_of(where, cfg)
+                if why is None and not status and n in asked:
+                    started = time.perf_counter()
+                    try:
+                        run_all(cfg, where, resume=(where / "seeds.yaml").is_file(), progress=progress)
+                    except (RunError, Stopped):  # the machine's problem or the user's signal: all stops
+                        raise
+                    except FedMosaicError as e:  # refused (e.g. too big for this machine): the rest run
+                        why = f"refused: {e}"
+                    run["wall_s"] = time.perf_counter() - started
+            runs[n] = {**run, "not_run": why} if why else run
+        verdicts = []
+        for c in chosen:
+            # a claim is judged on the runs there are; where there are none, the reason its experiment did not run
+            v = judge(c, per_seed(out / c.experiment, configs[c.experiment]))
+            if v["verdict"] == "not run" and "not_run" in runs[c.experiment]:
+                v["why"] = runs[c.experiment]["not_run"]
+            verdicts.append({"id": c.id, "source": c.source, "text": c.text, "kind": c.kind, "paper": c.paper,
+                             "experiment": c.experiment, **v})
+        report = {"paper": paper, "title": spec.title, "scale": scale, "request": request, "machine": machine(),
+                  "experiments": runs, "claims": verdicts}
+        if not status:
+            atomic_write(out / "reproduction.json", json.dumps(report, indent=2).encode())
+            atomic_write(out / "reproduction.md", markdown(report).encode())
     return report
+
+
+def saved_request(out: Path, paper: str, scale: str, sets: list[str], seeds: list[int] | None,
+                  defaults: list[list[int]]) -> tuple[list[str], list[int] | None]:
+    """The --set and --seeds a reproduction in ``out`` started with, which its resume takes; another paper,
+    scale, --set or --seeds given is refused in one line (the experiments not started yet would run with
+    them, the others not: one report over two settings)."""
+    path = out / REQUEST
+    try:
+        saved = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise FedMosaicError(f"{path} is damaged ({one_line(str(e), 200)}); restore it, or choose another --out") \
+            from None
+    ok = isinstance(saved, dict) and isinstance(saved.get("set"), list) and \
+        all(isinstance(x, str) for x in saved["set"]) and (saved.get("seeds") is None or (
+            isinstance(saved["seeds"], list) and all(isinstance(x, int) for x in saved["seeds"])))
+    if not ok:
+        raise FedMosaicError(f"{path} is damaged (not the paper, scale, set and seeds a reproduction saves); "
+                             "restore it, or choose another --out")
+    if (saved.get("paper"), saved.get("scale")) != (paper, scale):
+        raise FedMosaicError(f"{out} holds the reproduction of {saved.get('paper')} at scale {saved.get('scale')}; "
+                             "choose another --out")
+    was = saved["seeds"]  # None: each experiment's own seeds (``defaults``)
+    if (sets and sets != saved["set"]) or (seeds is not None and (
+            list(seeds) != was if was is not None else any(list(seeds) != d for d in defaults))):
+        shown = " ".join([*(f"--set {shlex.quote(x)}" for x in saved["set"]),
+                          *(["--seeds", *map(str, was)] if was is not None else [])]) or "no --set or --seeds"
+        raise FedMosaicError(f"{out} holds the reproduction of {paper} started with {shown}; the same command "
+                             "without --set and --seeds resumes it as it started; choose another --out for another "
+                             "setting")
+    return saved["set"], saved["seeds"]
 
 
 def machine() -> dict:
@@ -389,7 +460,7 @@ def _num(v: float | None, std: float | None = None) -> str:
     return f"{v:.2f}" + (f" ± {std:.2f}" if std is not None else "")
 
 
-def _seeds(c: dict) -> str:
+def seeds_judged(c: dict) -> str:
     """The seeds a claim was judged on: " (3 seeds)", or " (1 of 3 seeds)" where fewer have its results."""
     if not c.get("seeds"):
         return ""
@@ -405,9 +476,9 @@ def markdown(report: dict) -> str:
              "| claim | where | paper | ours (mean ± std over seeds) | difference | verdict |",
              "|---|---|---|---|---|---|"]
     for c in report["claims"]:
-        detail = c.get("why") or c.get("note") or ""
+        detail = "; ".join(x for x in (c.get("why") or c.get("note"), c.get("diverged")) if x)
         lines.append(f"| {c['id']}: {c['text']} | {c['source']} | {_num(c['paper'])} | "
-                     f"{_num(c.get('ours'), c.get('std'))}{_seeds(c)}"
+                     f"{_num(c.get('ours'), c.get('std'))}{seeds_judged(c)}"
                      f" | {_num(c.get('difference'))} | **{c['verdict']}**{': ' + detail if detail else ''} |")
     lines += ["", ("ours: the mean over seeds (a gain: paired per seed; a best: the method's own value); difference: "
                    "ours - paper (a best: the margin to the next method); accuracies in percent points."), "",
