@@ -120,7 +120,10 @@ def holding(out: Path):
         key = os.path.realpath(out)
         if held or key in _HELD:
             return
-        fd = os.open(out, os.O_RDONLY)
+        try:
+            fd = os.open(out, os.O_RDONLY)
+        except OSError as e:
+            raise FedMosaicError(f"cannot open the run directory {out}: {e.strerror or e}") from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
