@@ -62,6 +62,33 @@ def test_report_groups_runs_that_differ_only_in_the_seed(seeded, tmp_path):
     assert len(rows) == 2 and all(" 2 " in ln for ln in rows)  # one row per method, over 2 seeds
 
 
+def test_runs_that_differ_in_their_learning_rate_are_not_seeds_of_one_method(seeded, tmp_path):
+    """A resume may amend the learning rate, so the checkpoints' hash leaves it out; the seeds a table averages
+    must not: two runs of different learning rates are two rows, not one mean ± std."""
+    other = tmp_path / "lr"
+    cfg = write_cfg(tmp_path, train__rounds=3, seed=1, train__optimizer={"lr": 0.5})
+    assert cli("run", str(cfg), "--no-progress", "--out", str(other), "--set", "name=fedavg",
+               "--set", "compare=[{name: fedavg}]")[0] == 0
+    rc, out = _report(seeded / "seed_0" / "fedavg", other)
+    assert rc == 0
+    assert not [ln for ln in out.splitlines() if " ± " in ln], out  # no row is a mean over the two
+
+
+def test_a_seeds_table_holds_the_seeds_its_config_lists(seeded, tmp_path):
+    """A seed taken out with --amend (or a stray seed_* folder) is not averaged in, and report says so."""
+    import shutil
+
+    out = tmp_path / "s"
+    shutil.copytree(seeded, out)
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "seeds=[0]")
+    assert rc == 0, err
+    table = json.loads((out / "comparison.json").read_text())
+    assert all(r["global_acc_final"] == json.loads((out / "seed_0" / "comparison.json").read_text())[i]
+               ["global_acc_final"] and "global_acc_final_std" not in r for i, r in enumerate(table)), table
+    rc, text = _report(out)
+    assert rc == 0 and "seed_1 not among the seeds of its seeds.yaml, left out of the table" in text
+
+
 def _report(*dirs):
     import contextlib
     import io

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import warnings
@@ -13,7 +14,7 @@ from ..config import RunConfig, dump, load_config
 from ..data.federated import build
 from ..errors import FedMosaicError, RunError
 from ..files import atomic_write, remove_temp_files
-from ..runs.checkpoints import config_changes, run_hash
+from ..runs.checkpoints import ADDED_LATER, config_changes, flat
 from ..runs.dirs import check_out, claim, diverged_round, holding, unclaimed
 from ..runs.records import read_metrics, summarize
 from ..runs.runner import run
@@ -232,11 +233,32 @@ def _variant_dirs(d: Path, notes: list[str]) -> list[Path]:
 
 
 def _run_dirs(d: Path, notes: list[str]) -> list[Path]:
-    """The run directories ``d`` stands for: a seeds directory its seeds' runs (or comparisons' variants), by seed."""
+    """The run directories ``d`` stands for: a seeds directory the runs (or comparisons' variants) of the seeds its
+    ``seeds.yaml`` lists, in that order; a listed seed not started yet, and a ``seed_*`` folder it does not list
+    (a seed removed with --amend, a stray copy), are named in ``notes`` and left out."""
     if not (d / "seeds.yaml").is_file():
         return _variant_dirs(d, notes)
-    subs = sorted((p for p in d.glob("seed_*") if p.name[5:].isdigit()), key=lambda p: int(p.name[5:]))
-    return [v for sub in subs for v in _variant_dirs(sub, notes)]
+    seeds = load_config(d / "seeds.yaml").seeds or []
+    subs = [d / f"seed_{s}" for s in seeds]
+    started = [p for p in subs if any((p / f).is_file() for f in ("config.yaml", "comparison.yaml"))]
+    if len(started) < len(subs):
+        notes.append(f"{d}: seeds {', '.join(p.name[5:] for p in subs if p not in started)} of {len(subs)} have "
+                     "no run yet, left out of the table")
+    other = sorted(p.name for p in d.glob("seed_*") if p not in subs)
+    if other:
+        notes.append(f"{d}: {', '.join(other)} not among the seeds of its seeds.yaml, left out of the table")
+    return [v for sub in started for v in _variant_dirs(sub, notes)]
+
+
+def seed_group(cfg: RunConfig) -> str:
+    """What runs of one method share whatever their seed: the resolved config without the seeds and what does not
+    change the numbers (where it runs, how often it is saved, how many rounds: a seed may stop early). Unlike
+    ``run_hash`` it keeps the learning rate, its decay and the evaluation, which a resume may amend: runs that
+    differ there are not seeds of one method."""
+    skip = ("seed", "seeds", "data.seed", "name", "engine", "checkpoint_every", "deploy", "train.rounds")
+    fields = {k: v for k, v in flat(cfg.model_dump(mode="json")).items()
+              if not any(k == a or k.startswith(a + ".") for a in skip) and not (k in ADDED_LATER and v == ADDED_LATER[k])}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
 def from_runs(dirs: list[Path], upto: int | None = None
@@ -261,8 +283,7 @@ def from_runs(dirs: list[Path], upto: int | None = None
             if len(records) < upto:
                 notes.append(f"{d} has only {len(records)} rounds (< {upto})")
             records = records[:upto]
-        key = cfg.name + "\0" + run_hash(cfg.model_copy(update={
-            "seed": 0, "data": cfg.data.model_copy(update={"seed": None})}))
+        key = cfg.name + "\0" + seed_group(cfg)
         if any(seed == cfg.seed for seed, _, _ in groups.get(key, ())):
             key += "\0" + str(d)  # the same run twice is not a second seed
         if key not in names:
