@@ -349,6 +349,12 @@ def test_amend_with_a_damaged_meta_json_and_report_of_it(tmp_path):
     (out / "meta.json").write_text("[]")
     rc, err = cli("report", str(out))
     assert rc == 0 and "meta.json is missing or damaged" in err
+    for damaged, lr in (("null", 0.02), ("[1]", 0.03)):  # JSON, not the object the runner writes: damaged, no bug
+        (out / "meta.json.corrupt").unlink(missing_ok=True)
+        (out / "meta.json").write_text(damaged)
+        rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", f"train.optimizer.lr={lr}")
+        assert rc == 0 and "meta.json is missing or damaged" in err, err
+        assert (out / "meta.json.corrupt").read_text() == damaged
 
 
 def test_runs_started_together_get_their_own_directories(tmp_path):

@@ -181,10 +181,19 @@ def norm_kind(module: torch.nn.Module) -> str:
     return "+".join(sorted(kinds)) or "none"
 
 
-def record_amendment(out: Path, cfg: RunConfig, changes: dict, start: int, fed: Federation) -> None:
+def read_meta(out: Path) -> dict | None:
+    """``meta.json`` as the object the runner writes, or None where it is missing or damaged (JSON that is not an
+    object included)."""
     try:
         meta = json.loads((out / "meta.json").read_text())
     except (OSError, ValueError):
+        return None
+    return meta if isinstance(meta, dict) else None
+
+
+def record_amendment(out: Path, cfg: RunConfig, changes: dict, start: int, fed: Federation) -> None:
+    meta = read_meta(out)
+    if meta is None:
         if (out / "meta.json").exists():
             (out / "meta.json").rename(out / "meta.json.corrupt")
         warnings.warn(f"{out}/meta.json is missing or damaged; a new one records the amendment", stacklevel=2)
@@ -199,11 +208,9 @@ def record_amendment(out: Path, cfg: RunConfig, changes: dict, start: int, fed: 
 
 def note_divergence(out: Path, t: int) -> None:
     """``meta.json`` records the round a run diverged in (``diverged_round``: tables say so)."""
-    try:
-        meta = json.loads((out / "meta.json").read_text())
-    except (OSError, ValueError):
-        return
-    atomic_write(out / "meta.json", json.dumps({**meta, "diverged_round": t}, indent=2).encode())
+    meta = read_meta(out)
+    if meta is not None:
+        atomic_write(out / "meta.json", json.dumps({**meta, "diverged_round": t}, indent=2).encode())
 
 
 def diverged_round(out: Path) -> int | None:
