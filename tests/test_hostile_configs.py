@@ -119,3 +119,20 @@ def test_a_public_stream_one_variant_uses_is_no_warning_when_the_comparison_is_r
     for argv in (("report", str(out)), ("run", "--no-progress", "--resume", str(out))):
         rc, err = cli(*argv)
         assert rc == 0 and "warning" not in err, err
+
+
+def test_compared_entries_whose_directory_names_would_be_one_get_their_own(tmp_path):
+    """hidden: 8 and hidden: [8] are two labels but one directory name: the comparison used to train the first,
+    then stop on 'already exists' for the second, for ever. They are numbered as identical entries are."""
+    from fedmosaic.config import dir_name, load_config
+
+    p = tmp_path / "c.yaml"
+    p.write_text(yaml.safe_dump({
+        "name": "coll", "data": {"dataset": "digits", "clients": 4}, "model": {"name": "mlp"},
+        "train": {"clients_per_round": 2},
+        "compare": [{"name": "fedkd", "mentor": "mlp", "mentor_options": {"hidden": 8}},
+                    {"name": "fedkd", "mentor": "mlp", "mentor_options": {"hidden": [8]}}, {"name": "fedavg"},
+                    {"name": "fedavg"}]}))
+    names = [v.name for v in load_config(p).variants()]
+    assert names[0].endswith("#1") and names[1].endswith("#2") and names[2:] == ["fedavg#1", "fedavg#2"]
+    assert len({dir_name(n) for n in names}) == 4

@@ -487,7 +487,9 @@ class RunConfig(Schema):
         if not self.compare:
             return [self]
         names = [label(a) for a in self.compare]
-        names = [n if names.count(n) == 1 else f"{n}#{names[:i].count(n) + 1}" for i, n in enumerate(names)]
+        # two entries whose labels (or their directory names: hidden=8 and hidden=[8]) are one get #1, #2
+        same = [dir_name(n) for n in names]
+        names = [n if same.count(k) == 1 else f"{n}#{same[:i].count(k) + 1}" for i, (n, k) in enumerate(zip(names, same))]
         names = [_BAD_NAME.sub("_", n)[:MAX_NAME_BYTES] for n in names]  # labels stay valid run names
         return [self.model_copy(update={"algorithm": a, "compare": None, "name": n}) for a, n in zip(self.compare, names)]
 
@@ -501,6 +503,11 @@ class RunConfig(Schema):
             return None
         mine = self.algorithm.memory
         return self.data.tasks.memory if mine is None else mine or None
+
+
+def dir_name(label: str) -> str:
+    """The directory of a compared variant, from its label."""
+    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label).strip("_")
 
 
 def label(algo: AlgorithmConfig) -> str:

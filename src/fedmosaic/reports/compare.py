@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import RunConfig, dump, load_config
+from ..config import RunConfig, dir_name, dump, load_config
 from ..data.federated import build
 from ..errors import FedMosaicError, RunError
 from ..files import atomic_write, remove_temp_files
@@ -60,10 +60,6 @@ COLUMNS = (
     ("bytes/round", "bytes_per_round", "{:,.0f}"),
     ("wall s", "wall_time_s", "{:.1f}"),
 )
-
-
-def dir_name(label: str) -> str:
-    return re.sub(r"[^A-Za-z0-9_.=-]+", "_", label).strip("_")
 
 
 def run_all(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = False, progress: bool = True
