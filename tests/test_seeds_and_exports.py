@@ -89,6 +89,22 @@ def test_a_seeds_table_holds_the_seeds_its_config_lists(seeded, tmp_path):
     assert rc == 0 and "seed_1 not among the seeds of its seeds.yaml, left out of the table" in text
 
 
+def test_an_amendment_a_run_would_refuse_leaves_the_saved_configs_as_they_were(seeded, tmp_path):
+    """Fewer rounds than are finished: refused in one line, and seeds.yaml (and each comparison.yaml) unchanged,
+    so the plain resume still works (it used to find the amended file and refuse everything after)."""
+    import shutil
+
+    from test_recovery import error_line
+
+    out = tmp_path / "s"
+    shutil.copytree(seeded, out)
+    saved = {p: p.read_bytes() for p in out.rglob("*.yaml")}
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "train.rounds=2")
+    assert rc == 2 and "train.rounds must be >= the 3 rounds already finished" in error_line(err)
+    assert {p: p.read_bytes() for p in out.rglob("*.yaml")} == saved
+    assert cli("run", "--no-progress", "--resume", str(out))[0] == 0
+
+
 def _report(*dirs):
     import contextlib
     import io

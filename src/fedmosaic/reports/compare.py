@@ -146,6 +146,12 @@ def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend
         if out.is_dir():
             hold()
         changes = config_changes(load_config(out / saved), cfg, out / saved, amend)
+        if "train.rounds" in changes:  # before the saved config changes: each run refuses fewer rounds than it has
+            done = max(((sum(1 for line in m.read_bytes().splitlines() if line.strip()), m.parent)
+                        for m in out.glob("**/metrics.jsonl")), default=(0, out), key=lambda x: x[0])
+            if cfg.train.rounds < done[0]:
+                raise FedMosaicError(f"--amend: train.rounds must be >= the {done[0]} rounds already finished in "
+                                     f"{done[1]} (got {cfg.train.rounds})")
         remove_temp_files(out)  # a table or plot whose writing was killed
     fd = build(data_spec(cfg)) if partition else None
     if partition and not resume:
