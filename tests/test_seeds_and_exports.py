@@ -105,6 +105,18 @@ def test_an_amendment_a_run_would_refuse_leaves_the_saved_configs_as_they_were(s
     assert cli("run", "--no-progress", "--resume", str(out))[0] == 0
 
 
+def test_a_seed_that_lost_its_config_gets_it_back_on_resume(tmp_path):
+    """As a comparison's variant does: restored from seeds.yaml with a warning, and the seed's rounds are kept."""
+    out = tmp_path / "s"
+    assert cli("run", str(write_cfg(tmp_path, train__rounds=2)), "--seeds", "0", "1", "--no-progress",
+               "--out", str(out))[0] == 0
+    before = metrics(out / "seed_1")
+    (out / "seed_1" / "config.yaml").unlink()
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0 and "config.yaml is missing; restored" in err, err
+    assert metrics(out / "seed_1") == before
+
+
 def _report(*dirs):
     import contextlib
     import io

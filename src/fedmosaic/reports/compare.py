@@ -120,9 +120,9 @@ def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress
     names = [v.name for v in cfg.variants()]
     try:
         for seed in cfg.seeds:
-            sub = out / f"seed_{seed}"
-            started = any((sub / f).is_file() for f in ("config.yaml", "comparison.yaml"))
-            run_all(cfg.with_seed(seed), sub, resume=resume and started, amend=amend, progress=progress)
+            sub, one = out / f"seed_{seed}", cfg.with_seed(seed)
+            started = (sub / "comparison.yaml").is_file() or (len(one.variants()) == 1 and _variant_started(sub, one))
+            run_all(one, sub, resume=resume and started, amend=amend, progress=progress)
     except FedMosaicError:
         _unclaim(out, "seeds.yaml", resume, created)
         raise
@@ -192,9 +192,9 @@ def write_outputs(out: Path, summaries: list[dict], curves: dict, title: str, co
 
 
 def _variant_started(sub: Path, v: RunConfig) -> bool:
-    """Whether a comparison's variant directory holds a run to resume. One whose ``config.yaml`` was lost but that
-    holds rounds gets it back from the comparison's (its checkpoints must still match it to be used); one that
-    holds nothing, or only what a start killed while claiming it left, starts afresh."""
+    """Whether a comparison's variant (or a seed's run) directory holds a run to resume. One whose ``config.yaml``
+    was lost but that holds rounds gets it back from the comparison's (its checkpoints must still match it to be
+    used); one that holds nothing, or only what a start killed while claiming it left, starts afresh."""
     if (sub / "config.yaml").is_file():
         return True
     if not sub.is_dir() or unclaimed(sub) or not any(sub.iterdir()):
