@@ -155,9 +155,10 @@ def finished(where: Path, cfg) -> bool:
 
 
 def check_same_setting(paper: str, out: Path, where: Path, cfg) -> None:
-    """An experiment already started under ``where`` resumes only with the config it started with: another --set
-    or --seeds is refused in one line before anything runs or is written (the resume itself would refuse it
-    later, and the claims would be reported as not run over the report of the runs that exist)."""
+    """An experiment already started under ``where`` resumes only with the config it started with. The request
+    is the saved one by now (``saved_request``), so a difference means the preset or fedmosaic's defaults changed
+    since: refused in one line before anything runs or is written (the resume itself would refuse it later, and
+    the claims would be reported as not run over the report of the runs that exist)."""
     from ..runs.checkpoints import flat
 
     saved = next((where / f for f in ("seeds.yaml", "comparison.yaml", "config.yaml") if (where / f).is_file()), None)
@@ -171,7 +172,7 @@ def check_same_setting(paper: str, out: Path, where: Path, cfg) -> None:
     old, new = flat(started.model_dump(mode="json")), flat(cfg.model_dump(mode="json"))
     changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
                if old.get(k) != new.get(k)]
-    if changed:  # the request is the saved one: the preset or fedmosaic's defaults changed since it started
+    if changed:
         raise FedMosaicError(f"reproduce {paper}: {where} was started with another config than this fedmosaic "
                              f"builds from {out / REQUEST} ({', '.join(changed[:3])}); resume it with the version "
                              "that started it, or choose another --out")
