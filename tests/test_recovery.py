@@ -305,6 +305,8 @@ def test_signals_name_the_real_run_directory(sig, code, tmp_path):
     (signal.SIGINT, 130, {"algorithm": {"name": "ahf", "public_epochs": 1000},
                           "data__public": {"source": "noise", "size": 2000}}),
     (signal.SIGTERM, 143, {"train__local_epochs": 100000}),  # auto compiles this one: its compile is cut short too
+    (signal.SIGINT, 130, {"train__local_epochs": 100000,  # a comparison over seeds: nothing of it is left either
+                          "compare": [{"name": "fedavg"}, {"name": "fedprox", "mu": 0.1}], "seeds": [0, 1]}),
 ])
 def test_one_signal_stops_a_long_round_within_a_step_after_its_grace(sig, code, changes, tmp_path):
     """A round of hours (10,000 head epochs, 1,000 epochs on the public stream, 100,000 local epochs) is not
@@ -320,7 +322,7 @@ def test_one_signal_stops_a_long_round_within_a_step_after_its_grace(sig, code, 
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         deadline = time.monotonic() + 120
-        while not list(runs.glob("*/meta.json")) and time.monotonic() < deadline:  # round 0 has begun
+        while not list(runs.glob("**/meta.json")) and time.monotonic() < deadline:  # round 0 has begun
             assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]
             time.sleep(0.1)
         time.sleep(1.0)

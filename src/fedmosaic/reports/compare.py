@@ -98,7 +98,7 @@ def _run_all(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: boo
                     done = read_metrics(sub) if (sub / "metrics.jsonl").is_file() else []
                     summaries.append({**summarize(done, v), "diverged_round": e.diverged})
                 curves[v.name] = read_metrics(sub)
-        except FedMosaicError:
+        except BaseException:  # (Ctrl-C too: stopped before any run kept a round, it leaves nothing)
             _unclaim(out, "comparison.yaml", resume, created)
             raise
     for (name, recs), s in zip(curves.items(), summaries, strict=True):  # per run, beside its metrics:
@@ -123,7 +123,7 @@ def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress
             sub, one = out / f"seed_{seed}", cfg.with_seed(seed)
             started = (sub / "comparison.yaml").is_file() or (len(one.variants()) == 1 and _variant_started(sub, one))
             run_all(one, sub, resume=resume and started, amend=amend, progress=progress)
-    except FedMosaicError:
+    except BaseException:
         _unclaim(out, "seeds.yaml", resume, created)
         raise
     summaries, curves, notes = from_runs([out])
@@ -173,7 +173,7 @@ def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend
 
 
 def _unclaim(out: Path, saved: str, resume: bool, created: bool) -> None:
-    """A config error before any run started: leave no half-made directory behind."""
+    """Stopped (a config error, a signal) before any run kept a round: leave no half-made directory behind."""
     if not resume and out.is_dir() and [p.name for p in out.iterdir()] == [saved]:
         (out / saved).unlink()
         if created:
