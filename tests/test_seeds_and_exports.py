@@ -117,6 +117,15 @@ def test_a_seed_that_lost_its_config_gets_it_back_on_resume(tmp_path):
     assert metrics(out / "seed_1") == before
 
 
+def test_a_set_that_would_turn_a_comparison_into_one_run_is_refused_by_name(seeded):
+    from test_recovery import error_line
+
+    before = {p: p.stat().st_mtime_ns for p in seeded.rglob("*") if p.is_file()}
+    rc, err = cli("run", "--no-progress", "--resume", str(seeded / "seed_0"), "--set", "compare=null")
+    assert rc == 2 and "holds a comparison (comparison.yaml), not one run" in error_line(err)
+    assert {p: p.stat().st_mtime_ns for p in seeded.rglob("*") if p.is_file()} == before
+
+
 def _report(*dirs):
     import contextlib
     import io

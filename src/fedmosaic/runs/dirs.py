@@ -88,6 +88,10 @@ def not_a_run(out: Path, expected: str = "config.yaml") -> str:
     if unclaimed(out):
         return (f"--resume: {out} never finished starting (it was stopped while writing its config), so there is "
                 "nothing to resume; start the run again with --out pointing there")
+    held = next((f for f in ("seeds.yaml", "comparison.yaml") if (out / f).is_file()), None)
+    if held and expected == "config.yaml":  # e.g. --set compare=null or seeds=null on a comparison's resume
+        return (f"--resume: {out} holds {'several seeds' if held == 'seeds.yaml' else 'a comparison'} ({held}), "
+                "not one run: a --set cannot make it one; resume it without that --set, or choose another --out")
     return f"--resume: {out} is not a run directory (no {expected})"
 
 
