@@ -117,6 +117,18 @@ def test_a_seed_that_lost_its_config_gets_it_back_on_resume(tmp_path):
     assert metrics(out / "seed_1") == before
 
 
+def test_a_seed_that_lost_its_comparison_yaml_gets_it_back_on_resume(seeded, tmp_path):
+    import shutil
+
+    out = tmp_path / "s"
+    shutil.copytree(seeded, out)
+    (out / "seed_1" / "comparison.yaml").unlink()
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0 and "comparison.yaml is missing; restored" in err, err
+    for v in ("fedavg", "fedprox_mu=0.5"):
+        assert metrics(out / "seed_1" / v) == metrics(seeded / "seed_1" / v)
+
+
 def test_a_set_that_would_turn_a_comparison_into_one_run_is_refused_by_name(seeded):
     from test_recovery import error_line
 

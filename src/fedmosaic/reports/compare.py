@@ -121,7 +121,7 @@ def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress
     try:
         for seed in cfg.seeds:
             sub, one = out / f"seed_{seed}", cfg.with_seed(seed)
-            started = (sub / "comparison.yaml").is_file() or (len(one.variants()) == 1 and _variant_started(sub, one))
+            started = _variant_started(sub, one, "config.yaml" if len(one.variants()) == 1 else "comparison.yaml")
             run_all(one, sub, resume=resume and started, amend=amend, progress=progress)
     except BaseException:
         _unclaim(out, "seeds.yaml", resume, created)
@@ -191,16 +191,17 @@ def write_outputs(out: Path, summaries: list[dict], curves: dict, title: str, co
     diagnostics(curves, out / "diagnostics.png", title=title, colors=colors)
 
 
-def _variant_started(sub: Path, v: RunConfig) -> bool:
-    """Whether a comparison's variant (or a seed's run) directory holds a run to resume. One whose ``config.yaml``
-    was lost but that holds rounds gets it back from the comparison's (its checkpoints must still match it to be
-    used); one that holds nothing, or only what a start killed while claiming it left, starts afresh."""
-    if (sub / "config.yaml").is_file():
+def _variant_started(sub: Path, v: RunConfig, saved: str = "config.yaml") -> bool:
+    """Whether a comparison's variant (or a seed's run or comparison) directory holds something to resume. One
+    whose ``saved`` config was lost but that holds rounds gets it back from the comparison's (its checkpoints must
+    still match it to be used); one that holds nothing, or only what a start killed while claiming it left, starts
+    afresh."""
+    if (sub / saved).is_file():
         return True
     if not sub.is_dir() or unclaimed(sub) or not any(sub.iterdir()):
         return False
-    warnings.warn(f"{sub}: config.yaml is missing; restored from the comparison's config", stacklevel=3)
-    claim(sub / "config.yaml", dump(v))
+    warnings.warn(f"{sub}: {saved} is missing; restored from the comparison's config", stacklevel=3)
+    claim(sub / saved, dump(v))
     return True
 
 
