@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import warnings
@@ -14,9 +13,9 @@ from ..config import RunConfig, dir_name, dump, load_config
 from ..data.federated import build
 from ..errors import FedMosaicError, RunError
 from ..files import atomic_write, remove_temp_files
-from ..runs.checkpoints import ADDED_LATER, config_changes, flat
+from ..runs.checkpoints import config_changes, config_hash
 from ..runs.dirs import check_out, claim, diverged_round, holding, unclaimed
-from ..runs.records import read_metrics, summarize
+from ..runs.records import read_metrics, rounds_recorded, summarize
 from ..runs.runner import run
 from ..setup.groups import data_spec
 from ..setup.world import build_federation
@@ -147,8 +146,8 @@ def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend
             hold()
         changes = config_changes(load_config(out / saved), cfg, out / saved, amend)
         if "train.rounds" in changes:  # before the saved config changes: each run refuses fewer rounds than it has
-            done = max(((sum(1 for line in m.read_bytes().splitlines() if line.strip()), m.parent)
-                        for m in out.glob("**/metrics.jsonl")), default=(0, out), key=lambda x: x[0])
+            done = max(((rounds_recorded(m.parent), m.parent) for m in out.glob("**/metrics.jsonl")),
+                       default=(0, out), key=lambda x: x[0])
             if cfg.train.rounds < done[0]:
                 raise FedMosaicError(f"--amend: train.rounds must be >= the {done[0]} rounds already finished in "
                                      f"{done[1]} (got {cfg.train.rounds})")
@@ -258,10 +257,8 @@ def seed_group(cfg: RunConfig) -> str:
     change the numbers (where it runs, how often it is saved, how many rounds: a seed may stop early). Unlike
     ``run_hash`` it keeps the learning rate, its decay and the evaluation, which a resume may amend: runs that
     differ there are not seeds of one method."""
-    skip = ("seed", "seeds", "data.seed", "name", "engine", "checkpoint_every", "deploy", "train.rounds")
-    fields = {k: v for k, v in flat(cfg.model_dump(mode="json")).items()
-              if not any(k == a or k.startswith(a + ".") for a in skip) and not (k in ADDED_LATER and v == ADDED_LATER[k])}
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
+    return config_hash(cfg, ("seed", "seeds", "data.seed", "name", "engine", "checkpoint_every", "deploy",
+                             "train.rounds"))
 
 
 def from_runs(dirs: list[Path], upto: int | None = None

@@ -37,6 +37,7 @@ from ..config import dump, load_config, validate
 from ..errors import ConfigError, FedMosaicError, RunError, Stopped, one_line
 from ..files import atomic_write
 from ..runs.dirs import check_out, claim, holding
+from ..runs.records import rounds_recorded
 from ..schema import Schema
 
 CLAIMS = Path(__file__).with_name("claims")
@@ -159,7 +160,7 @@ def check_same_setting(paper: str, out: Path, where: Path, cfg) -> None:
     is the saved one by now (``saved_request``), so a difference means the preset or fedmosaic's defaults changed
     since: refused in one line before anything runs or is written (the resume itself would refuse it later, and
     the claims would be reported as not run over the report of the runs that exist)."""
-    from ..runs.checkpoints import flat
+    from ..runs.checkpoints import config_diff, shown_diff
 
     saved = next((where / f for f in ("seeds.yaml", "comparison.yaml", "config.yaml") if (where / f).is_file()), None)
     if saved is None:
@@ -169,12 +170,10 @@ def check_same_setting(paper: str, out: Path, where: Path, cfg) -> None:
     except FedMosaicError as e:
         raise FedMosaicError(f"reproduce {paper}: {saved} is damaged ({e}); restore it, or choose another --out") \
             from None
-    old, new = flat(started.model_dump(mode="json")), flat(cfg.model_dump(mode="json"))
-    changed = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(old.keys() | new.keys())
-               if old.get(k) != new.get(k)]
+    changed = config_diff(started, cfg)
     if changed:
         raise FedMosaicError(f"reproduce {paper}: {where} was started with another config than this fedmosaic "
-                             f"builds from {out / REQUEST} ({', '.join(changed[:3])}); resume it with the version "
+                             f"builds from {out / REQUEST} ({shown_diff(changed)}); resume it with the version "
                              "that started it, or choose another --out")
 
 
@@ -192,8 +191,7 @@ def progress_of(where: Path, cfg) -> str | None:
             if ended(sub):
                 done += 1
             elif (sub / "metrics.jsonl").is_file():
-                n = sum(1 for line in (sub / "metrics.jsonl").read_bytes().splitlines() if line.strip())
-                going.append(f"{v.name} {n} of {rounds} rounds")
+                going.append(f"{v.name} {rounds_recorded(sub)} of {rounds} rounds")
         parts.append(f"seed {s}: {done} of {len(variants)} methods finished" + "".join(f", {g}" for g in going))
     return "; ".join(parts)
 

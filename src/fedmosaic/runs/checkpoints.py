@@ -58,9 +58,15 @@ def run_hash(cfg: RunConfig) -> str:
     """SHA-256 of the resolved config without what may differ between the run and its resume: the fields of
     ``AMENDABLE`` and the name (a label). Two runs with the same hash compute the same rounds: an AHF checkpoint
     never loads into a FedMD run of the same seed and partition, nor a FedProx one into another mu."""
+    return config_hash(cfg, ("name", *AMENDABLE))
+
+
+def config_hash(cfg: RunConfig, without: tuple[str, ...]) -> str:
+    """SHA-256 of the resolved config without the fields under ``without`` (dotted prefixes), and without the
+    sections added later at their defaults (a run saved before they existed hashes as it did)."""
     fields = {k: v for k, v in flat(cfg.model_dump(mode="json")).items()
-            if k != "name" and not any(k == a or k.startswith(a + ".") for a in AMENDABLE)
-            and not (k in ADDED_LATER and v == ADDED_LATER[k])}
+              if not any(k == a or k.startswith(a + ".") for a in without)
+              and not (k in ADDED_LATER and v == ADDED_LATER[k])}
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
 
 
@@ -143,14 +149,24 @@ def flat(d: dict, at: str = "") -> dict:
     return out
 
 
+def config_diff(saved: RunConfig, cfg: RunConfig) -> dict[str, list]:
+    """``{field: [old, new]}`` for each dotted field that differs between two configs, sorted."""
+    old, new = flat(saved.model_dump(mode="json")), flat(cfg.model_dump(mode="json"))
+    return {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+
+
+def shown_diff(changes: dict[str, list]) -> str:
+    """The first three changes of ``config_diff``, for a one-line message."""
+    return ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:3])
+
+
 def config_changes(saved: RunConfig, cfg: RunConfig, where: Path, amend: bool) -> dict[str, list]:
     """``{field: [old, new]}`` between a run's saved config and the one it is resumed with. Without ``amend`` any
     change is refused; with it, only the fields in ``AMENDABLE``."""
-    old, new = flat(saved.model_dump(mode="json")), flat(cfg.model_dump(mode="json"))
-    changes = {k: [old.get(k), new.get(k)] for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)}
+    changes = config_diff(saved, cfg)
     if not changes:
         return {}
-    shown = ", ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in list(changes.items())[:3])
+    shown = shown_diff(changes)
     fixed = [k for k in changes if not any(k == a or k.startswith(a + ".") for a in AMENDABLE)]
     if fixed:
         raise FedMosaicError(f"--resume: {fixed[0]} differs from {where} ({shown}) and cannot change in the middle "

@@ -19,6 +19,12 @@ from .continual import continual_summary
 TIMING_KEYS = ("time_round_s", "time_eval_s")
 
 
+def rounds_recorded(out: Path) -> int:
+    """How many rounds ``metrics.jsonl`` holds, by its lines, without reading them (how far a run has got)."""
+    p = out / "metrics.jsonl"
+    return sum(1 for line in p.read_bytes().splitlines() if line.strip()) if p.is_file() else 0
+
+
 def read_metrics(out: Path) -> list[dict]:
     """The rounds of ``metrics.jsonl``, 0, 1, 2, ... A damaged line (a crash mid-write, a full disk, an edit) ends
     them, with a warning: the rounds from there on count as not done."""
