@@ -168,6 +168,19 @@ def test_report_compares_existing_runs_at_a_common_round(tmp_path, capsys):
     assert "new-tasks.png already exists" in capsys.readouterr().err and not (tmp_path / "new.png").exists()
     assert main(["report", *runs, "--plot", str(tmp_path / "c.pdf")]) == 2  # PNG data under another name: no
     assert "ending in .png" in capsys.readouterr().err and not (tmp_path / "c.pdf").exists()
+    from fedmosaic.reports import compare
+    from_runs = compare.from_runs
+
+    def someone_writes_the_plot_meanwhile(*args):
+        (tmp_path / "late.png").write_text("theirs")  # after the up-front check, before the plot is written
+        return from_runs(*args)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(compare, "from_runs", someone_writes_the_plot_meanwhile)
+        assert main(["report", *runs, "--plot", str(tmp_path / "late.png")]) == 2
+    assert "late.png appeared while the report ran" in capsys.readouterr().err
+    assert (tmp_path / "late.png").read_text() == "theirs"
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".late.png")]  # no temporary file left
     assert main(["report", *runs, "--rounds", "3"]) == 0
     assert "has only 2 rounds" in capsys.readouterr().err
     assert main(["report", str(tmp_path)]) == 2

@@ -17,7 +17,7 @@ def figures(monkeypatch):
     """The figures the plot functions would save, drawn (so that their layout is done), instead of PNG files."""
     drawn = []
 
-    def keep(fig, path):
+    def keep(fig, path, exclusive=False):
         fig.canvas.draw()
         drawn.append(fig)
         return path

@@ -41,7 +41,10 @@ def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], object], *
             else:
                 data(f)
         if exclusive:
-            os.link(tmp, path)  # fails if path exists, atomically
+            try:
+                os.link(tmp, path)  # fails if path exists, atomically
+            except FileExistsError as e:
+                raise FileExistsError(e.errno, e.strerror, str(path)) from None  # name the target, not the temp
             os.unlink(tmp)
         else:
             os.replace(tmp, path)

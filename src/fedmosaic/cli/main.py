@@ -207,10 +207,14 @@ def _report(args) -> None:
     _print_tables(summaries)
     if plot is not None:
         plot.parent.mkdir(parents=True, exist_ok=True)
-        learning_curves(curves, plot, title=args.title or "")
-        print(f"\nlearning curves: {plot}")
-        if accuracy_per_task(summaries, tasks, title=args.title or ""):
-            print(f"accuracy after each task: {tasks}")
+        try:  # exclusive: a file that appeared since the check above is kept, not replaced
+            learning_curves(curves, plot, title=args.title or "", exclusive=True)
+            print(f"\nlearning curves: {plot}")
+            if accuracy_per_task(summaries, tasks, title=args.title or "", exclusive=True):
+                print(f"accuracy after each task: {tasks}")
+        except FileExistsError as e:
+            raise FedMosaicError(f"--plot: {e.filename} appeared while the report ran; it is kept, choose another "
+                                 "file") from None
 
 
 def _partition(args) -> None:

@@ -92,7 +92,7 @@ def _integer_ticks(*axes) -> None:
 
 
 def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path, title: str = "",
-                    colors: dict[str, object] | None = None) -> Path:
+                    colors: dict[str, object] | None = None, *, exclusive: bool = False) -> Path:
     """Test accuracy per round for each method, one panel per kind of accuracy present, one legend below them.
 
     ``runs``: method name -> its metrics records (one run), or a list of record lists (one per seed: the mean with
@@ -132,11 +132,11 @@ def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | 
         extra.append(Line2D([], [], color="grey", lw=0.6, alpha=0.5, label="task end"))
     _legend(fig, [(name, colors[name], short[name], len(s)) for name, s in seeds.items()], extra)
     _title(fig, title)
-    return _save(fig, path)
+    return _save(fig, path, exclusive=exclusive)
 
 
 def accuracy_per_task(summaries: list[dict | list[dict]], path: str | Path, title: str = "",
-                      colors: dict[str, object] | None = None) -> Path | None:
+                      colors: dict[str, object] | None = None, *, exclusive: bool = False) -> Path | None:
     """Class-incremental accuracy on every class seen so far after each task (``continual_seen``), one line per
     method that has it; None, and no file, when none has.
 
@@ -169,7 +169,7 @@ def accuracy_per_task(summaries: list[dict | list[dict]], path: str | Path, titl
     ax.grid(alpha=0.3)
     _legend(fig, methods)
     _title(fig, title)
-    return _save(fig, path)
+    return _save(fig, path, exclusive=exclusive)
 
 
 def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path, title: str = "",
@@ -207,9 +207,10 @@ def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path
     return _save(fig, path)
 
 
-def _save(fig, path) -> Path:
+def _save(fig, path, exclusive: bool = False) -> Path:
+    """``exclusive``: FileExistsError rather than replace a file that appeared since the caller looked."""
     try:
-        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110))
+        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), exclusive=exclusive)
     finally:
         plt.close(fig)
 
