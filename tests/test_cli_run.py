@@ -183,6 +183,12 @@ def test_report_compares_existing_runs_at_a_common_round(tmp_path, capsys):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".late.png")]  # no temporary file left
     assert main(["report", *runs, "--rounds", "3"]) == 0
     assert "has only 2 rounds" in capsys.readouterr().err
+    assert main(["report", *runs]) == 0  # without --rounds: at the last round both reached, said so
+    out, err = capsys.readouterr()
+    rows = {line.split()[0]: line.split() for line in out.split("\n\n")[0].splitlines()
+            if line.startswith(("fedavg", "fedprox"))}
+    assert rows["fedavg"][1] == rows["fedprox"][1] == "2" and rows["fedavg"][2] == f"{fedavg_round2:.2%}"
+    assert "stopped at different rounds (2, 3): compared at round 2" in err
     assert main(["report", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
 

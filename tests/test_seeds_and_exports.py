@@ -74,6 +74,19 @@ def test_runs_that_differ_in_their_learning_rate_are_not_seeds_of_one_method(see
     assert not [ln for ln in out.splitlines() if " ± " in ln], out  # no row is a mean over the two
 
 
+def test_seeds_that_stopped_at_different_rounds_are_averaged_at_the_round_both_reached(seeded, tmp_path):
+    """A seed still running (or cut short) is not averaged at its round with the others at theirs."""
+    short = tmp_path / "short"
+    cfg = write_cfg(tmp_path, train__rounds=2, seed=1)
+    assert cli("run", str(cfg), "--no-progress", "--out", str(short), "--set", "name=fedavg",
+               "--set", "compare=[{name: fedavg}]")[0] == 0
+    rc, out = _report(seeded / "seed_0" / "fedavg", short)
+    assert rc == 0 and "compared at round 2" in out
+    row = next(ln for ln in out.splitlines() if ln.startswith("fedavg"))
+    accs = [metrics(d)[1]["global"]["acc"] for d in (seeded / "seed_0" / "fedavg", short)]
+    assert f"{np.mean(accs):.2%} ± {np.std(accs, ddof=1):.2%}" in row, row
+
+
 def test_a_seeds_table_holds_the_seeds_its_config_lists(seeded, tmp_path):
     """A seed taken out with --amend (or a stray seed_* folder) is not averaged in, and report says so."""
     import shutil

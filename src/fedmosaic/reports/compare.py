@@ -263,26 +263,33 @@ def seed_group(cfg: RunConfig) -> str:
 
 def from_runs(dirs: list[Path], upto: int | None = None
               ) -> tuple[list[dict], dict[str, list[dict] | list[list[dict]]], list[str]]:
-    """Summaries and curves of existing run directories (finished or interrupted), over their first ``upto``
-    rounds when given, so that runs stopped at different rounds are compared at the same one. Runs whose configs
-    differ only in the seed are one method: its summary is the mean ± std over them (``over_seeds``) and its
-    curves a list, one per seed. Also returns warnings: runs of one seed on different partitions, or shorter
-    than ``upto``, are not a like-for-like comparison."""
+    """Summaries and curves of existing run directories (finished or interrupted), compared at one round: their
+    first ``upto`` rounds when given, else the last round every run that has not diverged reached (a diverged run
+    keeps its rounds before, marked). Runs whose configs differ only in the seed are one method: its summary is the
+    mean ± std over them (``over_seeds``) and its curves a list, one per seed. Also returns warnings: runs cut to
+    the common round, runs of one seed on different partitions, or shorter than ``upto``, are not a like-for-like
+    comparison."""
     notes: list[str] = []
-    groups: dict[str, list[tuple[int, dict, list[dict]]]] = {}  # per method: (seed, summary, records)
-    names: dict[str, str] = {}  # per method its name in the table
-    partitions: dict[int, dict[str, str | None]] = {}  # per seed: per method its partition's hash
+    found = []  # (directory, config, records)
     for d in (v for d in dirs for v in _run_dirs(d, notes)):
         if not (d / "config.yaml").is_file():
             raise FedMosaicError(f"{d} is not a run directory (no config.yaml)")
-        cfg = load_config(d / "config.yaml")
         records = read_metrics(d)
         if not records:
             raise FedMosaicError(f"{d} has no finished round yet (metrics.jsonl is empty)")
-        if upto is not None:
-            if len(records) < upto:
-                notes.append(f"{d} has only {len(records)} rounds (< {upto})")
-            records = records[:upto]
+        found.append((d, load_config(d / "config.yaml"), records))
+    lengths = {len(r) for d, _, r in found if diverged_round(d) is None}
+    if upto is None and len(lengths) > 1:
+        upto = min(lengths)
+        notes.append(f"the runs stopped at different rounds ({', '.join(map(str, sorted(lengths)))}): compared at "
+                     f"round {upto}, the last all of them reached (--rounds N to choose another)")
+    elif upto is not None:
+        notes += [f"{d} has only {len(r)} rounds (< {upto})" for d, _, r in found if len(r) < upto]
+    groups: dict[str, list[tuple[int, dict, list[dict]]]] = {}  # per method: (seed, summary, records)
+    names: dict[str, str] = {}  # per method its name in the table
+    partitions: dict[int, dict[str, str | None]] = {}  # per seed: per method its partition's hash
+    for d, cfg, records in found:
+        records = records[:upto]
         key = cfg.name + "\0" + seed_group(cfg)
         if any(seed == cfg.seed for seed, _, _ in groups.get(key, ())):
             key += "\0" + str(d)  # the same run twice is not a second seed
