@@ -176,6 +176,16 @@ def test_cross_summary_on_a_hand_example():
     assert s["intra"] == [0.8, 0.9, 1.0]
     assert s["inter"] == pytest.approx([0.05, 0.4, 0.0])
     assert s["intra_avg"] == pytest.approx(0.9) and s["inter_avg"] == pytest.approx(0.15)
+    # client 1 held out: the others' summary leaves its model and its split out; its own, apart, has no other
+    trained = cross_summary(correct, sizes, np.array([True, False, True]))
+    assert trained["inter"] == pytest.approx([0.0, 0.4, 0.0]) and trained["matrix"] == s["matrix"]
+    assert trained["intra_avg"] == pytest.approx(0.9) and trained["inter_avg"] == pytest.approx(0.0)
+    apart = cross_summary(correct, sizes, np.array([False, True, False]))
+    assert apart["intra_avg"] == pytest.approx(0.9) and apart["inter_avg"] is None
+    assert apart["inter"] == [pytest.approx(0.1), None, pytest.approx(0.0)]  # rows 0, 2 judged on client 1's split
+    # a client whose split is the only tested one has no inter-domain accuracy: out of the mean, not a 0
+    lone = cross_summary(correct, np.array([10, 0, 0]))
+    assert lone["inter"][0] is None and lone["inter_avg"] == pytest.approx(np.mean([0.2, 0.0]))
 
 
 # ---- hand-computed losses ----------------------------------------------------------------------------------------

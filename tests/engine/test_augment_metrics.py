@@ -53,6 +53,16 @@ def test_forgetting_is_mean_of_per_class_drops_from_the_best_earlier_round():
     hist = [[0.5, 0.9], [0.8, 0.2], [0.6, 0.4]]
     # class 0: max(0.5, 0.8) - 0.6 = 0.2; class 1: max(0.9, 0.2) - 0.4 = 0.5
     assert forgetting(hist) == pytest.approx(0.35)
+    # a class the test split has no sample of (None) is out of the mean, not a 0 that dilutes it
+    assert forgetting([[0.5, 0.9, None], [0.8, 0.2, None], [0.6, 0.4, None]]) == pytest.approx(0.35)
+
+
+def test_a_class_without_test_samples_has_no_accuracy():
+    from fedmosaic.engine.evaluate import global_metrics
+
+    y = torch.tensor([0, 0, 2])
+    g = global_metrics(torch.tensor([True, False, True]), torch.zeros(3), y, 3)
+    assert g["class_acc"] == [0.5, None, 1.0] and g["acc"] == pytest.approx(2 / 3)
 
 
 def test_algorithm_specs_become_config_entries():

@@ -28,7 +28,14 @@ def test_forgetting_takes_the_best_earlier_accuracy_not_the_first():
     assert s["forgetting"] == pytest.approx([0.2, 0.0]) and s["bwt"] == pytest.approx((0.2 + 0.0) / 2)
 
 
+def test_an_old_task_the_last_row_did_not_judge_is_out_of_bwt_and_forgetting_alike():
+    a = [[0.9, NAN, NAN], [0.8, 0.7, NAN], [NAN, 0.5, 0.6]]  # task 0 unjudged after the last task
+    s = continual_summary(a)
+    assert s["bwt"] == pytest.approx(0.5 - 0.7) and s["forgetting_mean"] == pytest.approx(0.7 - 0.5)
+
+
 def test_one_task_and_bad_shapes():
-    assert continual_summary([[0.7]]) == {"acc_final": 0.7, "bwt": 0.0, "forgetting": [], "forgetting_mean": 0.0}
+    # no old task: BWT and forgetting are undefined, not a perfect 0
+    assert continual_summary([[0.7]]) == {"acc_final": 0.7, "bwt": None, "forgetting": [], "forgetting_mean": None}
     with pytest.raises(ValueError, match="square"):
         continual_summary(np.zeros((2, 3)))

@@ -87,7 +87,8 @@ def test_the_server_rules_over_every_client_count_only_the_clients_that_train():
 
 
 def test_held_out_clients_never_train_and_are_evaluated_apart():
-    fed = build_federation(cfg_of(TWENTY, algorithm={"name": "ditto"}, participation={"held_out": 0.25}))
+    fed = build_federation(cfg_of(TWENTY, algorithm={"name": "ditto"}, participation={"held_out": 0.25},
+                                  eval={"cross_clients": True}))
     held = fed.srv.held_out
     assert len(held) == 5
     init = copy.deepcopy(fed.groups[0].store)
@@ -100,6 +101,15 @@ def test_held_out_clients_never_train_and_are_evaluated_apart():
     assert last["held_out"]["personal"]["clients"] == int(tested[held].sum())
     assert last["personal"]["clients"] == int(tested.sum() - tested[held].sum())
     assert last["personal"]["acc"] > last["held_out"]["personal"]["acc"]  # their personal models are untrained
+    # the cross-client means too: of the training clients' models on their splits, the held-out ones apart
+    m = np.array(last["cross"]["matrix"])
+    train = np.setdiff1d(np.flatnonzero(tested), held)
+    assert last["cross"]["intra_avg"] == pytest.approx(np.diag(m)[train].mean())
+    assert last["cross"]["intra_avg"] == pytest.approx(last["personal"]["acc_mean"])
+    assert last["cross"]["inter_avg"] == pytest.approx(np.mean([m[i, np.setdiff1d(train, [i])].mean()
+                                                                for i in train]))
+    assert last["held_out"]["cross"]["intra_avg"] == pytest.approx(np.diag(m)[np.intersect1d(held, np.flatnonzero(
+        tested))].mean())
 
 
 def test_held_out_clients_are_evaluated_after_fine_tuning_where_the_algorithm_fine_tunes():

@@ -73,7 +73,9 @@ def global_metrics(correct: torch.Tensor, losses: torch.Tensor, y: torch.Tensor,
     return {
         "acc": float(correct.double().mean()),
         "loss": float(losses.mean()),
-        "class_acc": (per_class_ok / per_class_n.clamp(min=1)).tolist(),
+        # a class the split has no sample of has no accuracy (None), not 0: FedNTD's F averages the classes judged
+        "class_acc": [a if n else None for a, n in zip((per_class_ok / per_class_n.clamp(min=1)).tolist(),
+                                                      per_class_n.tolist(), strict=True)],
     }
 
 
@@ -220,14 +222,23 @@ def cross_correct(apply, stacked_params, x, y, ptr, transform, logits_fn, vector
     return (c[:, ptr[1:]] - c[:, ptr[:-1]]).astype(np.float64)
 
 
-def cross_summary(correct: np.ndarray, sizes: np.ndarray) -> dict:
+def cross_summary(correct: np.ndarray, sizes: np.ndarray, among: np.ndarray | None = None) -> dict:
     """The K x K accuracy matrix (row i: client i's model, column j: client j's test split), per client its
-    intra-domain (own split) and inter-domain (mean over the other clients' splits) accuracy, and their means."""
+    intra-domain (own split) and inter-domain (mean over the other clients' splits) accuracy, and their means.
+
+    ``among``: the clients the summary is of (a boolean mask; all by default): inter-domain accuracy over their
+    splits, means over them (held-out clients are summarized apart). A client with no other tested split among
+    them has no inter-domain accuracy (None, out of the mean; the mean None when no client has one)."""
     acc = correct / np.maximum(sizes, 1)[None, :]
     K = len(acc)
+    among = np.ones(K, dtype=bool) if among is None else np.asarray(among, dtype=bool)
     intra = np.diag(acc)
     has = sizes > 0
-    others = has[None, :] & ~np.eye(K, dtype=bool)
+    others = (has & among)[None, :] & ~np.eye(K, dtype=bool)
+    judged = others.sum(1) > 0
     inter = (acc * others).sum(1) / np.maximum(others.sum(1), 1)
-    return {"matrix": acc.tolist(), "intra": intra.tolist(), "inter": inter.tolist(),
-            "intra_avg": float(intra[has].mean()), "inter_avg": float(inter.mean()) if K > 1 else 0.0}
+    rows = among & judged
+    return {"matrix": acc.tolist(), "intra": intra.tolist(),
+            "inter": [float(v) if ok else None for v, ok in zip(inter, judged, strict=True)],
+            "intra_avg": float(intra[has & among].mean()) if (has & among).any() else None,
+            "inter_avg": float(inter[rows].mean()) if rows.any() else None}

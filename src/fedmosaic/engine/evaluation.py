@@ -60,7 +60,11 @@ def evaluate(fed, round_idx: int = 0) -> dict:
             if apart.any():
                 out.setdefault("held_out", {})[key] = ev.client_summary(correct * apart, sizes * apart)
     if "cross" in reply and int(reply["sizes"]["test"].sum()):
-        out["cross"] = ev.cross_summary(reply["cross"].cpu().numpy(), reply["sizes"]["test"].cpu().numpy())
+        cross, sizes = reply["cross"].cpu().numpy(), reply["sizes"]["test"].cpu().numpy()
+        out["cross"] = ev.cross_summary(cross, sizes, ~apart)
+        if apart.any():  # the held-out clients' models on their own and each other's splits, apart
+            held = ev.cross_summary(cross, sizes, apart)
+            out.setdefault("held_out", {})["cross"] = {k: held[k] for k in ("intra_avg", "inter_avg")}
         names = fed.fd.dataset.group_names
         if fed.settings.named_rows and names and len(names) == fed.num_clients:
             out["cross"]["names"] = list(names)  # one client per group: name the rows by the domain

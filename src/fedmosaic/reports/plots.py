@@ -110,7 +110,8 @@ def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | 
     for name, s in seeds.items():
         for key, _ in kinds:
             for field, _ in FIELDS.get(key, (("acc", "-"),)):
-                per_seed = [{r["round"] + 1: 100 * r[key][field] for r in rs if key in r} for rs in s]
+                per_seed = [{r["round"] + 1: 100 * r[key][field] for r in rs
+                             if key in r and r[key].get(field) is not None} for rs in s]
                 if all(per_seed):
                     curves[name, key, field] = _mean_std(per_seed)
     short = {name: max((len(c[0]) for (n, *_), c in curves.items() if n == name), default=0) <= SHORT_RUN

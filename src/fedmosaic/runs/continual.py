@@ -5,7 +5,8 @@
 Table 2 row; the samples of all seen classes pooled). Definitions: average incremental accuracy = mean of ``seen``
 (ProtoFCL's "avg"); final average accuracy ACC = mean_j a[T-1][j] and backward transfer BWT = mean_{j < T-1}
 (a[T-1][j] - a[j][j]) (Lopez-Paz & Ranzato, GEM); forgetting of task j < T-1 = max_{i < T-1} a[i][j] - a[T-1][j]
-(Chaudhry et al.). A task whose column is empty (NaN) is left out of these means.
+(Chaudhry et al.). A task whose column is empty (NaN), or that the last row did not judge, is left out of these
+means; with no old task to judge BWT and forgetting are undefined (None), not 0 (no forgetting).
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ def continual_summary(a, seen=None) -> dict:
     # a column with no classes (random task orders: a stage in which the federation met no new class) is NaN
     # throughout and left out of every mean
     last, cols = a[-1], ~np.isnan(np.diag(a))
-    out = {"acc_final": float(np.mean(last[cols])), "bwt": 0.0, "forgetting": [], "forgetting_mean": 0.0}
-    old = cols[:-1]
+    out = {"acc_final": float(np.mean(last[cols])), "bwt": None, "forgetting": [], "forgetting_mean": None}
+    old = cols[:-1] & ~np.isnan(last[:-1])
     if T > 1 and old.any():
         out["bwt"] = float(np.mean((last[:-1] - np.diag(a)[:-1])[old]))
         f = [float(np.nanmax(a[j:T - 1, j]) - last[j]) if old[j] else float("nan") for j in range(T - 1)]

@@ -73,7 +73,8 @@ def _cross(c) -> bool:
         return False
     K = len(c["matrix"])
     return (K > 0 and all(_numbers(row, K) for row in c["matrix"]) and _numbers(c.get("intra"), K)
-            and _numbers(c.get("inter"), K) and _number(c.get("intra_avg")) and _number(c.get("inter_avg"))
+            and _numbers(c.get("inter"), K, none=True)
+            and all(_number(c.get(k)) or c.get(k) is None for k in ("intra_avg", "inter_avg"))
             and ("names" not in c or (isinstance(c["names"], list) and len(c["names"]) == K
                                       and all(isinstance(n, str) for n in c["names"]))))
 
@@ -105,7 +106,7 @@ def _well_formed(rec, before: list[dict]) -> bool:
     if "global" in rec:
         g, first = rec["global"], next((r["global"] for r in before if "global" in r), None)
         if not (isinstance(g, dict) and _number(g.get("acc"))
-                and _numbers(g.get("class_acc"), None if first is None else len(first["class_acc"]))):
+                and _numbers(g.get("class_acc"), None if first is None else len(first["class_acc"]), none=True)):
             return False
     return (all(_table(rec[k]) for k in ("terms", "report") if k in rec)
             and ("cross" not in rec or _cross(rec["cross"]))
@@ -139,10 +140,11 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
             best = max(val, key=lambda r: r[val_key]["acc"])
             out[name] = best[test_key]["acc"]
             out[f"best_round_by_{val_key}"] = best["round"]
-    cross = [r["cross"] for r in ev if "cross" in r][-3:]  # AHF's protocol: the mean of the last 3 rounds
-    if cross:
-        out["intra_last3"] = float(np.mean([c["intra_avg"] for c in cross]))
-        out["inter_last3"] = float(np.mean([c["inter_avg"] for c in cross]))
+    cross = [r["cross"] for r in ev if "cross" in r][-3:]  # AHF's protocol: the mean of the last 3 evaluations
+    for key, name in (("intra_avg", "intra_last3"), ("inter_avg", "inter_last3")):
+        values = [c[key] for c in cross if c[key] is not None]  # (None: no client had one)
+        if values:
+            out[name] = float(np.mean(values))
     if ev and "report" in ev[-1]:  # the algorithm's own measures (e.g. sparsity of personal parts)
         out.update({f"{k}_final": v for k, v in ev[-1]["report"].items()})
     end_records = [r for r in ev if r.get("continual", {}).get("task_end")]
@@ -188,10 +190,12 @@ def per_task(records: list[dict], ends: list[dict]) -> list[dict[str, float]]:
     return out
 
 
-def forgetting(class_acc_history: list[list[float]]) -> float:
-    """FedNTD eq. 5: F = (1/C) Σ_c max_{t<T} (A_c^t − A_c^T), from the global model's per-class test accuracy."""
-    a = np.asarray(class_acc_history)
-    return float((a[:-1].max(0) - a[-1]).mean())
+def forgetting(class_acc_history: list[list[float | None]]) -> float | None:
+    """FedNTD eq. 5: F = (1/C) Σ_c max_{t<T} (A_c^t − A_c^T), from the global model's per-class test accuracy,
+    over the C classes the test split has samples of (None: a class without; the split is the same every round)."""
+    a = np.array(class_acc_history, dtype=np.float64)  # (None -> NaN)
+    judged = ~np.isnan(a).any(0)
+    return float((a[:-1, judged].max(0) - a[-1, judged]).mean()) if judged.any() else None
 
 
 def scalars(rec: dict, sep: str = ".", at: str = "") -> dict[str, float]:

@@ -288,6 +288,9 @@ def check_evaluation(cfg: RunConfig, personalized: bool, clients: int, tested: b
     if cfg.eval.cross_clients and not tested:
         raise ConfigError("eval.cross_clients: the clients have no test splits to cross-test on; set "
                           "data.client_test (e.g. 0.25)")
+    if cfg.eval.cross_clients and clients < 2:
+        raise ConfigError("eval.cross_clients: one client has no other client's split to be tested on; it needs at "
+                          "least 2 clients")
     if cfg.eval.cross_clients and clients > 256:
         raise ConfigError(f"eval.cross_clients: {clients} clients would test "
                           f"{clients ** 2:,} model/split pairs every evaluation; at most 256 clients")
