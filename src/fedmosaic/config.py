@@ -76,7 +76,8 @@ class TasksConfig(Schema):
     classes_per_task: int | None = Field(None, ge=1, le=MAX_COUNT, description="default: classes / n_tasks")
     rounds_per_task: int = Field(10, ge=1, le=MAX_COUNT)
     order: Literal["shared", "random"] = Field(
-        "shared", description="every client meets the tasks in one order, or each in its own random order")
+        "shared", description="every client meets the tasks in one order (stage j is task j; a client without "
+        "samples of a task sits its stage out), or each in its own random order")
     tasks_per_client: int | list[int] | None = Field(
         None, description="default: every task; a pair [lo, hi]: each client a random count in lo..hi")
     memory: MemoryConfig | None = Field(None, description="exemplar memory (replay); none by default")

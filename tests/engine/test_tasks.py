@@ -49,6 +49,33 @@ def test_a_clients_batches_in_a_task_come_only_from_that_tasks_classes(order):
     assert set().union(*classes) == set(range(10)) and sum(map(len, classes)) == 10  # disjoint tasks
 
 
+def test_a_shared_order_keeps_stage_j_task_j_and_a_client_without_it_sits_it_out():
+    """Label skew: a client that holds no sample of a task has no task at its stage (it is not chosen then), so
+    the federation meets the tasks in the shared order and column j of the accuracy matrix is task j's classes."""
+    fed = build_federation(validate({**make_cfg().model_dump(), "data": {
+        **make_cfg().data.model_dump(), "partition": {"scheme": "label_k", "k": 4}}}))
+    streams = fed.tasks
+    assert any(task is None for st in streams for task in st)  # (this partition leaves some tasks out)
+    assert all(task is None or task[0] == j for st in streams for j, task in enumerate(st))
+    task_classes = {task[0]: set(task[1].tolist()) for st in streams for task in st if task}
+    for t in range(10):
+        stage = t // 2
+        holders = {k for k, st in enumerate(streams) if stage < len(st) and st[stage] is not None}
+        assert set(fed.srv.chosen(t).tolist()) == holders
+        first = fed.first_met(stage)
+        assert {c for c in range(10) if first[c] == stage} == task_classes[stage]  # stage j met task j's classes
+        rec = fed.round(t)
+        assert rec["train_loss"] == rec["train_loss"]  # (trained: finite)
+    last = fed.evaluate(9)["continual"]
+    assert len(last["tasks"]) == 5 and all(v is not None for v in last["tasks"])
+
+
+def test_a_shared_order_task_nobody_holds_is_a_one_line_error():
+    cfg = make_cfg(tasks_per_client=1)
+    with pytest.raises(ConfigError, match=r"data.tasks: no client holds a sample of task \d \(shared order\)"):
+        build_federation(cfg)
+
+
 def test_rounds_beyond_the_last_task_are_a_one_line_error():
     with pytest.raises(ConfigError, match=r"train.rounds: the longest client task stream \(5 tasks of 1 rounds\) ends "
                                           r"after round 5"):

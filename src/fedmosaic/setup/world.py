@@ -206,7 +206,7 @@ class World:
         self.test_ranks = None if self.tasks is None else ev.class_ranks(self.global_labels, data_spec(cfg).seed)
         #: what the server knows of the task streams (``calendar.TaskCalendar``); None without ``data.tasks``
         self.calendar = None if self.tasks is None else TaskCalendar(
-            [[(task, classes) for task, classes, _ in st] for st in self.tasks], cfg.data.tasks.rounds_per_task,
+            [[task and task[:2] for task in st] for st in self.tasks], cfg.data.tasks.rounds_per_task,
             self.fd.num_classes)
         # per client its exemplar memory (``data.tasks.memory``): class -> offsets into its train rows, best first
         exemplars = [{} for _ in range(self.num_clients)] if self.tasks and cfg.exemplar_memory() else None
@@ -354,7 +354,9 @@ class World:
 
     def _build_tasks(self, cfg: RunConfig) -> list | None:
         """Per client its task stream (``data.tasks``): [(task id, classes, offsets inside its train rows)], in the
-        order it meets them (one shared order: by task id; ``random``: the client's own)."""
+        order it meets them — ``random``: the client's own; one ``shared`` order: stage j is task j for every client,
+        and a client that holds no sample of task j (or was not dealt it, ``tasks_per_client``) has None there and
+        sits the stage out, so the federation meets the tasks in that order (stage j's classes are task j's)."""
         tc = cfg.data.tasks
         if tc is None:
             return None
@@ -366,8 +368,13 @@ class World:
         streams = task_streams(self.fd.y["train"], parts, tc.n_tasks, tc.tasks_per_client, rng(cfg.seed, TASKS),
                                tc.classes_per_task)
         if tc.order == "shared":
-            streams = [sorted(st, key=lambda task: task[0]) for st in streams]
+            streams = [[{task[0]: task for task in st}.get(j) for j in range(1 + max(t for t, _, _ in st))]
+                       if st else [] for st in streams]
         longest = max(map(len, streams))
+        empty = [j for j in range(longest) if all(j >= len(st) or st[j] is None for st in streams)]
+        if empty and cfg.train.rounds > empty[0] * tc.rounds_per_task:
+            raise ConfigError(f"data.tasks: no client holds a sample of task {empty[0]} (shared order): its stage "
+                              "would have nobody to train; use order: random, fewer tasks or more clients")
         if cfg.train.rounds > longest * tc.rounds_per_task:
             raise ConfigError(f"train.rounds: the longest client task stream ({longest} tasks of {tc.rounds_per_task} "
                               f"rounds) ends after round {longest * tc.rounds_per_task} (got {cfg.train.rounds})")
@@ -375,5 +382,5 @@ class World:
         if mc is not None and mc.total is not None:
             check_memory_total(mc.total, "data.tasks.memory.total" if mc is tc.memory
                                      else f"algorithm.memory.total of {cfg.algorithm.name}",
-                                     max(len(classes) for st in streams for _, classes, _ in st), longest)
-        return [[(t, classes, rows - ptr[k]) for t, classes, rows in st] for k, st in enumerate(streams)]
+                                     max(len(task[1]) for st in streams for task in st if task), longest)
+        return [[task and (task[0], task[1], task[2] - ptr[k]) for task in st] for k, st in enumerate(streams)]

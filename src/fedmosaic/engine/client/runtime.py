@@ -86,7 +86,8 @@ class ClientRuntime:
             kept = self.exemplars[k] if memory and self.exemplars is not None else None
             return np.union1d(task, mem.offsets_of(kept)) if kept else task
 
-        return replace(tr, subset={k: offsets(k, st[stage][2]) for k, st in enumerate(self.tasks) if stage < len(st)})
+        return replace(tr, subset={k: offsets(k, st[stage][2]) for k, st in enumerate(self.tasks)
+                                   if stage < len(st) and st[stage] is not None})
 
     def own(self, assignment: dict, members: np.ndarray, header: dict | None = None) -> dict:
         """The per-client payload of ``members`` (their rows of ``assignment``) with their ids — and in a round of
@@ -107,7 +108,7 @@ class ClientRuntime:
         task, kept = np.zeros((n, C), dtype=np.float32), np.zeros((n, C), dtype=np.float32)
         for i, k in enumerate(clients):
             st, memory = self.tasks[k], self.exemplars[k] if self.exemplars is not None else {}
-            task[i, st[stage][1] if stage < len(st) else []] = 1
+            task[i, st[stage][1] if stage < len(st) and st[stage] is not None else []] = 1
             kept[i, [c for c, offs in memory.items() if len(offs)]] = 1
         seen = np.repeat(header["seen"].cpu().numpy().astype(np.float32)[None], n, 0)
         return {k: torch.as_tensor(v, device=self.device)
@@ -210,7 +211,7 @@ class ClientRuntime:
             if self.exemplars is not None:
                 for k, z in zip(g.clients, g.trainer.features(task, g.clients, params, bufs), strict=True):
                     st = self.tasks[k]
-                    if stage >= len(st):
+                    if stage >= len(st) or st[stage] is None:
                         continue
                     offs = st[stage][2]
                     labels = tr.y[torch.as_tensor(tr.ptr[k] + offs, device=dev)].cpu().numpy()

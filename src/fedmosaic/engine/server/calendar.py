@@ -11,7 +11,9 @@ import numpy as np
 
 @dataclass(frozen=True)
 class TaskCalendar:
-    streams: list[list[tuple[int, np.ndarray]]]  # per client [(task id, classes)], in the order it meets them
+    # per client [(task id, classes)], in the order it meets them; None: no task at that stage (a shared order's task
+    # the client holds no sample of: it sits the stage out)
+    streams: list[list[tuple[int, np.ndarray] | None]]
     rounds_per_task: int
     num_classes: int
 
@@ -27,8 +29,9 @@ class TaskCalendar:
         """[C] the stage at which some client first met each class, up to ``stage`` (``stage + 1``: not yet)."""
         first = np.full(self.num_classes, stage + 1)
         for stream in self.streams:
-            for j, (_, classes) in enumerate(stream[: stage + 1]):
-                first[classes] = np.minimum(first[classes], j)
+            for j, task in enumerate(stream[: stage + 1]):
+                if task is not None:
+                    first[task[1]] = np.minimum(first[task[1]], j)
         return first
 
     def seen_classes(self, stage: int) -> np.ndarray:
@@ -36,8 +39,8 @@ class TaskCalendar:
         return self.first_met(stage) <= stage
 
     def live(self, t: int) -> np.ndarray | None:
-        """The clients with a task in round ``t``'s stage (a client whose stream has ended drops out); None: all."""
+        """The clients with a task in round ``t``'s stage (one whose stream has ended, or has no task at this stage,
+        drops out); None: all."""
         stage = self.stage(t)
-        if all(len(stream) > stage for stream in self.streams):
-            return None
-        return np.array([k for k, stream in enumerate(self.streams) if stage < len(stream)], dtype=np.int64)
+        live = [k for k, stream in enumerate(self.streams) if stage < len(stream) and stream[stage] is not None]
+        return None if len(live) == len(self.streams) else np.array(live, dtype=np.int64)
