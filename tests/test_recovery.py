@@ -438,6 +438,24 @@ def test_a_checkpoint_of_another_run_is_set_aside(tmp_path, reference):
     assert metrics(out) == reference
 
 
+def test_a_run_whose_checkpoints_are_all_of_another_run_is_not_restarted_under_its_old_metrics(tmp_path):
+    """What a resume sees when the data or a plug-in's model changed since the run was made: every checkpoint
+    loads but is another run's. Starting again from round 0 would recompute it on something else (and drop its
+    metrics); it is refused in one line and nothing in the directory changes."""
+    from fedmosaic.config import load_config
+    from fedmosaic.runs.runner import run
+
+    out, other = tmp_path / "cut", tmp_path / "other"
+    for where, seed in ((out, 1), (other, 2)):
+        run(load_config(write_cfg(tmp_path, seed=seed)), where, progress=False, stop_after=2)
+    for ck in (out / "checkpoints").glob("round_*.pt"):
+        ck.write_bytes((other / "checkpoints" / ck.name).read_bytes())
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 2 and "cannot resume: its checkpoints were written by another run (seed" in error_line(err)
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_report_of_a_comparison_directory_lists_its_variants(tmp_path, capsys):
     out = tmp_path / "cmp"
     assert cli("run", str(write_cfg(tmp_path, train__rounds=1)), "--no-progress", "--out", str(out),

@@ -80,6 +80,10 @@ def latest_checkpoint(out: Path) -> Path | None:
     return found[-1] if found else None
 
 
+class NotThisRun(ValueError):
+    """A checkpoint that loads, but of another seed, partition, model or algorithm than the run being resumed."""
+
+
 def load_checkpoint(path: Path, fed: Federation) -> int:
     """Load ``path`` into ``fed``; the round it ends. Raises ValueError for anything unusable."""
     try:
@@ -91,7 +95,7 @@ def load_checkpoint(path: Path, fed: Federation) -> int:
     state = fed.upgrade(state)  # format 1 (before the server/client split) is converted
     mine = fed.state_dict()
     if any(list(layout(state.get(k))) != list(layout(mine[k])) for k in ("server", "clients")):
-        raise ValueError("written for a different model or algorithm")
+        raise NotThisRun("written for a different model or algorithm")
     ours, theirs = identity(fed), state.get("run", {})
     if not isinstance(theirs, dict):
         raise ValueError("its run identity is damaged")
@@ -99,7 +103,7 @@ def load_checkpoint(path: Path, fed: Federation) -> int:
     differ = [k for k in ours if k in theirs and theirs[k] != ours[k]]
     if differ:
         what = {"seed": "seed", "data_hash": "partition", "config": "algorithm, its hyper-parameters or model"}
-        raise ValueError(f"written by another run ({', '.join(what[k] for k in differ)} differ)")
+        raise NotThisRun(f"written by another run ({', '.join(what[k] for k in differ)} differ)")
     fed.load_state_dict(state)
     return state["round"]
 
@@ -108,10 +112,12 @@ def restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
     """Resume point of a (possibly damaged) run directory: the newest checkpoint that loads and whose rounds all
     have their metrics line; a finished run (its summary written, a metrics line for every round) needs none.
     Leftover temporary files are removed; unusable checkpoints are set aside (renamed ``*.corrupt``), never
-    deleted."""
+    deleted. When none is usable and some were of another run (``NotThisRun``: the data, a plug-in's model or the
+    code changed since, rather than a stray copy beside the run's own), nothing is touched and the resume is refused
+    in one line: starting again would recompute the run on something else under its old metrics."""
     remove_temp_files(out, out / "checkpoints")
     records = read_metrics(out)
-    start = 0
+    start, unusable = 0, []
     for ck in reversed(checkpoints(out)):
         if int(ck.stem.split("_")[1]) >= len(records):
             warnings.warn(f"{ck}: round {ck.stem.split('_')[1]} has no metrics line; resuming from an older "
@@ -121,16 +127,22 @@ def restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
             start = load_checkpoint(ck, fed) + 1
             break
         except ValueError as e:
-            ck.rename(ck.with_name(ck.name + ".corrupt"))
-            warnings.warn(f"{ck}: {e}; set aside as {ck.name}.corrupt, resuming from an older checkpoint",
-                          stacklevel=2)
+            unusable.append((ck, e))
     else:
         if records and len(records) >= fed.cfg.train.rounds and (out / "summary.json").is_file():
             # finished, its checkpoints removed since (to save disk, or kept elsewhere without them): the metrics
             # are its result and nothing is left to run; recomputing it from round 0 would only cost its time
             return len(records), records
+        other = next((e for _, e in unusable if isinstance(e, NotThisRun)), None)
+        if other is not None:
+            raise FedMosaicError(f"{out}: cannot resume: its checkpoints were {other} — the data, model or algorithm "
+                                 "this run was made with has changed since (a plug-in? the dataset's files?); "
+                                 "restore them, or start a new run with another --out")
         if records:
             warnings.warn(f"{out}: no usable checkpoint; starting again from round 0", stacklevel=2)
+    for ck, e in unusable:
+        ck.rename(ck.with_name(ck.name + ".corrupt"))
+        warnings.warn(f"{ck}: {e}; set aside as {ck.name}.corrupt, resuming from an older checkpoint", stacklevel=2)
     if len(records) - start > fed.cfg.checkpoint_every:  # more than a crash since the last checkpoint can explain
         backup = out / f"metrics.jsonl.{datetime.now():%Y%m%d-%H%M%S}.bak"
         atomic_write(backup, (out / "metrics.jsonl").read_bytes())
