@@ -346,6 +346,82 @@ def test_head_names_the_classifier_and_a_factory_must_take_shape_and_classes():
         register_model("api_noargs", NoArgs)
 
 
+class Frozen(PlainMLP):
+    def __init__(self, input_shape, num_classes):
+        super().__init__(input_shape, num_classes)
+        self.body[1].requires_grad_(False)
+
+
+class Double(PlainMLP):
+    def __init__(self, input_shape, num_classes):
+        super().__init__(input_shape, num_classes)
+        self.double()
+
+
+class Pair(PlainMLP):
+    def forward(self, x):
+        z = self.body(x)
+        return self.fc(z), z
+
+
+@pytest.mark.parametrize("name, cls, message", [
+    ("api_frozen", Frozen, "parameter 'body.1.weight' is frozen (requires_grad=False): fedmosaic trains every "
+                           "parameter; keep a fixed tensor as a buffer"),
+    ("api_double", Double, "parameter 'body.1.weight' is torch.float64: fedmosaic trains float32 parameters"),
+    ("api_pair", Pair, "its forward returns a tuple, not one tensor of logits per sample"),
+])
+def test_a_model_the_engine_cannot_train_as_written_is_refused_in_one_line(name, cls, message):
+    ensure(name, cls)
+    with pytest.raises(ConfigError) as e:
+        build_model(name, (1, 6, 6), 5)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+class Dropped(PlainMLP):
+    def __init__(self, input_shape, num_classes):
+        super().__init__(input_shape, num_classes, hidden=16)
+        self.body.append(nn.Dropout(0.5))
+
+
+class FunctionalDropout(PlainMLP):
+    def forward(self, x):
+        return self.fc(torch.nn.functional.dropout(self.body(x), 0.5, self.training))
+
+
+def test_a_model_with_dropout_trains_the_same_on_every_run_pool_and_resume(blob_data, tmp_path):
+    """Its masks are drawn per client and step from the run's seed (the loop: vmap cannot draw them per client),
+    so two runs, the wire pool and a resume give the same numbers."""
+    from fedtest import blobs6_partition
+
+    from fedmosaic.runs.runner import run
+
+    ensure("api_dropped", Dropped)
+    fd = blobs6_partition(blob_data)
+    cfg = with_overrides(dict(BLOBS6), model={"name": "api_dropped", "options": {}},
+                         engine={"backend": "vectorized"})
+    feds = [train(cfg, fd), train(cfg, fd), train(with_overrides(cfg.model_dump(), engine={"pool": "wire"}), fd)]
+    assert feds[0].groups[0].execution.backend == "sequential"  # (asked for vmap: the loop, said so)
+    assert feds[0].evaluate() == feds[1].evaluate() == feds[2].evaluate()
+    raw = {**cfg.model_dump(), "train": {**cfg.train.model_dump(), "rounds": 3}, "checkpoint_every": 1}
+    whole, cut = tmp_path / "whole", tmp_path / "cut"
+    run(fedmosaic.config.validate(raw), whole, progress=False)
+    run(fedmosaic.config.validate(raw), cut, progress=False, stop_after=2)
+    assert main(["run", "--resume", str(cut), "--no-progress"]) == 0
+    losses = [[json.loads(line)["train_loss"] for line in (d / "metrics.jsonl").read_text().splitlines()]
+              for d in (whole, cut)]
+    assert losses[0] == losses[1]
+
+
+def test_random_ops_vmap_cannot_draw_are_one_line_naming_the_sequential_backend(tmp_path, capsys):
+    ensure("api_fdrop", FunctionalDropout)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**BLOBS6, "model": {"name": "api_fdrop"}, "engine": {"backend": "vectorized"},
+                                   "train": {**BLOBS6["train"], "rounds": 1}}))
+    assert main(["run", str(cfg), "--no-progress", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "draws random numbers in its forward pass (dropout?)" in err and "engine.backend: sequential" in err
+
+
 # ---- plug-ins --------------------------------------------------------------------------------------------------
 
 def plugin_module(folder: Path, module: str, dataset: str) -> None:
@@ -385,6 +461,27 @@ def test_a_plugin_that_cannot_be_imported_is_one_line_naming_it(plugin, message,
     assert main(["--plugin", plugin, "list", "models"]) == 2
     err = capsys.readouterr().err
     assert err == f"fedmosaic: error: {message}\n"
+
+
+def test_an_exception_in_a_plugins_code_is_blamed_on_it_not_on_fedmosaic(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "api_buggy.py").write_text(
+        "import torch\nfrom torch import nn\nimport fedmosaic\n\n\n"
+        "class Buggy(nn.Module):\n"
+        "    def __init__(self, input_shape, num_classes):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(36, num_classes)\n\n"
+        "    def forward(self, x):\n"
+        "        if self.training:\n"
+        "            {}['missing']\n"
+        "        return self.fc(x.flatten(1))\n\n\n"
+        "fedmosaic.register_model('api_buggy', Buggy)\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**BLOBS6, "model": {"name": "api_buggy"}, "train": {**BLOBS6["train"], "rounds": 1}}))
+    assert main(["--plugin", "api_buggy", "run", str(cfg), "--no-progress", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("fedmosaic: error in plug-in code (api_buggy.py:13 in forward): KeyError: 'missing'"), err
+    assert "bug in fedmosaic" not in err
 
 
 def test_a_run_read_without_its_plugin_names_it(tmp_path, monkeypatch):

@@ -49,6 +49,20 @@ def claim(kind: str, name: str, taken: bool) -> None:
     ORIGINS[(kind, name)] = origin
 
 
+def blame(exc: BaseException) -> str | None:
+    """Where in a plug-in's code ``exc`` was raised (``file.py:line in function``: the innermost frame of a module
+    that registered something), or None when no plug-in code is on its way."""
+    tops = {m.partition(".")[0] for m in ORIGINS.values()}
+    tb, found = exc.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_globals.get("__name__", "").partition(".")[0] in tops:
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return None
+    return f"{Path(found.tb_frame.f_code.co_filename).name}:{found.tb_lineno} in {found.tb_frame.f_code.co_name}"
+
+
 def load(names: list[str] = ()) -> None:
     """Import the plug-ins ``names`` (``--plugin``), those of ``$FEDMOSAIC_PLUGINS`` and the installed entry points
     of the group ``fedmosaic.plugins``. One that cannot be imported is one line naming it."""

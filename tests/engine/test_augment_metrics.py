@@ -26,6 +26,22 @@ def test_crop_flip_cutout_match_a_hand_made_example():
     assert hole.sum() == 4 and hole[1:3, 0:2].all()  # rows cy-1..cy, cols cx-1..cx
 
 
+def test_channel_normalisation_takes_channels_first_images_and_normalises_other_shapes_per_feature():
+    from fedmosaic.engine.client.transforms import make_normalizer
+
+    rng = np.random.default_rng(0)
+    seq = rng.normal(3.0, 2.0, size=(64, 4, 5)).astype(np.float32)  # (T, F) per sample: per feature
+    norm = make_normalizer("channel", seq, "cpu")
+    assert norm.mean.shape == (4, 5) and torch.allclose(norm.mean, torch.as_tensor(seq.mean(0)), atol=1e-5)
+    grey = rng.integers(0, 256, size=(8, 6, 6), dtype=np.uint8)  # uint8 (H, W): one grey channel
+    norm = make_normalizer("channel", grey, "cpu")
+    assert norm.mean.numel() == 1 and float(norm.mean) == pytest.approx(grey.mean() / 255, rel=1e-6)
+    vol = rng.integers(0, 256, size=(4, 2, 3, 4, 4), dtype=np.uint8)  # (C, D, H, W): per channel
+    norm = make_normalizer("channel", vol, "cpu")
+    assert norm.mean.shape == (2, 1, 1, 1)
+    assert torch.allclose(norm.mean.flatten(), torch.as_tensor(vol.mean((0, 2, 3, 4)) / 255, dtype=torch.float32))
+
+
 def test_crop_pads_with_black_not_with_the_mean():
     """FedNTD crops before normalising: the padding is black, i.e. (0 - mean) / std once normalised."""
     from fedmosaic.engine.client.transforms import make_normalizer

@@ -17,6 +17,7 @@ import sys
 import warnings
 from pathlib import Path
 
+from .. import plugins
 from ..errors import FedMosaicError, RunError, Stopped, environment_error, one_line
 from ..presets import config_path
 from ..version import __version__
@@ -467,8 +468,6 @@ def _global_options_anywhere(parser: argparse.ArgumentParser) -> None:
 def _load_plugins(args) -> None:
     """Import the plug-ins (``--plugin``, $FEDMOSAIC_PLUGINS, entry points), and note those that the runs this
     command reads were made with, so that an unknown dataset or model there names the one to pass."""
-    from .. import plugins
-
     if os.getcwd() not in sys.path:  # the command's path has its own folder, not the user's: find a module there
         sys.path.append(os.getcwd())  # as `python -m` would, last, so that it shadows nothing installed
     plugins.load(args.plugin)
@@ -540,6 +539,16 @@ def main(argv: list[str] | None = None) -> int:
             problem = environment_error(e)
             if problem is not None:
                 print(f"fedmosaic: error: {_one_line(problem)}", file=sys.stderr)
+                return 2
+            if "randomness error mode" in str(e):  # vmap met a random op its model draws (functional dropout)
+                print("fedmosaic: error: the model draws random numbers in its forward pass (dropout?), which vmap "
+                      "cannot draw per client; set engine.backend: sequential (or use nn.Dropout layers, which "
+                      "choose it)", file=sys.stderr)
+                return 2
+            where = plugins.blame(e)
+            if where is not None:  # the user's code, not ours
+                print(f"fedmosaic: error in plug-in code ({where}): {_one_line(f'{type(e).__name__}: {e}')} "
+                      "(FEDMOSAIC_TRACEBACK=1 shows the traceback)", file=sys.stderr)
                 return 2
             print(f"fedmosaic: internal error: {_one_line(f'{type(e).__name__}: {e}')} -- this is a bug in "
                   "fedmosaic; please report it with the command (FEDMOSAIC_TRACEBACK=1 shows where)", file=sys.stderr)

@@ -6,11 +6,17 @@ from __future__ import annotations
 import numpy as np
 
 (COHORT, BATCHES, INIT, AUGMENT, VIEWS, FINETUNE, POOL, WARMUP, PUBLIC, SERVER, TASKS, MEMORY,
- TASK_END, CONTINUAL_EVAL, PARTICIPATION) = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
+ TASK_END, CONTINUAL_EVAL, PARTICIPATION, FORWARD) = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16
 
 
 def rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
     return np.random.default_rng([int(seed), stream, *(int(k) for k in keys)])
+
+
+def forward_seed(seed: int, round_idx: int, keys: tuple, client: int, step: int) -> int:
+    """The torch seed of one client's training forward passes from ``step`` of a phase on (a model that draws random
+    numbers there, e.g. dropout): the same whatever other clients train, in this process or another."""
+    return int(rng(seed, FORWARD, round_idx, *keys, client, step).integers(2**62))
 
 
 def sample_cohort(num_clients: int, per_round: int, seed: int, round_idx: int,

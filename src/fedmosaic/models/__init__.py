@@ -117,6 +117,14 @@ def _construct(name: str, shape: tuple, num_classes: int, options: dict, where: 
         raise ConfigError(f"{where}: {_first_line(e)}") from None
     if not isinstance(model, nn.Module):
         raise ConfigError(f"{where}: its factory returned a {type(model).__name__}, not an nn.Module")
+    odd = next(((k, p) for k, p in model.named_parameters() if p.dtype != torch.float32 or not p.requires_grad),
+               None)
+    if odd is not None:  # the engine trains (and averages, and sends) every parameter in float32
+        k, p = odd
+        raise ConfigError(f"{where}: parameter {k!r} is " + (f"{p.dtype}: fedmosaic trains float32 parameters "
+                          "(engine.precision: bf16 runs the forward pass in bfloat16)" if p.dtype != torch.float32
+                          else "frozen (requires_grad=False): fedmosaic trains every parameter; keep a fixed "
+                          "tensor as a buffer (register_buffer)"))
     if not isinstance(model, FedModel):
         model = Plain(model, num_classes, HEADS.get(name), name, where)
     return model if project is None else Projected(model, project, num_classes)

@@ -68,6 +68,9 @@ class Plain(FedModel):
     def check(self, z: torch.Tensor, logits: torch.Tensor) -> None:
         """On a probe: the network's output must be its head's output on the captured feature (a head followed by
         more layers, or a wrong guess, would silently train another split)."""
+        if not isinstance(logits, torch.Tensor):
+            raise ConfigError(f"{self._where}: its forward returns a {type(logits).__name__}, not one tensor of "
+                              "logits per sample (return the logits; the feature is what its head receives)")
         if z.dim() != 2:
             raise ConfigError(f"{self._where}: {self.head_name!r}, taken as its classifier head, receives inputs "
                               f"of shape {tuple(z.shape[1:])}, not one flat feature vector per sample; {self._ask}")

@@ -69,12 +69,18 @@ class ModelFacts:
     params: int
     conv: bool  # has convolutions
     buffers: bool  # has buffers (BatchNorm running statistics): vmap cannot update them per client
+    random: bool = False  # draws random numbers in its forward pass (dropout): seeded per client on the loop
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModelFacts:
         conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in module.modules())
         return cls(module.__class__.__name__, sum(p.numel() for p in module.parameters()), conv,
-                   any(True for _ in module.buffers()))
+                   any(True for _ in module.buffers()), draws_random(module))
+
+
+def draws_random(module: torch.nn.Module) -> bool:
+    """The model has dropout layers (active in training), whose draws vmap cannot make per client."""
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
 
 
 @dataclass(frozen=True)
@@ -203,9 +209,11 @@ def choose(backend: str, compile: bool | str, fuse_steps: int, model: ModelFacts
     kind = "convolutional" if model.conv else "dense"
     why = [device, f"{kind} model of {model.params:,} parameters",
            f"{run.rounds:,} rounds x ~{run.lockstep_steps:,.0f} lockstep steps (~{run.client_steps:,.0f} client steps)"]
-    if model.buffers:  # running statistics are updated in place during the forward pass: not per client under vmap
+    if model.buffers or model.random:  # running statistics updated in place, or dropout's random draws: neither
+        # can be made per client under vmap
         if backend != "sequential":
-            why.append("model buffers (BatchNorm statistics) need the per-client loop")
+            why.append("model buffers (BatchNorm statistics) need the per-client loop" if model.buffers else
+                       "dropout draws its masks per client on the per-client loop")
         if backend == "auto":
             chosen.append("backend")
         backend = "sequential"

@@ -40,6 +40,7 @@ from ..tensors import ClientTensors, cat_trees
 from . import optim
 from .augment import AugmentConfig
 from .compiled import CompiledOrEager
+from .execution import draws_random
 from .looped import LOOP_ALWAYS, LoopedSteps
 from .objective import TERMS, Objective
 from .plans import SHARED, plan_phase
@@ -108,6 +109,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
         self._ties = (len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.parameters()))
                       or len(list(module.named_buffers(remove_duplicate=False))) != len(list(module.buffers())))
         self._has_buffers = any(True for _ in module.buffers())
+        self._random = draws_random(module)  # dropout: its draws seeded per client and step (looped.py)
         self._bound = None  # the parameter tree currently put in ``module`` (:meth:`_bound_to`)
         # one client's hooks, mapped: (params or payload, state, shared payload, own payload)
         self._init = self._each(lambda shared, own, state: algo.local_init({**shared, "own": own}, state),

@@ -12,6 +12,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 
 from ...protocol.tree import tmap
 from .. import stopping
+from ..seeding import forward_seed
 
 #: Looped clients' batches are gathered this many steps at a time.
 LOOP_BLOCK = 64
@@ -55,14 +56,17 @@ class LoopedSteps:
             rows.append(LoopRow({**payload, "own": own}, st, b, per))
         return rows
 
-    def _loop_rest(self, data, tensors, s, s0, packed, real, left, steps, updates, payload, lr):
+    def _loop_rest(self, data, tensors, s, s0, packed, real, left, steps, updates, payload, lr, who=None):
         """Every remaining step (``left[j]`` from step ``s`` on) of the first ``real`` clients of ``packed``,
         client after client — its parameters stay in cache, its batches are gathered ``LOOP_BLOCK`` steps at a
         time —, with plain autograd and in-place updates of its rows. Returns per client the sums of the first
-        update's losses and of its accumulated stats over those steps, and that loss at its last step."""
+        update's losses and of its accumulated stats over those steps, and that loss at its last step.
+        ``who``: (the plan's ``forward`` key, the clients' ids): a model that draws random numbers in its forward
+        pass (dropout) draws them from a generator seeded per client and step (``seeding.forward_seed``), so its
+        run is reproducible, resumable and the same on any pool; the process's own generator is left as it was."""
         losses, accs, lasts = [], [], []
         for j, row in enumerate(self._loop_rows(packed, real, steps, updates, payload)):
-            with self._bound_to(row[3]):
+            with self._bound_to(row[3]), self._forward_draws(who, j, s, data.x.device):
                 ls, acs = self._loop_client(data, tensors, s, s0, j, int(left[j]), row, steps, lr)
             losses.append(torch.stack(ls).sum())
             lasts.append(ls[-1])
@@ -96,6 +100,16 @@ class LoopedSteps:
                         ls.append(loss)
                         acs.append(acc)
         return ls, acs
+
+    @contextlib.contextmanager
+    def _forward_draws(self, who, j: int, s: int, device: torch.device):
+        if not self._random or who is None:
+            yield
+            return
+        (seed, round_idx, keys), clients = who
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
+            torch.manual_seed(forward_seed(seed, round_idx, keys, int(clients[j]), s))
+            yield
 
     @contextlib.contextmanager
     def _bound_to(self, per):

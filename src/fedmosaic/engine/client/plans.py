@@ -76,7 +76,9 @@ def plan_phase(data: ClientTensors, clients: np.ndarray, phase: Phase, p: int, s
         S = int(steps.max(initial=0))
         live = torch.as_tensor(np.arange(S)[:, None] < steps[None, :], device=dev)[..., None]
         plan = {k: v[:S] * live if k.startswith("mask") else v[:S] for k, v in plan.items()}
-    plan.update(steps=steps, per_epoch=per_epoch, batch=batch)
+    # (``clients`` and ``forward``: what seeds the random draws of a model's forward pass, per client: FORWARD)
+    plan.update(steps=steps, per_epoch=per_epoch, batch=batch, clients=np.asarray(clients),
+                forward=(seed, round_idx, keys))
     if phase.pair is not None and phase.pair.part != "next":
         rows2, mask2, *_ = rows_of(phase.pair, (1,), steps)
         short = len(rows) - len(rows2)  # clients with nothing to pair with (e.g. no query samples) take none

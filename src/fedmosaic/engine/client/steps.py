@@ -104,7 +104,8 @@ class PhaseSteps:
                 active, ia, real, s0 = now, to_device(now, dev), len(now), s
             if not padded and real < self.loop_below:  # few clients left: the rest of the phase on the loop
                 loss, acc, final = self._loop_rest(data, tensors, s, s0, packed, real, steps[active] - s,
-                                                   phase.updates, updates, payload, lr)
+                                                   phase.updates, updates, payload, lr,
+                                                   (plan["forward"], plan["clients"][active]))
                 loss_sum.index_add_(0, ia, loss)
                 if last is not None:
                     last.index_copy_(0, ia, final)

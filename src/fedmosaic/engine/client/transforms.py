@@ -42,9 +42,12 @@ def make_normalizer(kind: str, x_train: np.ndarray, device) -> Normalize:
         sq += (xb * xb).sum(0)
     total, sq = total * scale, sq * (scale * scale)
     count = len(x)
-    if kind == "channel" and len(shape) > 1:  # per channel: the per-pixel sums added up (exact for uint8 too)
-        total, sq = total.sum((1, 2), keepdim=True), sq.sum((1, 2), keepdim=True)
-        count *= shape[1] * shape[2]
+    # per channel: the per-pixel sums added up (exact for uint8 too). Channels first (C, H, W) or (C, D, H, W);
+    # uint8 (H, W) is one grey channel; any other shape (a sequence's (T, F), a vector) is normalised per feature
+    axes = tuple(range(1, len(shape))) if len(shape) >= 3 else (0, 1) if len(shape) == 2 and scale != 1 else ()
+    if kind == "channel" and axes:
+        total, sq = total.sum(axes, keepdim=True), sq.sum(axes, keepdim=True)
+        count *= int(np.prod([shape[a] for a in axes]))
     mean = total / count
     std = (sq / count - mean * mean).clamp(min=0).sqrt()
     std = torch.where(std < 1e-6, torch.ones_like(std), std)  # constant pixels (MNIST borders) stay at 0
