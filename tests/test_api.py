@@ -234,6 +234,16 @@ def test_names_are_owned_by_the_module_that_registered_them():
         exec("fedmosaic.register_dataset('api_owned', x, y)", other)
     with pytest.raises(ConfigError, match="a built-in model has that name"):
         register_model("mlp", PlainMLP)
+    # algorithms alike, whether or not the built-ins were imported yet (a plug-in could take one's name first)
+    code = ("@fedmosaic.register_algorithm\nclass Mine(fedmosaic.Algorithm):\n    name = {!r}\n"
+            "    personalized = False\n")
+    with pytest.raises(ConfigError, match=r"register_algorithm\('fedavg'\): a built-in algorithm has that name"):
+        exec(code.format("fedavg"), {"__name__": "api_mine", "fedmosaic": fedmosaic})
+    for _ in range(2):  # the same module again: replaced
+        exec(code.format("api_mine"), {"__name__": "api_mine", "fedmosaic": fedmosaic})
+    with pytest.raises(ConfigError, match="already registered by api_mine"):
+        exec(code.format("api_mine"), other)
+    assert fedmosaic.protocol.algorithm.registered()["fedavg"].__module__ == "fedmosaic.algorithms.fedavg"
 
 
 # ---- plain nn.Module models ------------------------------------------------------------------------------------

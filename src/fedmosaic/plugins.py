@@ -82,6 +82,8 @@ def _import(what: str, do) -> None:
     except SystemExit as e:  # a module that exits while being imported would end fedmosaic with its code (0: "fine")
         raise ConfigError(f"{what}: it called sys.exit({e.code!r}) while being imported; a plug-in registers "
                           "datasets, models or algorithms and returns") from None
+    except ConfigError as e:  # a registration it made was refused: that one line, under the plug-in's name
+        raise ConfigError(f"{what}: {e}") from None
     except Exception as e:  # whatever the module raises while importing: it is the user's code, named in one line
         first = (str(e).strip().splitlines() or [""])[0][:200]
         raise ConfigError(f"{what}: cannot import it: {type(e).__name__}: {first}") from None

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 
+from ..errors import ConfigError
 from ..schema import Schema
 from .context import LocalContext, TaskLoss, term_name
 from .program import Phase, Probe, Setting, Signals
@@ -270,12 +271,21 @@ def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
             wanted = ", ".join(list(inspect.signature(getattr(Algorithm, hook)).parameters)[1:])
             raise TypeError(f"algorithm {cls.name!r}: the client hook {hook} takes the server's state; it runs on "
                             f"the client and sees what was sent: {hook}({wanted})")
-    if cls.name in ALGORITHMS:
-        raise ValueError(f"algorithm {cls.name!r} registered twice")
-    if not cls.__module__.startswith("fedmosaic."):  # a plug-in's: runs record its module (plugins.used_by)
+    if cls.__module__.startswith("fedmosaic."):
+        if cls.name in ALGORITHMS:
+            raise ValueError(f"algorithm {cls.name!r} registered twice")
+    else:  # a plug-in's: owned like a dataset's or model's name, and runs record its module (plugins.used_by)
         from .. import plugins
 
-        plugins.ORIGINS[("algorithm", cls.name)] = cls.__module__
+        registered()  # the built-ins first, so that a plug-in cannot take one's name before they are imported
+        if cls.name in ALGORITHMS and ALGORITHMS[cls.name].__module__.startswith("fedmosaic."):
+            raise ConfigError(f"register_algorithm({cls.name!r}): a built-in algorithm has that name; choose "
+                              "another")
+        before = plugins.ORIGINS.get(("algorithm", cls.name))
+        if cls.name in ALGORITHMS and before not in (None, cls.__module__):
+            raise ConfigError(f"register_algorithm({cls.name!r}): already registered by {before}; choose another "
+                              "name")
+        plugins.ORIGINS[("algorithm", cls.name)] = cls.__module__  # (the same module again: a cell run twice)
     ALGORITHMS[cls.name] = cls
     return cls
 

@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from ...errors import ConfigError
+from .looped import draws_random
 
 #: Per lockstep step of a small model, in milliseconds, measured on the benchmark CPU (docs/benchmarks.md): the
 #: eager vmapped step (logistic regression, B = 10: 0.49 ms with one active client, 0.70 with eight), one looped
@@ -77,10 +78,6 @@ class ModelFacts:
         return cls(module.__class__.__name__, sum(p.numel() for p in module.parameters()), conv,
                    any(True for _ in module.buffers()), draws_random(module))
 
-
-def draws_random(module: torch.nn.Module) -> bool:
-    """The model has dropout layers (active in training), whose draws vmap cannot make per client."""
-    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
 
 
 @dataclass(frozen=True)

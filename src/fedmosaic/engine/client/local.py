@@ -40,8 +40,7 @@ from ..tensors import ClientTensors, cat_trees
 from . import optim
 from .augment import AugmentConfig
 from .compiled import CompiledOrEager
-from .execution import draws_random
-from .looped import LOOP_ALWAYS, LoopedSteps
+from .looped import LOOP_ALWAYS, LoopedSteps, draws_random
 from .objective import TERMS, Objective
 from .plans import SHARED, plan_phase
 from .probes import Probes

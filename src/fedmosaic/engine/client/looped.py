@@ -21,6 +21,12 @@ LOOP_BLOCK = 64
 LOOP_ALWAYS = 2**62
 
 
+def draws_random(module: torch.nn.Module) -> bool:
+    """The model has dropout layers (active in training): vmap cannot draw their masks per client; the loop draws
+    them seeded per client and step (``LoopedSteps._forward_draws``)."""
+    return any(isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0 for m in module.modules())
+
+
 class LoopUpdate(NamedTuple):
     """One update of a looped client: the trees its objective sees, their autograd leaves, the leaves the update
     writes (views of the stacked parameters), its optimiser state (views too) and its objective."""
