@@ -215,12 +215,65 @@ def test_a_registered_array_dataset_partitions_and_trains_like_a_builtin(tmp_pat
     (dict(x_test=np.zeros((5, 4)), y_test=np.zeros(5, int)), "x_test rows are float32 (4,), x_train rows float32 (5,)"),
     (dict(y_train=np.zeros(400, int)), "needs at least 2 classes"),
     (dict(input_shape=(2, 2)), "cannot be read as rows of input_shape (2, 2)"),
+    (dict(y_train=np.arange(400) % 3 + 20230101), "its labels span 20,230,104 classes, 20,230,101 of them without"),
 ])
 def test_a_dataset_that_cannot_work_is_refused_in_one_line(args, message):
     x, y = gaussian(400)
     with pytest.raises(ConfigError) as e:
         fedmosaic.register_dataset("api_bad", **{"x_train": x, "y_train": y, **args})
     assert message in str(e.value) and "\n" not in str(e.value) and str(e.value).startswith("register_dataset(")
+
+
+@pytest.mark.parametrize("returned, message", [
+    (lambda mean: {"model": {k: t.double() for k, t in mean.items()}}, "float64 where the state had"),
+    (lambda mean: mean, "where the state had model/"),  # the {"model": ...} forgotten
+])
+def test_an_aggregate_that_changes_the_states_layout_is_one_line(returned, message, blob_data):
+    from fedtest import blobs6_partition
+
+    from fedmosaic.protocol.tree import weighted_mean
+
+    name = f"api_agg_{len(message)}"
+
+    def aggregate(self, server, uploads, weights, round_idx, signals):
+        return returned(weighted_mean(uploads["model"], weights))
+
+    fedmosaic.register_algorithm(type("Agg", (fedmosaic.Algorithm,), {"name": name, "aggregate": aggregate,
+                                                                       "__module__": __name__}))
+    with pytest.raises(ConfigError, match=f"algorithm '{name}': aggregate returned a server state of another "
+                                          f"layout .*{message}"):
+        train(with_overrides(dict(BLOBS6), algorithm={"name": name}), blobs6_partition(blob_data))
+
+
+def test_an_algorithms_config_must_be_strict_and_a_required_field_is_listed_as_such():
+    import pydantic
+
+    from fedmosaic.reports.catalog import field_lines
+
+    class Loose(pydantic.BaseModel):  # would accept algorithm.muu=5 silently
+        mu: float = 0.1
+
+    with pytest.raises(ConfigError, match=r"register_algorithm\('api_loose'\): its Config must subclass "
+                                          r"fedmosaic.AlgoConfig"):
+        fedmosaic.register_algorithm(type("L", (fedmosaic.Algorithm,), {"name": "api_loose", "Config": Loose}))
+
+    class Needs(fedmosaic.AlgoConfig):
+        lam: float = pydantic.Field(gt=0)
+
+    assert field_lines(Needs)[0].startswith("lam: float (required)  (> 0)")
+
+
+def test_class_names_from_numpy_and_labels_that_skip_classes_are_said():
+    names = np.array(["dog", "cat", "cow"])[np.arange(400) % 3]
+    classes, y = np.unique(names, return_inverse=True)  # what the label error suggests: accepted as given
+    x, _ = gaussian(400)
+    ds = fedmosaic.register_dataset("api_animals", x, y, classes=classes).layouts[0].read(Path("."))
+    assert ds.classes == ["cat", "cow", "dog"]
+    assert fedmosaic.register_dataset("api_animals", x, y, classes=np.int64(3))  # a numpy count too
+    with pytest.warns(UserWarning, match=r"1 of its 4 classes has no training sample \(e.g. 0\)"):
+        fedmosaic.register_dataset("api_from_one", x, y + 1)  # labels 1..3: class 0 never occurs
+    with pytest.warns(UserWarning, match=r"x_train of shape \(400, 8, 8, 3\) looks channels-last"):
+        fedmosaic.register_dataset("api_nhwc", np.zeros((400, 8, 8, 3), np.uint8), y)
 
 
 def test_names_are_owned_by_the_module_that_registered_them():
@@ -354,6 +407,19 @@ def test_head_names_the_classifier_and_a_factory_must_take_shape_and_classes():
     with pytest.raises(ConfigError, match=r"calls NoArgs\(input_shape, num_classes, \*\*options\), which it does not "
                                           r"accept; register a factory such as `lambda input_shape, num_classes"):
         register_model("api_noargs", NoArgs)
+    with pytest.raises(ConfigError, match=r"the name comes first: register_model\('mynet', MyNet\)"):
+        register_model(PlainMLP)  # the name forgotten (or a bare @register_model)
+    with pytest.raises(ConfigError, match="must be letters, digits"):
+        register_model("has space", PlainMLP)
+
+    class Needs(PlainMLP):  # an option without a default: the config must give it
+        def __init__(self, input_shape, num_classes, width):
+            super().__init__(input_shape, num_classes, hidden=width)
+
+    ensure("api_needs", Needs)
+    assert build_model("api_needs", (1, 6, 6), 5, width=3).feature_dim == 3
+    with pytest.raises(ConfigError, match="missing 1 required positional argument: 'width'"):
+        build_model("api_needs", (1, 6, 6), 5)
 
 
 class Frozen(PlainMLP):
@@ -548,7 +614,7 @@ def test_the_readmes_own_algorithm_registers_reduces_to_fedavg_and_runs_from_the
         with pytest.raises(ConfigError, match=r"unknown 'server_step' \(the run was made with plugin my_algorithm: "
                                               r"pass plugins=\['my_algorithm'\]\)"):
             fedmosaic.api.Result.load(mine[0].dir)
-        again = fedmosaic.api.Result.load(mine[0].dir, plugins=["my_algorithm"])
+        again = fedmosaic.api.Result.load(mine[0].dir, plugins="my_algorithm")  # (one name alone too)
         assert again.summary == mine[0].summary and again.accuracy == mine[0].accuracy
         # the README's command line, with its rounds cut
         argv = command.split()[1:] + ["--set", "train.rounds=1", "--no-progress", "--out", str(tmp_path / "cli")]

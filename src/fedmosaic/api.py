@@ -48,7 +48,7 @@ class Result:
         d = Path(run_dir)
         if not (d / "config.yaml").is_file():
             raise FedMosaicError(f"{d} is not a run directory (no config.yaml)")
-        plug.load(list(plugins))
+        plug.load([plugins] if isinstance(plugins, str) else list(plugins))  # (one module's name alone, too)
         plug.expect([d])
         with plug.in_python():
             cfg = load_config(d / "config.yaml")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,10 +100,12 @@ def register_dataset(name: str, x_train, y_train, x_test=None, y_test=None, *, c
     if xte is not None and (xte.shape[1:] != xtr.shape[1:] or xte.dtype != xtr.dtype):
         raise ConfigError(f"register_dataset({name!r}): x_test rows are {xte.dtype} {xte.shape[1:]}, x_train rows "
                           f"{xtr.dtype} {xtr.shape[1:]}; they must match")
+    if isinstance(classes, np.ndarray) and classes.ndim == 1:  # (np.unique's first result, say)
+        classes = classes.tolist()
     if classes is None:
         names = [str(c) for c in range(1 + max(int(y.max()) for y in (ytr, yte) if y is not None and len(y)))]
-    elif type(classes) is int:
-        names = [str(c) for c in range(classes)]
+    elif isinstance(classes, (int, np.integer)) and not isinstance(classes, bool):
+        names = [str(c) for c in range(int(classes))]
     elif isinstance(classes, (list, tuple)) and len(set(map(str, classes))) == len(classes):
         names = [str(c) for c in classes]
     else:
@@ -114,6 +117,17 @@ def register_dataset(name: str, x_train, y_train, x_test=None, y_test=None, *, c
         if y is not None and len(y) and not (0 <= y.min() and y.max() < len(names)):
             raise ConfigError(f"register_dataset({name!r}): {what} holds labels {y.min()}..{y.max()}, outside "
                               f"0..{len(names) - 1} ({len(names)} classes)")
+    present = np.zeros(len(names), dtype=bool)
+    present[ytr] = True
+    unused = np.flatnonzero(~present).tolist()
+    if unused and len(names) > 1000 and len(unused) > len(names) // 2:  # labels as ids (20230101), not 0..C-1
+        raise ConfigError(f"{where}: its labels span {len(names):,} classes, {len(unused):,} of them without a "
+                          "training sample; give labels 0..C-1 (np.unique(y, return_inverse=True))")
+    if unused:  # trained as classes that never occur: said, not silent
+        warnings.warn(f"{where}: {len(unused)} of its {len(names)} classes {'has' if len(unused) == 1 else 'have'} "
+                      f"no training sample (e.g. "
+                      f"{', '.join(map(str, unused[:5]))}); they count as classes (logits, per-class accuracy). "
+                      "Give labels 0..C-1 (np.unique(y, return_inverse=True)) unless that is meant", stacklevel=2)
     key = name.lower()
     _ensure_loaded()
     plugins.claim("dataset", key, key in REGISTRY)
@@ -136,6 +150,9 @@ def _inputs(x, what: str, shape) -> np.ndarray:
         raise ConfigError(f"{what} must hold one row per sample, (N, ...) with N >= 1 (got shape "
                           f"{a.shape}); a single feature per sample is x.reshape(-1, 1)")
     if a.dtype == np.uint8:
+        if a.ndim == 4 and a.shape[3] in (1, 3, 4) and a.shape[1] not in (1, 3, 4):
+            warnings.warn(f"{what} of shape {a.shape} looks channels-last (N, H, W, C); it is read as (N, C, H, W) "
+                          f"images of {a.shape[1]} channels: pass x.transpose(0, 3, 1, 2) if it is", stacklevel=3)
         return a.copy()
     if not (np.issubdtype(a.dtype, np.number) or a.dtype == bool) or np.iscomplexobj(a):
         raise ConfigError(f"{what} must hold real numbers (got dtype {a.dtype})")

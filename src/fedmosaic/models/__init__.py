@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import re
 from collections.abc import Callable
 
 import torch
@@ -42,9 +43,14 @@ def register_model(name: str, factory: ModelFactory | None = None, *, head: str 
     the sub-module named ``head``, by default its last ``nn.Linear`` with one output per class, and its feature is
     that head's input. Registering a name again from the same module replaces it (a notebook cell run twice)."""
 
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+        raise ConfigError(f"register_model(name, factory): the name {name!r} must be letters, digits, '_', '.' or "
+                          "'-' (at most 64)" + (" — the name comes first: register_model('mynet', MyNet)"
+                                                if callable(name) else ""))
+
     def _add(f: ModelFactory) -> ModelFactory:
-        try:  # refused here, not in round 0: the engine calls it with these two arguments
-            inspect.signature(f).bind((1,), 2)
+        try:  # refused here, not in round 0: the engine calls it with these two arguments (options by name)
+            inspect.signature(f).bind_partial((1,), 2)
         except TypeError:
             what = getattr(f, "__name__", type(f).__name__)
             raise ConfigError(f"register_model({name!r}): the engine calls {what}(input_shape, num_classes, "

@@ -266,6 +266,11 @@ CLIENT_HOOKS = ("init_client", "after_warmup", "local_init", "program", "probes"
 
 
 def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
+    if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
+        raise ConfigError(f"register_algorithm: {cls!r} is not a subclass of fedmosaic.Algorithm")
+    if not (isinstance(cls.Config, type) and issubclass(cls.Config, AlgoConfig)):
+        raise ConfigError(f"register_algorithm({cls.name!r}): its Config must subclass fedmosaic.AlgoConfig "
+                          "(strict: a misspelt hyper-parameter is refused, not ignored)")
     for hook in CLIENT_HOOKS:
         if "server" in inspect.signature(getattr(cls, hook)).parameters:
             wanted = ", ".join(list(inspect.signature(getattr(Algorithm, hook)).parameters)[1:])

@@ -40,7 +40,8 @@ def field_lines(model) -> list[str]:
     lines = []
     for name, info in model.model_fields.items():
         rng = _range(info)
-        lines.append(f"{name}: {_type_name(info.annotation)} = {info.get_default(call_default_factory=True)!r}"
+        default = "(required)" if info.is_required() else f"= {info.get_default(call_default_factory=True)!r}"
+        lines.append(f"{name}: {_type_name(info.annotation)} {default}"
                      + (f"  ({rng})" if rng else "") + (f"  {info.description}" if info.description else ""))
     return lines
 

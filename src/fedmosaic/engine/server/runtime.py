@@ -8,6 +8,7 @@ federation is the number of clients, their architectures and the task calendar.
 
 from __future__ import annotations
 
+from itertools import zip_longest
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -17,7 +18,7 @@ from torch.utils._pytree import tree_structure
 from ...errors import ConfigError
 from ...protocol.algorithm import Algorithm
 from ...protocol.program import Signals
-from ...protocol.tree import leaves, tmap, weighted_mean
+from ...protocol.tree import layout, leaves, tmap, weighted_mean
 from .. import robust
 from ..group import Group
 from ..messages import ids_of
@@ -143,7 +144,12 @@ class ServerRuntime:
             else:
                 model, weights = robust.aggregate(s, model, ref, weights)
             up = {**up, "model": model}
-        self.state = self.algo.aggregate(self.state, up, weights, t, signals)
+        before, self.state = self.state, self.algo.aggregate(self.state, up, weights, t, signals)
+        changed = next(((b, a) for b, a in zip_longest(layout(before), layout(self.state)) if a != b), None)
+        if changed:  # (a plug-in's aggregate; a checkpoint, the next broadcast and a resume need the same layout)
+            raise ConfigError(f"algorithm {s.algorithm!r}: aggregate returned a server state of another layout "
+                              f"({_shown(changed[1])} where the state had {_shown(changed[0])}); it must return the "
+                              "state's keys with their shapes and dtypes")
         if s.aggregation is not None and s.aggregation.optimizer != "none":
             model, self.opt_state = robust.server_step(s, self.opt_state, ref, self.state["model"], t)
             self.state = {**self.state, "model": model}
@@ -183,3 +189,11 @@ class ServerRuntime:
                 p["scale"], p["bad"] = min(p["scale"], max(p["scale"] * pc.factor, floor)), 0
         if self.calendar is not None and self.calendar.task_ends(t):
             self.plateau = {"scale": 1.0, "best": float("inf"), "bad": 0}
+
+
+def _shown(entry) -> str:
+    """A ``layout`` entry as a reader knows it: 'model/fc.weight (5, 8) float32', or 'nothing'."""
+    if entry is None:
+        return "nothing"
+    at, shape, dtype = entry
+    return f"{at.lstrip('/') or 'the state'} {shape}" + (f" {str(dtype).removeprefix('torch.')}" if dtype else "")
