@@ -253,8 +253,8 @@ class World:
             # running statistics are updated in place during the forward pass, which vmap cannot do per client:
             # such groups take the sequential path (same results, no vmap)
             if g.global_buffers and cfg.engine.backend != "sequential":
-                warnings.warn(f"model {g.module.__class__.__name__} has buffers (BatchNorm running statistics): "
-                              "its clients train on the sequential path", stacklevel=3)
+                warnings.warn(f"model {g.module.__class__.__name__} has buffers (BatchNorm running statistics or "
+                              "others): its clients train on the sequential path", stacklevel=3)
             g.trainer = make_trainer(cfg, self.algo, g.module, ex, self.transform, self.pad_fill, self.batch,
                                      self.extra, self.public, g.compile_key)
             check_slots(self.algo, self.srv.state, one, g.clients[:1])
