@@ -174,6 +174,8 @@ def test_run_refuses_a_comparison_and_resume_continues_one(tmp_path):
         fedmosaic.compare(more, out=out, resume=True, progress=False)
     done = fedmosaic.compare(more, out=out, resume=True, amend=True, progress=False)
     assert [[r["round"] for r in res.metrics] for res in done] == [[0, 1, 2], [0, 1, 2]]
+    with pytest.raises(FedMosaicError, match=r"holds a comparison: load one of its directories \(fedavg, local\)"):
+        fedmosaic.api.Result.load(out)
 
 
 # ---- datasets from numpy arrays --------------------------------------------------------------------------------

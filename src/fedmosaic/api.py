@@ -47,7 +47,12 @@ class Result:
 
         d = Path(run_dir)
         if not (d / "config.yaml").is_file():
-            raise FedMosaicError(f"{d} is not a run directory (no config.yaml)")
+            held = next((f for f in ("seeds.yaml", "comparison.yaml") if (d / f).is_file()), None)
+            subs = sorted(p.name for p in d.iterdir() if (p / "config.yaml").is_file() or (p / "comparison.yaml")
+                          .is_file()) if held else []
+            raise FedMosaicError(f"{d} is not a run directory (no config.yaml)" + (
+                f"; it holds {'several seeds' if held == 'seeds.yaml' else 'a comparison'}: load one of its "
+                f"directories ({', '.join(subs[:4])}{', ...' if len(subs) > 4 else ''})" if held else ""))
         plug.load([plugins] if isinstance(plugins, str) else list(plugins))  # (one module's name alone, too)
         plug.expect([d])
         with plug.in_python():
