@@ -74,7 +74,7 @@ def _cross(c) -> bool:
     K = len(c["matrix"])
     return (K > 0 and all(_numbers(row, K) for row in c["matrix"]) and _numbers(c.get("intra"), K)
             and _numbers(c.get("inter"), K, none=True)
-            and all(_number(c.get(k)) or c.get(k) is None for k in ("intra_avg", "inter_avg"))
+            and all(k in c and (_number(c[k]) or c[k] is None) for k in ("intra_avg", "inter_avg"))
             and ("names" not in c or (isinstance(c["names"], list) and len(c["names"]) == K
                                       and all(isinstance(n, str) for n in c["names"]))))
 
