@@ -166,8 +166,10 @@ def test_report_compares_existing_runs_at_a_common_round(tmp_path, capsys):
     (tmp_path / "new-tasks.png").write_text("mine")  # nor the per-task plot named after it
     assert main(["report", *runs, "--plot", str(tmp_path / "new.png")]) == 2
     assert "new-tasks.png already exists" in capsys.readouterr().err and not (tmp_path / "new.png").exists()
-    assert main(["report", *runs, "--plot", str(tmp_path / "c.pdf")]) == 2  # PNG data under another name: no
-    assert "ending in .png" in capsys.readouterr().err and not (tmp_path / "c.pdf").exists()
+    assert main(["report", *runs, "--plot", str(tmp_path / "c.jpg")]) == 2  # a format it does not write: no
+    assert "ending in .png, .pdf, .svg" in capsys.readouterr().err and not (tmp_path / "c.jpg").exists()
+    assert main(["report", *runs, "--plot", str(tmp_path / "c.pdf")]) == 0  # for a paper: vector, as named
+    assert (tmp_path / "c.pdf").read_bytes()[:5] == b"%PDF-"
     from fedmosaic.reports import compare
     from_runs = compare.from_runs
 

@@ -22,7 +22,9 @@ def figures(monkeypatch):
         drawn.append(fig)
         return path
     monkeypatch.setattr(plots, "_save", keep)
-    return drawn
+    yield drawn
+    for fig in drawn:
+        plots.plt.close(fig)
 
 
 def records(rounds: int, seed: int = 0, cross: bool = False, tasks: int = 0) -> list[dict]:
@@ -87,11 +89,13 @@ def test_a_method_has_the_same_colour_in_every_plot_and_whatever_follows_it(figu
     plots.accuracy_per_task([{"name": "m0"}, {"name": "m1", "continual_seen": [0.9, 0.8]}], tmp_path / "t.png")
     two, twelve, tasks = map(line_colors, figures)
     assert two[1] == twelve[1] == tasks[0]
-    assert len(set(twelve)) == 12
-    # and each legend shows the colours of the lines
+    styles = list(zip(twelve, (line.get_marker() for line in figures[1].axes[0].lines), strict=True))
+    assert len(set(twelve)) == 10 and len(set(styles)) == 12  # ten colours, then the marker tells them apart
+    # and each legend shows the colours and markers of the lines
     for fig in figures:
         handles = [h for h in fig.legends[0].legend_handles if h.get_label().startswith("m")]
-        assert [to_rgba(h.get_color()) for h in handles] == line_colors(fig)
+        assert [(to_rgba(h.get_color()), h.get_marker()) for h in handles] == [
+            (to_rgba(line.get_color()), line.get_marker()) for line in fig.axes[0].lines]
 
 
 def test_explicit_colours_are_used(figures, tmp_path):
@@ -99,11 +103,28 @@ def test_explicit_colours_are_used(figures, tmp_path):
     assert to_rgba(figures[0].axes[0].lines[0].get_color()) == to_rgba("black")
 
 
-def test_short_runs_have_markers_and_long_ones_none(figures, tmp_path):
-    plots.learning_curves({"short": records(plots.SHORT_RUN)}, tmp_path / "s.png")
-    plots.learning_curves({"long": records(plots.SHORT_RUN + 1)}, tmp_path / "l.png")
-    short, long_ = (fig.axes[0].lines[0].get_marker() for fig in figures)
-    assert short == "o" and long_ in ("None", "", None)
+def test_two_methods_of_one_curve_both_show_and_a_long_run_has_a_dozen_markers(figures, tmp_path):
+    same = records(120)  # e.g. FedAvg's and Ditto's global model: one curve
+    plots.learning_curves({"fedavg": same, "ditto": same}, tmp_path / "s.png")
+    a, b = figures[0].axes[0].lines
+    assert a.get_marker() != b.get_marker() and a.get_markevery() == b.get_markevery() == 10
+    assert [t.get_text() for t in figures[0].axes[0].texts] == ["one curve: fedavg, ditto"]  # (b hides a)
+
+
+def test_a_single_round_is_a_point_with_its_error_bar_bands_stay_within_0_and_100_and_tasks_end_everywhere(
+        figures, tmp_path):
+    one = [[{"round": 4, "global": {"acc": a}}] for a in (0.5, 0.7)]
+    plots.learning_curves({"a": one}, tmp_path / "one.png")
+    ax = figures[0].axes[0]
+    assert list(ax.get_xticks()) == [5] and ax.containers  # an error bar, and no 4.8, 4.9, ... ticks
+    high = [[{"round": t, "global": {"acc": a}, "continual": {"seen_acc": a, "task_end": t == 1}}
+             for t in range(3)] for a in (0.99, 0.6)]
+    plots.learning_curves({"b": high, "$x$": records(3)}, tmp_path / "high.png")
+    fig = figures[1]
+    band = next(c for c in fig.axes[0].collections if isinstance(c, PolyCollection))
+    assert band.get_paths()[0].vertices[:, 1].max() <= 100
+    assert all(any(line.get_xdata()[0] == 2 for line in panel.lines[-1:]) for panel in fig.axes)  # task end
+    assert r"\$x\$" in [t.get_text() for t in fig.legends[0].get_texts()]  # drawn as written, not as maths
 
 
 def test_seeds_are_drawn_as_their_mean_with_a_band_of_one_std_at_the_rounds_every_seed_has(figures, tmp_path):

@@ -193,12 +193,14 @@ def _print_tables(summaries: list[dict]) -> None:
 
 def _report(args) -> None:
     from ..reports.compare import from_runs
-    from ..reports.plots import accuracy_per_task, learning_curves
+    from ..reports.plots import FORMATS, accuracy_per_task, learning_curves
 
     plot = Path(args.plot) if args.plot else None
-    tasks = None if plot is None else plot.with_name(f"{plot.stem}-tasks.png")  # class-incremental runs: per task
-    if plot is not None and plot.suffix.lower() != ".png":
-        raise FedMosaicError(f"--plot {plot}: the plots are PNG images; give a name ending in .png")
+    # class-incremental runs: per task too, beside it in the same format
+    tasks = None if plot is None else plot.with_name(f"{plot.stem}-tasks{plot.suffix}")
+    if plot is not None and plot.suffix.lower().lstrip(".") not in FORMATS:
+        raise FedMosaicError(f"--plot {plot}: give a name ending in {', '.join('.' + f for f in FORMATS)} (the "
+                             "format follows it)")
     for path in (plot, tasks):
         if path is not None and (path.exists() or path.is_symlink()):
             raise FedMosaicError(f"--plot: {path} already exists; choose another file")
@@ -412,7 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="table (and learning curves) of existing run directories, finished or not")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
     rp.add_argument("--rounds", type=_at_least(1), help="compare over the first N rounds of each run")
-    rp.add_argument("--plot", metavar="PNG", help="write the learning curves there (must not exist yet)")
+    rp.add_argument("--plot", metavar="FILE", help="write the learning curves there (must not exist yet): .png, .pdf "
+                    "or .svg")
     rp.add_argument("--title", help="title of the plot")
     rp.set_defaults(fn=_report)
 

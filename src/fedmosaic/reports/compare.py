@@ -102,10 +102,10 @@ def _run_all(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: boo
             raise
     for (name, recs), s in zip(curves.items(), summaries, strict=True):  # per run, beside its metrics:
         where = out if len(variants) == 1 else out / dir_name(name)
-        last = next((r["cross"] for r in reversed(recs) if "cross" in r), None)
-        if last is not None:  # the last cross-client matrix
-            cross_heatmap(last["matrix"], where / "cross_matrix.png", title=f"{name}: round {len(recs)}",
-                          names=last.get("names"))
+        last = next((r for r in reversed(recs) if "cross" in r), None)
+        if last is not None:  # the last cross-client matrix, titled with the rounds it had had
+            cross_heatmap(last["cross"]["matrix"], where / "cross_matrix.png",
+                          title=f"{name}: round {last['round'] + 1}", names=last["cross"].get("names"))
         if "continual_matrix" in s:  # the continual accuracy matrix
             accuracy_matrix(s["continual_matrix"], where / "accuracy_matrix.png", title=name)
     write_outputs(out, summaries, curves, f"{cfg.name}: {cfg.data.dataset}", colors)

@@ -1,4 +1,4 @@
-"""PNG plots: learning curves, the accuracy after each task, the objective's parts and an algorithm's measures per
+"""Plots (PNG, or PDF/SVG by the file's suffix): learning curves, the accuracy after each task, the objective's parts and an algorithm's measures per
 round, the client x class bubble chart (pFedSRB Fig. 2 style)
 and the accuracy heat maps.
 
@@ -34,18 +34,30 @@ CURVE_KEYS = (("global", "global model, global test"), ("global_clients", "globa
 # the value(s) drawn for each kind of accuracy, with their line styles; "acc" for any kind not named
 FIELDS = {"cross": (("intra_avg", "-"), ("inter_avg", "--")), "continual": (("seen_acc", "-"),)}
 STYLES = {"cross": (("-", "intra-domain (solid)"), ("--", "inter-domain (dashed)"))}  # their legend entries
-SHORT_RUN = 30  # a curve with at most this many points is drawn with markers (a long one's would hide the line)
+
+
+#: the second channel that tells methods apart (beside colour): the i-th method's marker. Seven, so methods i and
+#: i + 10, which share one of the ten colours, never share a marker
+MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
 
 def method_colors(names: Sequence[str]) -> dict[str, tuple]:
-    """name -> colour for methods in this order: matplotlib's ten default colours (tab20's dark shades), then
-    tab20's ten light shades, then hues spread by the golden ratio. The i-th method's colour does not depend on
-    how many methods there are, so a subset in the same order keeps its colours."""
-    tab20 = plt.get_cmap("tab20").colors
+    """name -> colour for methods in this order: matplotlib's ten default colours, again from the eleventh method
+    on (its marker, ``MARKERS`` in the same order, tells it apart: light shades and further hues were too close to
+    tell). The i-th method's colour does not depend on how many methods there are, so a subset in the same order
+    keeps its colours."""
+    tab10 = plt.get_cmap("tab10").colors
+    return {n: tab10[i % 10] for i, n in enumerate(dict.fromkeys(names))}
 
-    def color(i: int):
-        return tab20[2 * i] if i < 10 else tab20[2 * i - 19] if i < 20 else plt.get_cmap("hsv")(i * 0.618034 % 1)
-    return {n: color(i) for i, n in enumerate(dict.fromkeys(names))}
+
+def _markers(colors: dict) -> dict[str, str]:
+    """name -> marker, in the order of ``colors`` (the order that gave the colours)."""
+    return {n: MARKERS[i % len(MARKERS)] for i, n in enumerate(colors)}
+
+
+def _tex_safe(text: str) -> str:
+    """Text matplotlib draws as written: a '$' in a method's name or a title would start mathtext."""
+    return text.replace("$", r"\$")
 
 
 def _mean_std(series: list[dict[int, float]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -55,19 +67,52 @@ def _mean_std(series: list[dict[int, float]]) -> tuple[np.ndarray, np.ndarray, n
     return np.array(xs), v.mean(0), v.std(0, ddof=1) if len(series) > 1 else np.zeros(len(xs))
 
 
-def _line(ax, x, y, sd, color, style: str, marker: bool, band: bool) -> None:
-    ax.plot(x, y, style, color=color, lw=1.6, marker="o" if marker else None, ms=3)
+def _line(ax, x, y, sd, color, style: str, marker: str, band: bool, bounds: tuple | None = None) -> None:
+    """One method's curve, its marker at about a dozen points (every point of a short run), and with ``band`` the
+    ± std band, cut to ``bounds`` (accuracy: 0-100). A single point is a marker with an error bar (a band over one
+    x has no width)."""
+    lo, hi = (y - sd, y + sd) if bounds is None else (np.clip(y - sd, *bounds), np.clip(y + sd, *bounds))
+    if len(x) == 1:
+        ax.errorbar(x, y, yerr=[y - lo, hi - y] if band else None, color=color, marker=marker, ms=5, capsize=3)
+        return
+    ax.plot(x, y, style, color=color, lw=1.6, marker=marker, ms=4, markevery=max(1, len(x) // 12))
     if band:
-        ax.fill_between(x, y - sd, y + sd, color=color, alpha=0.2, lw=0)
+        ax.fill_between(x, lo, hi, color=color, alpha=0.2, lw=0)
 
 
-def _legend(fig, methods: list[tuple[str, object, bool, int]], extra: Sequence = ()) -> None:
-    """One legend for the whole figure, below the panels: a line per method (name, colour, markers, seeds), the
+def _one_x(ax, xs) -> None:
+    """Ticks at the evaluated x when there are at most a dozen (every 5 rounds: 5, 10, ...), else integer ticks;
+    around a single x, that x alone (MaxNLocator would tick 4.8, 4.9, ... around it)."""
+    xs = sorted({int(x) for x in xs})
+    if len(xs) == 1:
+        ax.set_xlim(xs[0] - 1, xs[0] + 1)
+    if 0 < len(xs) <= 12:
+        ax.set_xticks(xs)
+    else:
+        _integer_ticks(ax.xaxis)
+
+
+def _same_curves(ax, curves: dict) -> None:
+    """Say in the panel which methods drew one and the same curve (FedAvg's and Ditto's global model), since the
+    last drawn hides the others; ``curves``: name -> (x, mean, std)."""
+    groups: list[list[str]] = []
+    for name, (x, y, _) in curves.items():
+        twin = next((g for g in groups if len(curves[g[0]][0]) == len(x) and np.array_equal(curves[g[0]][0], x)
+                     and np.allclose(curves[g[0]][1], y)), None)
+        (twin.append(name) if twin else groups.append([name]))
+    same = ["one curve: " + ", ".join(g) for g in groups if len(g) > 1]
+    if same:
+        ax.text(0.01, 0.99, _tex_safe("\n".join(same)), transform=ax.transAxes, ha="left", va="top", fontsize=7,
+                color="0.3")
+
+
+def _legend(fig, methods: list[tuple[str, object, str, int]], extra: Sequence = ()) -> None:
+    """One legend for the whole figure, below the panels: a line per method (name, colour, marker, seeds), the
     band when a method is over seeds, then ``extra`` (line styles, marks); as many columns as fit the width.
     The number of seeds is said once when every method has the same, else after each method's name."""
     seeds = {n for *_, n in methods}
-    handles = [Line2D([], [], color=c, lw=1.6, marker="o" if m else None, ms=3,
-                      label=f"{name} ({n} seeds)" if n > 1 and len(seeds) > 1 else name) for name, c, m, n in methods]
+    handles = [Line2D([], [], color=c, lw=1.6, marker=m, ms=4, label=_tex_safe(
+        f"{name} ({n} seeds)" if n > 1 and len(seeds) > 1 else name)) for name, c, m, n in methods]
     if max(seeds, default=1) > 1:
         handles.append(Patch(color="grey", alpha=0.3, label="mean, band ± 1 std over " + (
             f"{seeds.pop()} seeds" if len(seeds) == 1 else "seeds")))
@@ -83,7 +128,7 @@ def _legend(fig, methods: list[tuple[str, object, bool, int]], extra: Sequence =
 def _title(fig, title: str) -> None:
     """The figure's title, wrapped to the figure's width (~12 characters an inch at 10 pt) so it is never cut."""
     if title:
-        fig.suptitle(textwrap.fill(title, max(20, int(12 * fig.get_figwidth()))), fontsize=10)
+        fig.suptitle(_tex_safe(textwrap.fill(title, max(20, int(12 * fig.get_figwidth())))), fontsize=10)
 
 
 def _integer_ticks(*axes) -> None:
@@ -97,9 +142,12 @@ def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | 
 
     ``runs``: method name -> its metrics records (one run), or a list of record lists (one per seed: the mean with
     a band of ± one std over the seeds, at the rounds every seed has). ``colors``: name -> colour, by default
-    ``method_colors`` in the order of ``runs``. A method with at most ``SHORT_RUN`` evaluated points has markers."""
+    ``method_colors`` in the order of ``runs``; each method also has its marker (``MARKERS``, in that order), so
+    two methods of the same curve (FedAvg's and Ditto's global model) both show. Task ends are marked in every
+    panel."""
     seeds = {name: recs if recs and isinstance(recs[0], list) else [recs] for name, recs in runs.items()}
     colors = colors or method_colors(list(runs))
+    markers = _markers(colors)
     kinds = [(k, label) for k, label in CURVE_KEYS if any(k in r for s in seeds.values() for rs in s for r in rs)]
     fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(5.2 * max(1, len(kinds)), 4.2), squeeze=False, sharey=True,
                              layout="constrained")
@@ -114,24 +162,25 @@ def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | 
                              if key in r and r[key].get(field) is not None} for rs in s]
                 if all(per_seed):
                     curves[name, key, field] = _mean_std(per_seed)
-    short = {name: max((len(c[0]) for (n, *_), c in curves.items() if n == name), default=0) <= SHORT_RUN
-             for name in seeds}
+    ends = sorted({r["round"] + 1 for s in seeds.values() for rs in s for r in rs
+                   if r.get("continual", {}).get("task_end")})
     for ax, (key, label) in zip(axes[0], kinds):
         for name, s in seeds.items():
             for field, style in FIELDS.get(key, (("acc", "-"),)):
                 if (name, key, field) in curves:
-                    _line(ax, *curves[name, key, field], colors[name], style, short[name], len(s) > 1)
-        if key == "continual":  # the rounds that end a task
-            for x in sorted({r["round"] + 1 for s in seeds.values() for rs in s for r in rs
-                             if r.get("continual", {}).get("task_end")}):
-                ax.axvline(x, color="grey", lw=0.6, alpha=0.5)
+                    _line(ax, *curves[name, key, field], colors[name], style, markers[name], len(s) > 1, (0, 100))
+        for field, _ in FIELDS.get(key, (("acc", "-"),)):
+            _same_curves(ax, {n: c for (n, k, f), c in curves.items() if (k, f) == (key, field)})
+        for x in ends:  # the rounds that end a task, in every panel (a grid line is lighter)
+            ax.axvline(x, color="0.35", lw=0.8, ls=(0, (4, 3)), alpha=0.7)
         ax.set(xlabel="rounds completed", ylabel="accuracy (%)", title=label)
-        _integer_ticks(ax.xaxis)
+        _one_x(ax, [x for (_, k, _), c in curves.items() if k == key for x in c[0]])
         ax.grid(alpha=0.3)
     extra = [Line2D([], [], color="k", ls=ls, label=text) for key, _ in kinds for ls, text in STYLES.get(key, ())]
-    if any(key == "continual" for key, _ in kinds):
-        extra.append(Line2D([], [], color="grey", lw=0.6, alpha=0.5, label="task end"))
-    _legend(fig, [(name, colors[name], short[name], len(s)) for name, s in seeds.items()], extra)
+    if ends:
+        extra.append(Line2D([], [], color="0.35", lw=0.8, ls=(0, (4, 3)), alpha=0.7, label="task end"))
+    drawn = {n for n, *_ in curves}  # (a method with nothing to draw is not in the legend)
+    _legend(fig, [(name, colors[name], markers[name], len(s)) for name, s in seeds.items() if name in drawn], extra)
     _title(fig, title)
     return _save(fig, path, exclusive=exclusive)
 
@@ -148,6 +197,7 @@ def accuracy_per_task(summaries: list[dict | list[dict]], path: str | Path, titl
     ``continual_seen``, so the colours agree with ``learning_curves`` of the same runs)."""
     groups = [s if isinstance(s, list) else [s] for s in summaries]
     colors = colors or method_colors([g[0]["name"] for g in groups])
+    markers, xs = _markers(colors), []
     fig = ax = None
     methods = []
     for g in groups:
@@ -161,12 +211,13 @@ def accuracy_per_task(summaries: list[dict | list[dict]], path: str | Path, titl
         if n == 1 and "continual_seen_std" in g[0]:  # a summary over seeds
             n, sd = g[0].get("seeds", 1), np.asarray(g[0]["continual_seen_std"], dtype=float)
         name = g[0]["name"]
-        methods.append((name, colors[name], len(x) <= SHORT_RUN, n))
-        _line(ax, x, 100 * mean, 100 * sd, colors[name], "-", len(x) <= SHORT_RUN, n > 1)
+        methods.append((name, colors[name], markers[name], n))
+        _line(ax, x, 100 * mean, 100 * sd, colors[name], "-", markers[name], n > 1, (0, 100))
+        xs += list(x)
     if fig is None:
         return None
     ax.set(xlabel="task", ylabel="accuracy on the classes seen (%)")
-    _integer_ticks(ax.xaxis)
+    _one_x(ax, xs)
     ax.grid(alpha=0.3)
     _legend(fig, methods)
     _title(fig, title)
@@ -186,6 +237,9 @@ def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path
     if not keys:
         return None
     colors = colors or method_colors(list(runs))
+    markers = _markers(colors)
+    ends = sorted({r["round"] + 1 for s in seeds.values() for rs in s for r in rs
+                   if r.get("continual", {}).get("task_end")})
     cols = min(4, len(keys))
     rows = -(-len(keys) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 2.8 * rows), squeeze=False, layout="constrained")
@@ -195,9 +249,11 @@ def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path
             per_seed = [{r["round"] + 1: r[kind][key] for r in rs if key in r.get(kind, {})} for rs in s]
             if all(per_seed):
                 x, mean, sd = _mean_std(per_seed)
-                _line(ax, x, mean, sd, colors[name], "-", len(x) <= SHORT_RUN, len(s) > 1)
-                drawn[name] = (len(x) <= SHORT_RUN, len(s))
-        ax.set(xlabel="rounds completed", title=key + (" (per round)" if kind == "terms" else " (reported)"))
+                _line(ax, x, mean, sd, colors[name], "-", markers[name], len(s) > 1)
+                drawn[name] = (markers[name], len(s))
+        for x in ends:  # a task's start resets what these measure: marked, not left to be guessed
+            ax.axvline(x, color="0.35", lw=0.8, ls=(0, (4, 3)), alpha=0.7)
+        ax.set(xlabel="rounds completed", title=_tex_safe(key + (" (per round)" if kind == "terms" else " (reported)")))
         ax.title.set_fontsize(9)
         _integer_ticks(ax.xaxis)
         ax.grid(alpha=0.3)
@@ -208,10 +264,17 @@ def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path
     return _save(fig, path)
 
 
+#: the formats a plot is written in, by the file's suffix (anything else: PNG)
+FORMATS = ("png", "pdf", "svg")
+
+
 def _save(fig, path, exclusive: bool = False) -> Path:
-    """``exclusive``: FileExistsError rather than replace a file that appeared since the caller looked."""
+    """In the format its suffix names (``FORMATS``: a PDF or SVG for a paper; PNG at 150 dpi otherwise).
+    ``exclusive``: FileExistsError rather than replace a file that appeared since the caller looked."""
+    kind = Path(path).suffix.lower().lstrip(".")
+    kind = kind if kind in FORMATS else "png"
     try:
-        return atomic_write(path, lambda f: fig.savefig(f, format="png", dpi=110), exclusive=exclusive)
+        return atomic_write(path, lambda f: fig.savefig(f, format=kind, dpi=150), exclusive=exclusive)
     finally:
         plt.close(fig)
 
@@ -228,16 +291,19 @@ def partition_bubbles(counts: np.ndarray, path: str | Path, title: str = "", max
     diameter = float(np.clip(1.5 * 72 * min((w - 2.5) / k, (h - 1.8) / n_cls), 8, 20))
     top = max(int(c.max()), 1)
     ys, xs = np.nonzero(c)
-    sc = ax.scatter(ys, xs, s=diameter ** 2 * c[ys, xs] / top, alpha=0.6, color="tab:red", edgecolors="none")
+    # area ∝ count, but never below 3 pt across: a client's few samples beside a class of thousands stay visible
+    sc = ax.scatter(ys, xs, s=np.maximum(diameter ** 2 * c[ys, xs] / top, 9.0), alpha=0.6, color="tab:red",
+                    edgecolors="none")
     ax.set(xlabel="client", ylabel="class", xlim=(-0.7, k - 0.3), ylim=(-0.7, n_cls - 0.3))
     _integer_ticks(ax.xaxis, ax.yaxis)
     for axis, n in ((ax.xaxis, k), (ax.yaxis, n_cls)):
         if n <= 20:  # every client, every class, when they fit
             axis.set_ticks(range(n))
-    handles, labels = sc.legend_elements("sizes", num=4, func=lambda s: s / diameter ** 2 * top, fmt="{x:.0f}",
-                                         alpha=0.6, color="tab:red", markeredgewidth=0)
-    fig.legend(handles, labels, loc="outside right upper", title="samples", fontsize=8, title_fontsize=8,
-               frameon=False, labelspacing=max(0.5, diameter / 16))
+    if len(ys):  # (no sample at all: no sizes to show)
+        handles, labels = sc.legend_elements("sizes", num=4, func=lambda s: s / diameter ** 2 * top, fmt="{x:.0f}",
+                                             alpha=0.6, color="tab:red", markeredgewidth=0)
+        fig.legend(handles, labels, loc="outside right upper", title="samples", fontsize=8, title_fontsize=8,
+                   frameon=False, labelspacing=max(0.5, diameter / 16))
     _title(fig, title + (f" (first {k} of {len(counts)} clients)" if len(counts) > k else ""))
     return _save(fig, path)
 
