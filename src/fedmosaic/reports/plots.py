@@ -332,7 +332,8 @@ def _heatmap(a: np.ndarray, path, title: str, labels: list[str], axes: tuple[str
     step = next(s for s in (1, 2, 5, 10, 20, 50, 100, 200, 500, k) if k <= 25 * s)
     ticks = [i for i, name in enumerate(labels) if (int(name) if name.isdigit() else i) % step == 0]
     shown = [labels[i] for i in ticks]
-    rotate = k > 4 and max(map(len, shown)) > 2
+    # rotated when the labels are wider than their cells (~0.065 in a character at the tick labels' size)
+    rotate = max(map(len, shown)) > 2 and 0.065 * max(map(len, shown)) > (w - 2.5) / k
     ax.set_xticks(ticks, shown, rotation=45 if rotate else 0, ha="right" if rotate else "center")
     ax.set_yticks(ticks, shown)
     cell_pt = 72 * min(w - 2.5, h - 1.8) / k  # the axes are about w - 2.5 by h - 1.8 inches
