@@ -46,6 +46,7 @@ def test_value_best_and_order():
     assert judge(claim(kind="order", methods=["a", "c", "b"]), runs)["verdict"] == "holds"
     flip = judge(claim(kind="order", methods=["a", "b", "c"]), runs)
     assert flip["verdict"] == "contradicted" and flip["note"].startswith("b is not above c")
+    assert "ours, in the claimed order: a " in flip["note"] and ">" not in flip["note"]  # (no 'b 1.0 > c 2.0')
 
 
 def test_a_method_or_metric_missing_is_not_run_never_a_verdict():

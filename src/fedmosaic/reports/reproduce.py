@@ -323,9 +323,9 @@ def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
     flipped = next(((a, b) for a, b in pairwise(order) if sign * means[a][0] <= sign * means[b][0]), None)
     note = " > ".join(f"{m} {means[m][0]:.2f}" for m in order) if not claim.lower else \
         " < ".join(f"{m} {means[m][0]:.2f}" for m in order)
-    if flipped:
-        return {"verdict": "contradicted", **of, "note": f"{flipped[0]} is not above {flipped[1]}; "
-                f"ours: {note}"}
+    if flipped:  # (the claimed order with our values: not written with '>', which they contradict)
+        return {"verdict": "contradicted", **of, "note": f"{flipped[0]} is not above {flipped[1]}; ours, in the "
+                "claimed order: " + ", ".join(f"{m} {means[m][0]:.2f}" for m in order)}
     return {"verdict": "holds", **of, "note": note}
 
 
