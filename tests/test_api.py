@@ -218,6 +218,7 @@ def test_a_registered_array_dataset_partitions_and_trains_like_a_builtin(tmp_pat
     (dict(y_train=np.zeros(400, int)), "needs at least 2 classes"),
     (dict(input_shape=(2, 2)), "cannot be read as rows of input_shape (2, 2)"),
     (dict(y_train=np.arange(400) % 3 + 20230101), "its labels span 20,230,104 classes, 20,230,101 of them without"),
+    (dict(y_train=np.arange(400) % 3 + 10**12), "its labels span 1,000,000,000,003 classes"),  # refused before made
 ])
 def test_a_dataset_that_cannot_work_is_refused_in_one_line(args, message):
     x, y = gaussian(400)
@@ -480,6 +481,18 @@ def test_a_model_with_dropout_trains_the_same_on_every_run_pool_and_resume(blob_
     feds = [train(cfg, fd), train(cfg, fd), train(with_overrides(cfg.model_dump(), engine={"pool": "wire"}), fd)]
     assert feds[0].groups[0].execution.backend == "sequential"  # (asked for vmap: the loop, said so)
     assert feds[0].evaluate() == feds[1].evaluate() == feds[2].evaluate()
+    # whatever the process's generator holds; a probe's pass (FedCurv's Fisher) and the public stream's logits
+    # (FedMD) too, and a functional dropout on the sequential path
+    ensure("api_fdrop", FunctionalDropout)
+    for over in ({"algorithm": {"name": "fedcurv", "lam": 0.1}},
+                 {"algorithm": {"name": "fedmd"}, "data": {**BLOBS6["data"], "public": {"source": "noise", "size": 16}}},
+                 {"model": {"name": "api_fdrop", "options": {}}, "engine": {"backend": "sequential"}}):
+        c = with_overrides(cfg.model_dump(), **over)
+        results = []
+        for noise in (1, 2):
+            torch.manual_seed(noise)
+            results.append(train(c, fd).evaluate())
+        assert results[0] == results[1], over
     raw = {**cfg.model_dump(), "train": {**cfg.train.model_dump(), "rounds": 3}, "checkpoint_every": 1}
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     run(fedmosaic.config.validate(raw), whole, progress=False)

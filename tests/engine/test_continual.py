@@ -32,6 +32,7 @@ def test_an_old_task_the_last_row_did_not_judge_is_out_of_bwt_and_forgetting_ali
     a = [[0.9, NAN, NAN], [0.8, 0.7, NAN], [NAN, 0.5, 0.6]]  # task 0 unjudged after the last task
     s = continual_summary(a)
     assert s["bwt"] == pytest.approx(0.5 - 0.7) and s["forgetting_mean"] == pytest.approx(0.7 - 0.5)
+    assert s["acc_final"] == pytest.approx((0.5 + 0.6) / 2)  # ACC too, not NaN
 
 
 def test_one_task_and_bad_shapes():

@@ -103,7 +103,12 @@ def register_dataset(name: str, x_train, y_train, x_test=None, y_test=None, *, c
     if isinstance(classes, np.ndarray) and classes.ndim == 1:  # (np.unique's first result, say)
         classes = classes.tolist()
     if classes is None:
-        names = [str(c) for c in range(1 + max(int(y.max()) for y in (ytr, yte) if y is not None and len(y)))]
+        top = 1 + max(int(y.max()) for y in (ytr, yte) if y is not None and len(y))
+        distinct = len(np.unique(np.concatenate([y for y in (ytr, yte) if y is not None])))
+        if top > 1000 and top > 2 * distinct:  # labels as ids (20230101), not 0..C-1: before C names are made
+            raise ConfigError(f"{where}: its labels span {top:,} classes, {top - distinct:,} of them without a "
+                              "sample; give labels 0..C-1 (np.unique(y, return_inverse=True))")
+        names = [str(c) for c in range(top)]
     elif isinstance(classes, (int, np.integer)) and not isinstance(classes, bool):
         names = [str(c) for c in range(int(classes))]
     elif isinstance(classes, (list, tuple)) and len(set(map(str, classes))) == len(classes):
@@ -120,9 +125,6 @@ def register_dataset(name: str, x_train, y_train, x_test=None, y_test=None, *, c
     present = np.zeros(len(names), dtype=bool)
     present[ytr] = True
     unused = np.flatnonzero(~present).tolist()
-    if unused and len(names) > 1000 and len(unused) > len(names) // 2:  # labels as ids (20230101), not 0..C-1
-        raise ConfigError(f"{where}: its labels span {len(names):,} classes, {len(unused):,} of them without a "
-                          "training sample; give labels 0..C-1 (np.unique(y, return_inverse=True))")
     if unused:  # trained as classes that never occur: said, not silent
         warnings.warn(f"{where}: {len(unused)} of its {len(names)} classes {'has' if len(unused) == 1 else 'have'} "
                       f"no training sample (e.g. "

@@ -6,7 +6,10 @@ from __future__ import annotations
 import numpy as np
 
 (COHORT, BATCHES, INIT, AUGMENT, VIEWS, FINETUNE, POOL, WARMUP, PUBLIC, SERVER, TASKS, MEMORY,
- TASK_END, CONTINUAL_EVAL, PARTICIPATION, FORWARD) = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16
+ TASK_END, CONTINUAL_EVAL, PARTICIPATION) = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
+#: (robust.py's ATTACK, DP_NOISE, DP_LOCAL are 15, 16, 17: ATTACK shares PARTICIPATION's number, kept so that the
+#: attack results of docs/results.md reproduce; their keys differ in meaning. A new stream takes a new number.)
+FORWARD = 18
 
 
 def rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
@@ -14,8 +17,9 @@ def rng(seed: int, stream: int, *keys: int) -> np.random.Generator:
 
 
 def forward_seed(seed: int, round_idx: int, keys: tuple, client: int, step: int) -> int:
-    """The torch seed of one client's training forward passes from ``step`` of a phase on (a model that draws random
-    numbers there, e.g. dropout): the same whatever other clients train, in this process or another."""
+    """The torch seed of one client's training steps of a phase from ``step`` on (the step at which the per-client
+    loop takes it over: 0 on the sequential path), for a model that draws random numbers there (dropout): the same
+    whatever other clients train, in this process or another."""
     return int(rng(seed, FORWARD, round_idx, *keys, client, step).integers(2**62))
 
 

@@ -22,7 +22,8 @@ def continual_summary(a, seen=None) -> dict:
     # a column with no classes (random task orders: a stage in which the federation met no new class) is NaN
     # throughout and left out of every mean
     last, cols = a[-1], ~np.isnan(np.diag(a))
-    out = {"acc_final": float(np.mean(last[cols])), "bwt": None, "forgetting": [], "forgetting_mean": None}
+    judged = cols & ~np.isnan(last)
+    out = {"acc_final": float(np.mean(last[judged])) if judged.any() else None, "bwt": None, "forgetting": [], "forgetting_mean": None}
     old = cols[:-1] & ~np.isnan(last[:-1])
     if T > 1 and old.any():
         out["bwt"] = float(np.mean((last[:-1] - np.diag(a)[:-1])[old]))

@@ -70,7 +70,7 @@ class ModelFacts:
     params: int
     conv: bool  # has convolutions
     buffers: bool  # has buffers (BatchNorm running statistics): vmap cannot update them per client
-    random: bool = False  # draws random numbers in its forward pass (dropout): seeded per client on the loop
+    random: bool = False  # has dropout layers: vmap cannot draw their masks per client; the loop seeds them
 
     @classmethod
     def of(cls, module: torch.nn.Module) -> ModelFacts:

@@ -40,7 +40,7 @@ from ..tensors import ClientTensors, cat_trees
 from . import optim
 from .augment import AugmentConfig
 from .compiled import CompiledOrEager
-from .looped import LOOP_ALWAYS, LoopedSteps, draws_random
+from .looped import LOOP_ALWAYS, LoopedSteps
 from .objective import TERMS, Objective
 from .plans import SHARED, plan_phase
 from .probes import Probes
@@ -108,7 +108,6 @@ class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
         self._ties = (len(list(module.named_parameters(remove_duplicate=False))) != len(list(module.parameters()))
                       or len(list(module.named_buffers(remove_duplicate=False))) != len(list(module.buffers())))
         self._has_buffers = any(True for _ in module.buffers())
-        self._random = draws_random(module)  # dropout: its draws seeded per client and step (looped.py)
         self._bound = None  # the parameter tree currently put in ``module`` (:meth:`_bound_to`)
         # one client's hooks, mapped: (params or payload, state, shared payload, own payload)
         self._init = self._each(lambda shared, own, state: algo.local_init({**shared, "own": own}, state),
@@ -214,7 +213,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
         """Logits [n, N, C] of each of a stack of models on the same inputs ``x`` (already transformed), in
         batches of ``batch`` (as the public stream is trained on; the buffers are copies, left untouched)."""
         fn = self._each(lambda p, b, xb: self.apply(p, xb, b)[1], (0, 0, None))
-        with self._threads():
+        with self._threads(), self._dropout_off():
             return torch.cat([fn(params, tmap(torch.clone, buffers), x[lo : lo + batch])
                               for lo in range(0, len(x), batch)], 1)
 

@@ -109,13 +109,30 @@ class LoopedSteps:
 
     @contextlib.contextmanager
     def _forward_draws(self, who, j: int, s: int, device: torch.device):
-        if not self._random or who is None:
+        """Every looped client's steps under torch's generator forked and seeded for it: any random op of its
+        forward pass (dropout layers, functional dropout, ...) draws the same numbers on every run, pool and resume.
+        (Cheap — one seed per client and phase; the models without such ops draw nothing from it.)"""
+        if who is None:
             yield
             return
         (seed, round_idx, keys), clients = who
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [], device_type=device.type):
             torch.manual_seed(forward_seed(seed, round_idx, keys, int(clients[j]), s))
             yield
+
+    @contextlib.contextmanager
+    def _dropout_off(self):
+        """Measurements of a model — probes (a Fisher, a gradient, sums), logits on the public stream — with its
+        dropout layers off (as an evaluation has them), whatever mode the rest is in: they draw nothing, so they
+        are the same on every run, pool and resume; BatchNorm keeps the mode it was given."""
+        layers = [m for m in self.module.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training]
+        for m in layers:
+            m.training = False
+        try:
+            yield
+        finally:
+            for m in layers:
+                m.training = True
 
     @contextlib.contextmanager
     def _bound_to(self, per):
