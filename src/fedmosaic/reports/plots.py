@@ -1,6 +1,6 @@
-"""Plots (PNG, or PDF/SVG by the file's suffix): learning curves, the accuracy after each task, the objective's parts and an algorithm's measures per
-round, the client x class bubble chart (pFedSRB Fig. 2 style)
-and the accuracy heat maps.
+"""Plots (PNG, or PDF/SVG by the file's suffix): learning curves, the accuracy after each task, the objective's
+parts and an algorithm's measures per round, the client x class bubble chart (pFedSRB Fig. 2 style) and the
+accuracy heat maps.
 
 Colours: ``method_colors(names)`` gives the i-th method the i-th colour. ``learning_curves`` and
 ``accuracy_per_task`` colour by the order in which the runs are given (a comparison's ``compare:`` order, the
@@ -99,7 +99,10 @@ def _same_curves(ax, curves: dict) -> None:
     for name, (x, y, _) in curves.items():
         twin = next((g for g in groups if len(curves[g[0]][0]) == len(x) and np.array_equal(curves[g[0]][0], x)
                      and np.allclose(curves[g[0]][1], y)), None)
-        (twin.append(name) if twin else groups.append([name]))
+        if twin:
+            twin.append(name)
+        else:
+            groups.append([name])
     same = ["one curve: " + ", ".join(g) for g in groups if len(g) > 1]
     if same:
         ax.text(0.01, 0.99, _tex_safe("\n".join(same)), transform=ax.transAxes, ha="left", va="top", fontsize=7,
