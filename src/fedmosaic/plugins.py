@@ -37,11 +37,15 @@ def caller() -> str:
     return "__main__" if frame is None else frame.f_globals.get("__name__", "__main__")
 
 
-def claim(kind: str, name: str, taken: bool) -> None:
-    """Record who registers ``name``. A built-in name is refused, and so is a name another module registered (two
-    plug-ins would silently run whichever was imported last); the same module may register it again (a notebook
-    cell run twice, a reloaded module)."""
-    origin, before = caller(), ORIGINS.get((kind, name))
+#: what a registered dataset's or model's name may be
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def claim(kind: str, name: str, taken: bool, origin: str | None = None) -> None:
+    """Record who registers ``name`` (``origin``: that module; by default the calling code's). A built-in name is
+    refused, and so is a name another module registered (two plug-ins would silently run whichever was imported
+    last); the same module may register it again (a notebook cell run twice, a reloaded module)."""
+    origin, before = origin or caller(), ORIGINS.get((kind, name))
     if taken and before is None:
         raise ConfigError(f"register_{kind}({name!r}): a built-in {kind} has that name; choose another")
     if taken and before != origin:

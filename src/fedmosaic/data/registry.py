@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -89,7 +88,7 @@ def register_dataset(name: str, x_train, y_train, x_test=None, y_test=None, *, c
     the largest label + 1). Without a test split there is no global test set: evaluate on the clients' own
     (``data.client_test``). The arrays are copied: changing yours afterwards changes nothing registered.
     """
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+    if not isinstance(name, str) or not plugins.NAME.fullmatch(name):
         raise ConfigError(f"register_dataset: the name {name!r} must be letters, digits, '_', '.' or '-' (at most 64)")
     if (x_test is None) != (y_test is None):
         raise ConfigError(f"register_dataset({name!r}): give both x_test and y_test, or neither")

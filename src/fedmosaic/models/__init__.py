@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import inspect
-import re
 from collections.abc import Callable
 
 import torch
@@ -43,7 +42,7 @@ def register_model(name: str, factory: ModelFactory | None = None, *, head: str 
     the sub-module named ``head``, by default its last ``nn.Linear`` with one output per class, and its feature is
     that head's input. Registering a name again from the same module replaces it (a notebook cell run twice)."""
 
-    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", name):
+    if not isinstance(name, str) or not plugins.NAME.fullmatch(name):
         raise ConfigError(f"register_model(name, factory): the name {name!r} must be letters, digits, '_', '.' or "
                           "'-' (at most 64)" + (" — the name comes first: register_model('mynet', MyNet)"
                                                 if callable(name) else ""))

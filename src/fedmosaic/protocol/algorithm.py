@@ -283,14 +283,7 @@ def register_algorithm(cls: type[Algorithm]) -> type[Algorithm]:
         from .. import plugins
 
         registered()  # the built-ins first, so that a plug-in cannot take one's name before they are imported
-        if cls.name in ALGORITHMS and ALGORITHMS[cls.name].__module__.startswith("fedmosaic."):
-            raise ConfigError(f"register_algorithm({cls.name!r}): a built-in algorithm has that name; choose "
-                              "another")
-        before = plugins.ORIGINS.get(("algorithm", cls.name))
-        if cls.name in ALGORITHMS and before not in (None, cls.__module__):
-            raise ConfigError(f"register_algorithm({cls.name!r}): already registered by {before}; choose another "
-                              "name")
-        plugins.ORIGINS[("algorithm", cls.name)] = cls.__module__  # (the same module again: a cell run twice)
+        plugins.claim("algorithm", cls.name, cls.name in ALGORITHMS, origin=cls.__module__)
     ALGORITHMS[cls.name] = cls
     return cls
 
