@@ -161,11 +161,17 @@ def test_report_compares_existing_runs_at_a_common_round(tmp_path, capsys):
     fedavg_round2 = json.loads((tmp_path / "fedavg" / "metrics.jsonl").read_text().splitlines()[1])["global"]["acc"]
     assert rows["fedavg"][2] == f"{fedavg_round2:.2%}"
     assert plot.read_bytes()[:4] == b"\x89PNG"
+    assert (tmp_path / "cmp-diagnostics.png").read_bytes()[:4] == b"\x89PNG"  # fedprox's proximal term per round
     assert main(["report", *runs, "--rounds", "3", "--plot", str(plot)]) == 2  # never overwrites a plot
     assert "already exists" in capsys.readouterr().err
     (tmp_path / "new-tasks.png").write_text("mine")  # nor the per-task plot named after it
     assert main(["report", *runs, "--plot", str(tmp_path / "new.png")]) == 2
     assert "new-tasks.png already exists" in capsys.readouterr().err and not (tmp_path / "new.png").exists()
+    (tmp_path / "new-tasks.png").unlink()
+    (tmp_path / "new-diagnostics.png").write_text("mine")  # nor the diagnostics plot
+    assert main(["report", *runs, "--plot", str(tmp_path / "new.png")]) == 2
+    assert "new-diagnostics.png already exists" in capsys.readouterr().err and not (tmp_path / "new.png").exists()
+    assert (tmp_path / "new-diagnostics.png").read_text() == "mine"
     assert main(["report", *runs, "--plot", str(tmp_path / "c.jpg")]) == 2  # a format it does not write: no
     assert "ending in .png, .pdf, .svg" in capsys.readouterr().err and not (tmp_path / "c.jpg").exists()
     assert main(["report", *runs, "--plot", str(tmp_path / "c.pdf")]) == 0  # for a paper: vector, as named

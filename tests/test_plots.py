@@ -223,3 +223,20 @@ def test_the_accuracy_panels_share_one_y_range(figures, tmp_path):
     plots.learning_curves({"a": records(6, cross=True, tasks=2)}, tmp_path / "c.png")
     limits = {tuple(round(v, 6) for v in ax.get_ylim()) for ax in figures[0].axes if ax.get_visible()}
     assert len(figures[0].axes) >= 2 and len(limits) == 1  # one scale: panels compare at a glance
+
+
+def test_a_diverged_method_is_marked_at_the_end_of_each_of_its_curves_and_in_the_legend(figures, tmp_path):
+    a, b = records(6), records(4, 1)  # b diverged after its 4th round
+    for r in a + b:
+        r["terms"] = {"l_c": 1.0}
+    stopped = plots.diverged([{"name": "a"}, {"name": "b", "diverged_round": 4}])
+    assert stopped == {"b"} and plots.diverged([{"name": "c", "diverged_seeds": 1.0}]) == {"c"}
+    plots.learning_curves({"a": a, "b": b}, tmp_path / "c.png", stopped=stopped)
+    plots.diagnostics({"a": a, "b": b}, tmp_path / "d.png", stopped=stopped)
+    for fig in figures:
+        ax = next(ax for ax in fig.axes if ax.axison)
+        marks = [ln for ln in ax.lines if ln.get_marker() == plots.DIVERGED["marker"]]
+        assert len(marks) == 1 and list(marks[0].get_xdata()) == [4]  # b's last point, nothing on a's
+        assert "diverged after its last point" in [t.get_text() for t in fig.legends[0].get_texts()]
+    plots.learning_curves({"a": a}, tmp_path / "e.png", stopped=stopped)  # b not drawn: no mark, no legend entry
+    assert "diverged after its last point" not in [t.get_text() for t in figures[-1].legends[0].get_texts()]

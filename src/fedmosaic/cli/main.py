@@ -193,15 +193,16 @@ def _print_tables(summaries: list[dict]) -> None:
 
 def _report(args) -> None:
     from ..reports.compare import from_runs
-    from ..reports.plots import FORMATS, accuracy_per_task, learning_curves
+    from ..reports.plots import FORMATS, accuracy_per_task, diagnostics, diverged, learning_curves
 
     plot = Path(args.plot) if args.plot else None
-    # class-incremental runs: per task too, beside it in the same format
-    tasks = None if plot is None else plot.with_name(f"{plot.stem}-tasks{plot.suffix}")
+    # beside it in the same format: class-incremental runs per task, the objective's parts and measures per round
+    tasks, parts = (None, None) if plot is None else (plot.with_name(f"{plot.stem}-{kind}{plot.suffix}")
+                                                      for kind in ("tasks", "diagnostics"))
     if plot is not None and plot.suffix.lower().lstrip(".") not in FORMATS:
         raise FedMosaicError(f"--plot {plot}: give a name ending in {', '.join('.' + f for f in FORMATS)} (the "
                              "format follows it)")
-    for path in (plot, tasks):
+    for path in (plot, tasks, parts):
         if path is not None and (path.exists() or path.is_symlink()):
             raise FedMosaicError(f"--plot: {path} already exists; choose another file")
     summaries, curves, notes = from_runs([Path(d) for d in args.runs], args.rounds)
@@ -211,10 +212,13 @@ def _report(args) -> None:
     if plot is not None:
         plot.parent.mkdir(parents=True, exist_ok=True)
         try:  # exclusive: a file that appeared since the check above is kept, not replaced
-            learning_curves(curves, plot, title=args.title or "", exclusive=True)
+            stopped = diverged(summaries)
+            learning_curves(curves, plot, title=args.title or "", exclusive=True, stopped=stopped)
             print(f"\nlearning curves: {plot}")
             if accuracy_per_task(summaries, tasks, title=args.title or "", exclusive=True):
                 print(f"accuracy after each task: {tasks}")
+            if diagnostics(curves, parts, title=args.title or "", exclusive=True, stopped=stopped):
+                print(f"objective's parts and measures per round: {parts}")
         except FileExistsError as e:
             raise FedMosaicError(f"--plot: {e.filename} appeared while the report ran; it is kept, choose another "
                                  "file") from None
@@ -415,7 +419,8 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
     rp.add_argument("--rounds", type=_at_least(1), help="compare over the first N rounds of each run")
     rp.add_argument("--plot", metavar="FILE", help="write the learning curves there (must not exist yet): .png, .pdf "
-                    "or .svg")
+                    "or .svg; FILE-tasks and FILE-diagnostics beside it (per task; the objective's parts and measures "
+                    "per round) where the runs have them")
     rp.add_argument("--title", help="title of the plot")
     rp.set_defaults(fn=_report)
 

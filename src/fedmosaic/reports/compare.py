@@ -24,6 +24,7 @@ from .plots import (
     accuracy_per_task,
     cross_heatmap,
     diagnostics,
+    diverged,
     learning_curves,
     method_colors,
 )
@@ -185,9 +186,10 @@ def write_outputs(out: Path, summaries: list[dict], curves: dict, title: str, co
     atomic_write(out / "comparison.json", json.dumps(summaries, indent=2).encode())
     for fmt, suffix in (("markdown", "md"), ("latex", "tex")):
         atomic_write(out / f"table.{suffix}", (table(summaries, fmt) + "\n").encode())
-    learning_curves(curves, out / "learning_curves.png", title=title, colors=colors)
+    stopped = diverged(summaries)
+    learning_curves(curves, out / "learning_curves.png", title=title, colors=colors, stopped=stopped)
     accuracy_per_task(summaries, out / "accuracy_per_task.png", title=title, colors=colors)
-    diagnostics(curves, out / "diagnostics.png", title=title, colors=colors)
+    diagnostics(curves, out / "diagnostics.png", title=title, colors=colors, stopped=stopped)
 
 
 def _variant_started(sub: Path, v: RunConfig, saved: str = "config.yaml") -> bool:

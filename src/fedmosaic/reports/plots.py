@@ -14,7 +14,7 @@ seed has, with a band of ± one sample standard deviation (n − 1) over the see
 from __future__ import annotations
 
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 
 import matplotlib
@@ -67,10 +67,22 @@ def _mean_std(series: list[dict[int, float]]) -> tuple[np.ndarray, np.ndarray, n
     return np.array(xs), v.mean(0), v.std(0, ddof=1) if len(series) > 1 else np.zeros(len(xs))
 
 
-def _line(ax, x, y, sd, color, style: str, marker: str, band: bool, bounds: tuple | None = None) -> None:
+#: drawn at the last point of a curve whose run (or one of whose seeds) diverged: the curve ends there for a reason
+DIVERGED = {"marker": "x", "color": "k", "ms": 8, "mew": 1.8, "ls": "", "zorder": 5}
+
+
+def diverged(summaries: Sequence[dict]) -> set[str]:
+    """The methods of these summaries (``compare.from_runs``'s) of which a run, or a seed, diverged."""
+    return {s["name"] for s in summaries if s.get("diverged_round") is not None or s.get("diverged_seeds")}
+
+
+def _line(ax, x, y, sd, color, style: str, marker: str, band: bool, bounds: tuple | None = None,
+          stopped: bool = False) -> None:
     """One method's curve, its marker at about a dozen points (every point of a short run), and with ``band`` the
     ± std band, cut to ``bounds`` (accuracy: 0-100). A single point is a marker with an error bar (a band over one
-    x has no width)."""
+    x has no width). ``stopped``: the run diverged after the last point, marked ``DIVERGED``."""
+    if stopped and len(x):
+        ax.plot(x[-1:], y[-1:], **DIVERGED)
     lo, hi = (y - sd, y + sd) if bounds is None else (np.clip(y - sd, *bounds), np.clip(y + sd, *bounds))
     if len(x) == 1:
         ax.errorbar(x, y, yerr=[y - lo, hi - y] if band else None, color=color, marker=marker, ms=5, capsize=3)
@@ -140,14 +152,15 @@ def _integer_ticks(*axes) -> None:
 
 
 def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path, title: str = "",
-                    colors: dict[str, object] | None = None, *, exclusive: bool = False) -> Path:
+                    colors: dict[str, object] | None = None, *, exclusive: bool = False,
+                    stopped: Collection[str] = ()) -> Path:
     """Test accuracy per round for each method, one panel per kind of accuracy present, one legend below them.
 
     ``runs``: method name -> its metrics records (one run), or a list of record lists (one per seed: the mean with
     a band of ± one std over the seeds, at the rounds every seed has). ``colors``: name -> colour, by default
     ``method_colors`` in the order of ``runs``; each method also has its marker (``MARKERS``, in that order), so
     two methods of the same curve (FedAvg's and Ditto's global model) both show. Task ends are marked in every
-    panel."""
+    panel, and the end of each curve of a method in ``stopped`` (it diverged there: ``diverged``)."""
     seeds = {name: recs if recs and isinstance(recs[0], list) else [recs] for name, recs in runs.items()}
     colors = colors or method_colors(list(runs))
     markers = _markers(colors)
@@ -171,7 +184,8 @@ def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | 
         for name, s in seeds.items():
             for field, style in FIELDS.get(key, (("acc", "-"),)):
                 if (name, key, field) in curves:
-                    _line(ax, *curves[name, key, field], colors[name], style, markers[name], len(s) > 1, (0, 100))
+                    _line(ax, *curves[name, key, field], colors[name], style, markers[name], len(s) > 1, (0, 100),
+                          name in stopped)
         for field, _ in FIELDS.get(key, (("acc", "-"),)):
             _same_curves(ax, {n: c for (n, k, f), c in curves.items() if (k, f) == (key, field)})
         for x in ends:  # the rounds that end a task, in every panel (a grid line is lighter)
@@ -183,6 +197,7 @@ def learning_curves(runs: dict[str, list[dict] | list[list[dict]]], path: str | 
     if ends:
         extra.append(Line2D([], [], color="0.35", lw=0.8, ls=(0, (4, 3)), alpha=0.7, label="task end"))
     drawn = {n for n, *_ in curves}  # (a method with nothing to draw is not in the legend)
+    extra += _stopped_mark(drawn & set(stopped))
     _legend(fig, [(name, colors[name], markers[name], len(s)) for name, s in seeds.items() if name in drawn], extra)
     _title(fig, title)
     return _save(fig, path, exclusive=exclusive)
@@ -227,13 +242,20 @@ def accuracy_per_task(summaries: list[dict | list[dict]], path: str | Path, titl
     return _save(fig, path, exclusive=exclusive)
 
 
+def _stopped_mark(names: set[str]) -> list:
+    """The legend's entry for ``DIVERGED``, when a drawn method has it."""
+    return [Line2D([], [], **DIVERGED, label="diverged after its last point")] if names else []
+
+
 def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path, title: str = "",
-                colors: dict[str, object] | None = None) -> Path | None:
+                colors: dict[str, object] | None = None, *, exclusive: bool = False,
+                stopped: Collection[str] = ()) -> Path | None:
     """One small panel per named part of the local objective (``terms``, every round) and per measure an algorithm
     reports (``report``, with every evaluation, or every ``eval.report_every`` rounds): ProtoFCL's L_C, L_D, L_R,
     teacher entropy and prototype geometry, a sparsity, ... — one line per method that has it (the mean over
     seeds with a band), so a collapse or a term that does nothing is seen, not inferred. ``runs`` and ``colors``
-    as :func:`learning_curves`. None, and no file, when no run has any."""
+    as :func:`learning_curves` (a diverged run's blow-up is often seen here first). None, and no file, when no run
+    has any."""
     seeds = {name: recs if recs and isinstance(recs[0], list) else [recs] for name, recs in runs.items()}
     keys = list(dict.fromkeys((kind, k) for s in seeds.values() for rs in s for r in rs
                               for kind in ("terms", "report") for k in r.get(kind, {})))
@@ -252,7 +274,7 @@ def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path
             per_seed = [{r["round"] + 1: r[kind][key] for r in rs if key in r.get(kind, {})} for rs in s]
             if all(per_seed):
                 x, mean, sd = _mean_std(per_seed)
-                _line(ax, x, mean, sd, colors[name], "-", markers[name], len(s) > 1)
+                _line(ax, x, mean, sd, colors[name], "-", markers[name], len(s) > 1, stopped=name in stopped)
                 drawn[name] = (markers[name], len(s))
         for x in ends:  # a task's start resets what these measure: marked, not left to be guessed
             ax.axvline(x, color="0.35", lw=0.8, ls=(0, (4, 3)), alpha=0.7)
@@ -262,9 +284,10 @@ def diagnostics(runs: dict[str, list[dict] | list[list[dict]]], path: str | Path
         ax.grid(alpha=0.3)
     for ax in list(axes.flat)[len(keys):]:
         ax.set_axis_off()
-    _legend(fig, [(name, colors[name], *drawn[name]) for name in seeds if name in drawn])
+    _legend(fig, [(name, colors[name], *drawn[name]) for name in seeds if name in drawn],
+            _stopped_mark(set(drawn) & set(stopped)))
     _title(fig, title)
-    return _save(fig, path)
+    return _save(fig, path, exclusive=exclusive)
 
 
 #: the formats a plot is written in, by the file's suffix (anything else: PNG)
