@@ -540,6 +540,26 @@ def test_plugins_come_from_the_option_the_environment_and_entry_points(tmp_path,
     assert plugins.used_by(with_overrides({"data": {"dataset": "api_from_env"}})) == ["api_plug_env"]
 
 
+def test_a_broken_installed_plugin_is_a_warning_and_named_where_its_names_are_missing(tmp_path, monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(plugins, "BROKEN", {})
+    (tmp_path / "api_plug_bad.py").write_text("import fedmosaic\n1 / 0\n")
+    dist = tmp_path / "api_plug_bad-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: api-plug-bad\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text("[fedmosaic.plugins]\nbad = api_plug_bad\n")
+    assert main(["list", "models"]) == 0  # a broken package stops no command that does not need it
+    out, err = capsys.readouterr()
+    assert "mlp" in out and err == ("fedmosaic: warning: plugin 'api_plug_bad' (entry point 'bad' of api-plug-bad): "
+                                    "cannot import it: ZeroDivisionError: division by zero; continuing without it\n")
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(yaml.safe_dump({**BLOBS6, "model": {"name": "bad_net"}}))
+    assert main(["run", str(cfg), "--check"]) == 2  # a name it would have registered: the reason is said there
+    err = capsys.readouterr().err
+    assert "unknown 'bad_net' (plugin 'api_plug_bad' (entry point 'bad' of api-plug-bad): cannot import it" in err
+    assert err.count("\n") == 1 and "warning" not in err  # warned once a process
+
+
 @pytest.mark.parametrize("plugin, message", [
     ("api_no_such_module", ("plugin 'api_no_such_module': cannot import it: ModuleNotFoundError: No module "
                             "named 'api_no_such_module'")),

@@ -113,6 +113,19 @@ def test_a_hostile_config_is_refused_or_warned_in_one_line(changes, code, needle
         assert any(needle in ln for ln in warned) and "\n" not in needle, err
 
 
+@pytest.mark.parametrize("changes, needle", [
+    ({"model.name": "mpl"}, "model.name: unknown 'mpl'"),
+    ({"model.heterogeneous": [HETERO[0], {"name": "resnet99"}], "algorithm": {"name": "fedmd"}, "data.public": NOISE},
+     "model.heterogeneous.1.name: unknown 'resnet99'"),
+])
+def test_check_refuses_an_unknown_model_as_the_run_would(changes, needle, tmp_path):
+    """``run --check`` said "ok" for a config whose run stops at once on its model's name."""
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(_config(changes)))
+    rc, err = cli("run", str(path), "--check")
+    assert rc == 2 and needle in error_line(err), err
+
+
 def test_a_public_stream_one_variant_uses_is_no_warning_when_the_comparison_is_reported_or_resumed(tmp_path):
     """A variant's config.yaml keeps the comparison's data.public although that variant alone never uses it."""
     path, out = tmp_path / "cfg.yaml", tmp_path / "cmp"

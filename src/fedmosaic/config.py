@@ -628,13 +628,19 @@ def validate(raw: dict, where: str = "config") -> RunConfig:
         get_spec(cfg.data.dataset)
     except ConfigError as e:
         raise ConfigError(f"data.dataset: {e}") from None
+    from .models import check_name
+
+    for i, arch in enumerate(cfg.model.heterogeneous or []):  # (options need the data's shape: checked at build)
+        check_name(arch.name, f"model.heterogeneous.{i}.name")
+    if not cfg.model.heterogeneous:
+        check_name(cfg.model.name)
     checks = [("algorithm", cfg.algorithm)] + [(f"compare.{i}", a) for i, a in enumerate(cfg.compare or [])]
     for where_, a in checks:
         algo = algorithms.get(a.name)
         if algo is None:
             near = difflib.get_close_matches(a.name, list(algorithms), n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            plug = "" if near and not plugins.RECORDED else plugins.hint("algorithm")  # a typo, or a plug-in's
+            plug = "" if near and not (plugins.RECORDED or plugins.BROKEN) else plugins.hint("algorithm")  # a typo, or a plug-in's
             raise ConfigError(f"{where_}.name: unknown {short_repr(a.name)}{plug}; {hint}"
                               f"allowed: {', '.join(sorted(algorithms))}")
         try:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from importlib.metadata import entry_points
 from pathlib import Path
 
@@ -67,9 +68,15 @@ def blame(exc: BaseException) -> str | None:
     return f"{Path(found.tb_frame.f_code.co_filename).name}:{found.tb_lineno} in {found.tb_frame.f_code.co_name}"
 
 
+#: installed entry points that could not be imported: what -> the one line saying why (``load``, ``hint``)
+BROKEN: dict[str, str] = {}
+
+
 def load(names: list[str] = ()) -> None:
     """Import the plug-ins ``names`` (``--plugin``), those of ``$FEDMOSAIC_PLUGINS`` and the installed entry points
-    of the group ``fedmosaic.plugins``. One that cannot be imported is one line naming it."""
+    of the group ``fedmosaic.plugins``. One that was asked for and cannot be imported is an error, one line naming
+    it; an installed entry point that cannot be is a warning, so that a broken package does not stop every command
+    (a run that needs a name it registers says, beside "unknown ...", that it did not import)."""
     env = [n.strip() for n in re.split(f"[,{re.escape(os.pathsep)}]", os.environ.get(ENV, "")) if n.strip()]
     for name in dict.fromkeys([*names, *env]):
         if name.endswith(".py") or os.sep in name:
@@ -77,7 +84,13 @@ def load(names: list[str] = ()) -> None:
         _import(f"plugin {name!r}", lambda n=name: importlib.import_module(n))
     for ep in entry_points(group=GROUP):
         dist = getattr(ep.dist, "name", "an installed package")
-        _import(f"plugin {ep.value!r} (entry point {ep.name!r} of {dist})", ep.load)
+        what = f"plugin {ep.value!r} (entry point {ep.name!r} of {dist})"
+        try:
+            _import(what, ep.load)
+        except ConfigError as e:
+            if what not in BROKEN:  # once a process (main() called again, a notebook)
+                warnings.warn(f"{e}; continuing without it", stacklevel=2)
+            BROKEN[what] = str(e)
 
 
 def _import(what: str, do) -> None:
@@ -130,7 +143,13 @@ def in_python():
 
 
 def hint(kind: str) -> str:
-    """What to add to "unknown dataset/model/algorithm": the plug-in the run was made with, or how to pass one."""
+    """What to add to "unknown dataset/model/algorithm": the plug-in the run was made with, or how to pass one;
+    first, the installed plug-ins that did not import (the name may be theirs)."""
+    broken = "".join(f" ({why})" for why in BROKEN.values())
+    return broken + _hint(kind)
+
+
+def _hint(kind: str) -> str:
     how = (lambda m: f"plugins=[{m}]") if _in_python else (lambda m: f"--plugin {m}")  # noqa: E731
     missing = [m for m in RECORDED if m == "__main__" or m not in sys.modules]
     if "__main__" in missing:

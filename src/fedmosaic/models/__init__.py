@@ -106,12 +106,17 @@ def build_model(name: str, input_shape, num_classes: int, **options) -> FedModel
     return model
 
 
-def _construct(name: str, shape: tuple, num_classes: int, options: dict, where: str) -> FedModel:
+def check_name(name: str, where: str = "model.name") -> None:
+    """An unknown model's name is one line, with the plug-in that may be missing and the nearest known name."""
     if name not in MODELS:
         near = difflib.get_close_matches(name, MODELS, n=1) if isinstance(name, str) else []
         guess = f"did you mean {near[0]!r}? " if near else ""
-        raise ConfigError(f"model.name: unknown {name!r}{plugins.hint('model')}; {guess}"
+        raise ConfigError(f"{where}: unknown {name!r}{plugins.hint('model')}; {guess}"
                           f"allowed: {', '.join(sorted(MODELS))}")
+
+
+def _construct(name: str, shape: tuple, num_classes: int, options: dict, where: str) -> FedModel:
+    check_name(name)
     options = dict(options)
     project = options.pop("project", None)
     if project is not None and (type(project) is not int or not 1 <= project <= 1 << 20):
