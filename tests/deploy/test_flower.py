@@ -147,6 +147,47 @@ def test_only_the_operator_controls_the_deployment(link, tmp_path):
     assert len(nodes) == 3  # the operator's three; the attacker's key was never registered
 
 
+def test_a_registered_node_cannot_push_an_instruction_to_another_node(link, tmp_path):
+    """A node of the federation (its key registered) pushes, through the gateway and with Flower's own Fleet
+    client, a message that answers nothing and names another node: the SuperLink would store it as an instruction
+    for that node, whose ClientApp would run it. The gateway refuses it (403, one line); the operator's run goes on
+    and equals the simulation."""
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+    from flwr.app import ConfigRecord, Message, RecordDict
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.supercore.inflatable.inflatable_object import get_object_tree
+    from flwr.supercore.run import RunNotRunningException
+    from flwr.supercore.task_identity import TaskIdentity
+    from flwr.supernode.fleet_http_connection import http_request_response
+
+    cfg = config("fedavg", train={"rounds": 1})
+    app = deploy(cfg, tmp_path / "dep", link)
+    rid = link.submit(app)
+    node_key(tmp_path / "insider")
+    link.register(tmp_path / "insider.pub")
+    nodes = json.loads(link.flwr("supernode", "list", "fedmosaic", "--format", "json").stdout)["nodes"]
+    key = load_ssh_private_key((tmp_path / "insider").read_bytes(), None)
+    with http_request_response(f"127.0.0.1:{link.port}", False, str(link.pki / "ca.crt"), (key, key.public_key()),
+                               max_retries=0, max_wait_time=30) as (me, _, send, *_):
+        victim = next(int(n["node-id"]) for n in nodes if int(n["node-id"]) != me)
+        before = (TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id)
+        TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = rid, SUPERLINK_NODE_ID, 1  # "from" it
+        try:
+            forged = Message(content=RecordDict({"fedmosaic": ConfigRecord({"action": "train"})}),
+                             dst_node_id=victim, message_type="train", group_id="0", ttl=600)
+        finally:
+            TaskIdentity._run_id, TaskIdentity._node_id, TaskIdentity._task_id = before
+        # Flower's client turns a 403 into RunNotRunningException (a BaseException), the gateway's answer its cause
+        with pytest.raises(RunNotRunningException) as refused:
+            send(forged, get_object_tree(forged), 0.0)
+    answer = refused.value.__context__.response
+    assert answer.status_code == 403 and "a node pushes replies only" in answer.text
+    st = link.wait(rid, 400, done=tmp_path / "dep" / "run" / "summary.json")
+    assert st["status"] == "finished:completed", st["status-details"]
+    run(cfg, tmp_path / "sim", progress=False)
+    assert same_metrics(read_metrics(tmp_path / "dep" / "run"), read_metrics(tmp_path / "sim")) == []
+
+
 def test_a_registered_node_claiming_another_clients_partition_is_refused(link, tmp_path):
     """The app binds client 0 to node 1's key and client 1 to node 0's (as if node 0 claimed client 1's partition
     with its own registered key): the SuperLink's record of each node's key refuses the run at first contact."""

@@ -49,6 +49,9 @@ def test_deploy_writes_the_app_the_pki_and_the_commands(tmp_path, capsys):
         assert isinstance(key.curve, ec.SECP384R1) and key.public_key().public_numbers() == pub.public_numbers()
     for private in ("ca.key", "server.key", "node-0", "node-2"):
         assert (out / "pki" / private).stat().st_mode & 0o077 == 0
+    assert (out / "pki").stat().st_mode & 0o077 == 0  # and their folder (no one else lists or opens them)
+    # the gateway refuses a node's body beyond a reply of deploy.max_reply_mb (512 MB) with its framing
+    assert "--max-body-mb 648 " in printed
     # the commands: TLS, node authentication, no run-time installs, telemetry and update checks off
     for flag in ("--ssl-certfile", "--enable-supernode-auth", "--disable-runtime-dependency-installation",
                  "FLWR_TELEMETRY_ENABLED=0", "FLWR_DISABLE_UPDATE_CHECK=1", "flwr supernode register",
@@ -130,6 +133,15 @@ def test_deploy_refuses_what_cannot_be_deployed_and_writes_nothing(args, message
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
     assert not (tmp_path / "dep").exists()
+
+
+def test_deploy_refuses_an_out_with_a_control_character(tmp_path, capsys):
+    """commands.sh names the run directory in comment lines: a newline there would start a command."""
+    out = tmp_path / "dep\ntouch pwned #"
+    assert main(["deploy", "deploy-quickstart", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds a control character" in err and err.count("\n") == 1
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_deploy_never_writes_into_an_existing_directory(tmp_path, capsys):

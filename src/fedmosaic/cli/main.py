@@ -76,7 +76,8 @@ def _gateway(args) -> None:
     for f in (args.certfile, args.keyfile, args.ca):
         if not Path(f).is_file():
             raise FedMosaicError(f"gateway: {f} is not a file")
-    serve(address(host.strip("[]"), int(port)), args.superlink, args.certfile, args.keyfile, args.ca)
+    serve(address(host.strip("[]"), int(port)), args.superlink, args.certfile, args.keyfile, args.ca,
+          args.max_body_mb)
 
 
 def _run(args) -> None:
@@ -413,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--certfile", required=True)
     gw.add_argument("--keyfile", required=True)
     gw.add_argument("--ca", required=True, help="the CA that signed the SuperLink's certificate")
+    gw.add_argument("--max-body-mb", type=_at_least(1), default=1024, metavar="MB",
+                    help="refuse a node's request body over this, read or not (commands.sh: from deploy.max_reply_mb)")
     gw.set_defaults(fn=_gateway)
 
     rp = sub.add_parser("report", help="table (and learning curves) of existing run directories, finished or not")

@@ -26,10 +26,40 @@ FLEET = frozenset(f"/v1/fleet/{op}" for op in (
 _DROP = frozenset(("host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
                    "proxy-authorization", "proxy-connection", "content-length"))
 REFUSED = "refused by the fleet gateway: only the Fleet API's node operations are served on this address"
+#: the request bodies the gateway reads itself before it forwards them (``check_push``)
+PUSH = "/v1/fleet/push-messages"
 
 
-def make_app(superlink: str, ca: str, max_body_mb: float = 2048.0):
-    """The gateway's ASGI app, forwarding to ``https://<superlink>`` verified against the CA file ``ca``."""
+def check_push(body: bytes) -> str | None:
+    """Why a node's push-messages body is refused, or None. A node pushes replies, nothing else: Flower 1.42's
+    SuperLink stores a pushed message without ``reply_to`` as an *instruction* for the node it names, checking only
+    that its source claims to be the SuperLink (which the sender writes itself), so one registered node could make
+    another run a forged request. Each message must answer an instruction (``reply_to``), come from the calling node
+    (the one its signature authenticates) and go to the SuperLink."""
+    from flwr.common.constant import SUPERLINK_NODE_ID
+    from flwr.proto.fleet_pb2 import PushMessagesRequest
+    from google.protobuf.message import DecodeError
+
+    try:
+        req = PushMessagesRequest.FromString(body)
+    except (DecodeError, ValueError):
+        return "push-messages: the body is not a PushMessagesRequest"
+    if not req.messages_list:
+        return "push-messages without a message"
+    for m in req.messages_list:
+        meta = m.metadata
+        if not meta.reply_to_message_id:
+            return "a node pushes replies only; a message that answers no instruction is one for another node"
+        if meta.src_node_id != req.node.node_id:
+            return f"a reply from node {meta.src_node_id} pushed by node {req.node.node_id}"
+        if meta.dst_node_id != SUPERLINK_NODE_ID:
+            return f"a reply addressed to node {meta.dst_node_id}, not to the SuperLink"
+    return None
+
+
+def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0):
+    """The gateway's ASGI app, forwarding to ``https://<superlink>`` verified against the CA file ``ca``. A body
+    over ``max_body_mb`` is refused whether it declares its length or streams in chunks (read up to the limit)."""
     import httpx
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -44,9 +74,18 @@ def make_app(superlink: str, ca: str, max_body_mb: float = 2048.0):
         if request.method != "POST" or path not in FLEET:
             return PlainTextResponse(f"{REFUSED} ({request.method} {path[:100]})\n", status_code=403)
         declared = request.headers.get("content-length")
+        too_big = PlainTextResponse(f"refused by the fleet gateway: a body over {max_body_mb:g} MB\n", 413)
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return PlainTextResponse(f"refused by the fleet gateway: a body over {max_body_mb:g} MB\n", 413)
-        body = await request.body()
+            return too_big
+        body = bytearray()
+        async for chunk in request.stream():  # chunked bodies too: never more than the limit held
+            body += chunk
+            if len(body) > limit:
+                return too_big
+        body = bytes(body)
+        why = check_push(body) if path == PUSH else None
+        if why:
+            return PlainTextResponse(f"refused by the fleet gateway: {why}\n", status_code=403)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
         try:
             r = await client.post(path, content=body, headers=headers)
@@ -64,13 +103,13 @@ def make_app(superlink: str, ca: str, max_body_mb: float = 2048.0):
     return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
 
 
-def serve(listen: str, superlink: str, certfile: str, keyfile: str, ca: str) -> None:
+def serve(listen: str, superlink: str, certfile: str, keyfile: str, ca: str, max_body_mb: float = 1024) -> None:
     """Serve the gateway on ``listen`` (HOST:PORT, IPv6 in brackets) until stopped."""
     import uvicorn
 
     host, port = split_address(listen)
-    uvicorn.run(make_app(superlink, ca), host=host, port=port, ssl_certfile=certfile, ssl_keyfile=keyfile,
-                log_level="warning", workers=1)
+    uvicorn.run(make_app(superlink, ca, max_body_mb), host=host, port=port, ssl_certfile=certfile,
+                ssl_keyfile=keyfile, log_level="warning", workers=1)
 
 
 def split_address(address: str) -> tuple[str, int]:

@@ -61,9 +61,6 @@ def make_pki(out: Path, hosts: list[str], nodes: int, days: int = 365) -> None:
             b = b.add_extension(e, critical=critical)
         return b
 
-    def private(path: Path, data: bytes) -> None:
-        path.write_bytes(data)
-        path.chmod(0o600)
 
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca = build(_name("fedmosaic deployment CA"), _name("fedmosaic deployment CA"), ca_key.public_key(),
@@ -82,7 +79,7 @@ def make_pki(out: Path, hosts: list[str], nodes: int, days: int = 365) -> None:
                  san=(x509.SubjectAlternativeName(names), False),
                  basic=(x509.BasicConstraints(ca=False, path_length=None), True),
                  eku=(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), False)).sign(ca_key, hashes.SHA256())
-    out.mkdir(parents=True)
+    out.mkdir(parents=True, mode=0o700)  # the keys' folder: its owner's alone
     pem, pkcs8 = serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8
     (out / "ca.crt").write_bytes(ca.public_bytes(pem))
     private(out / "ca.key", ca_key.private_bytes(pem, pkcs8, serialization.NoEncryption()))
@@ -92,15 +89,28 @@ def make_pki(out: Path, hosts: list[str], nodes: int, days: int = 365) -> None:
         node_key(out / f"node-{k}")
 
 
+def private(path: Path, data: bytes) -> None:
+    """A private key's file, readable by its owner alone from its first byte (not chmod-ed after being written
+    under the umask), and never over an existing file."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+
+
+def gateway_limit_mb(max_reply_mb: float) -> int:
+    """The largest request body the gateway lets a node send: a reply of ``deploy.max_reply_mb`` with its
+    framing (Flower's objects and headers), so that no node makes it hold more."""
+    return int(max_reply_mb * 1.25) + 8
+
+
 def node_key(path: Path) -> None:
     """A SuperNode key pair: ``path`` (private, OpenSSH) and ``path.pub`` (what the SuperLink registers)."""
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric import ec
 
     key = ec.generate_private_key(ec.SECP384R1())
-    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                       serialization.NoEncryption()))
-    path.chmod(0o600)
+    private(path, key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
+                                    serialization.NoEncryption()))
     path.with_name(path.name + ".pub").write_bytes(key.public_key().public_bytes(
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH) + b"\n")
 
@@ -215,6 +225,8 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
 
     check_deployable(cfg, registered()[cfg.algorithm.name])
     out = Path(out).absolute()
+    if any(ord(c) < 32 or ord(c) == 127 for c in str(out)):  # commands.sh names it in comments and commands
+        raise FedMosaicError(f"--out: {str(out)!r} holds a control character (a newline?); choose a plain name")
     check_out(out, resume=False)
     K = cfg.data.clients
     if K is None:
@@ -285,7 +297,8 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
         f"--host 127.0.0.1 --port {link_port} & pids+=($!)",
         f"# 2. the fleet gateway on {public}, the one address nodes reach: TLS, the Fleet API's node calls alone",
         f"setsid fedmosaic gateway --listen {q(public)} --superlink {q(link)} --certfile {q(str(pki / 'server.pem'))} "
-        f"--keyfile {q(str(pki / 'server.key'))} --ca {q(str(pki / 'ca.crt'))} & pids+=($!)",
+        f"--keyfile {q(str(pki / 'server.key'))} --ca {q(str(pki / 'ca.crt'))} "
+        f"--max-body-mb {gateway_limit_mb(cfg.deploy.max_reply_mb)} & pids+=($!)",
         "# 3. register each node's public key, once the SuperLink answers",
         f"for i in $(seq 60); do flwr supernode list {LINK} >/dev/null 2>&1 && break; sleep 1; done",
         *[f"flwr supernode register {q(str(pki / f'node-{k}.pub'))} {LINK}" for k in range(K)],

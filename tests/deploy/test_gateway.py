@@ -1,0 +1,72 @@
+"""The fleet gateway in-process (Starlette's test client; no SuperLink behind it): what a registered node may push.
+
+A node pushes replies only. Flower 1.42's SuperLink stores a pushed message without ``reply_to`` as an instruction
+for the node it names, checking only that its source claims to be the SuperLink, so the gateway reads every
+push-messages body itself: a forged instruction, a reply in another node's name or to another node is refused
+before it reaches the SuperLink; a body over the limit is refused however it is sent (declared or chunked)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("flwr")
+
+from flwr.common.constant import SUPERLINK_NODE_ID
+from flwr.proto.fleet_pb2 import PushMessagesRequest
+from flwr.proto.message_pb2 import Message, Metadata
+from flwr.proto.node_pb2 import Node
+from starlette.testclient import TestClient
+
+from fedmosaic.deploy.gateway import make_app
+from fedmosaic.deploy.prepare import make_pki
+
+NODE, OTHER = 7_000_001, 7_000_002
+PATH = "/v1/fleet/push-messages"
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    pki = tmp_path_factory.mktemp("gw") / "pki"
+    make_pki(pki, ["127.0.0.1"], 1)
+    # forwards to a port where nothing listens: what passes the gateway's checks ends as 502
+    with TestClient(make_app("127.0.0.1:9", str(pki / "ca.crt"), max_body_mb=1)) as client:
+        yield client
+
+
+def push(reply_to: str = "m-1", src: int = NODE, dst: int = SUPERLINK_NODE_ID, node: int = NODE) -> bytes:
+    meta = Metadata(run_id=5, message_id="m-2", src_node_id=src, dst_node_id=dst, reply_to_message_id=reply_to,
+                    message_type="train", group_id="0", ttl=600.0)
+    return PushMessagesRequest(node=Node(node_id=node), messages_list=[Message(metadata=meta)]).SerializeToString()
+
+
+HEADERS = {"content-type": "application/protobuf"}
+
+
+@pytest.mark.parametrize("body, reason", [
+    (push(reply_to="", src=SUPERLINK_NODE_ID, dst=OTHER), "a node pushes replies only"),  # an instruction for OTHER
+    (push(src=OTHER), f"a reply from node {OTHER} pushed by node {NODE}"),  # in another node's name
+    (push(dst=OTHER), f"a reply addressed to node {OTHER}, not to the SuperLink"),
+    (PushMessagesRequest(node=Node(node_id=NODE)).SerializeToString(), "push-messages without a message"),
+    (b"\xff\xff\xff not protobuf", "not a PushMessagesRequest"),
+], ids=["instruction", "another-nodes-name", "to-another-node", "empty", "garbage"])
+def test_a_push_that_is_not_the_callers_reply_is_refused_before_the_superlink(gateway, body, reason):
+    r = gateway.post(PATH, content=body, headers=HEADERS)
+    assert r.status_code == 403 and r.text.startswith("refused by the fleet gateway: ") and reason in r.text
+    assert r.text.count("\n") == 1
+
+
+def test_a_nodes_own_reply_passes_to_the_superlink(gateway):
+    r = gateway.post(PATH, content=push(), headers=HEADERS)
+    assert r.status_code == 502 and "did not answer" in r.text  # forwarded (nothing listens behind it here)
+
+
+def test_a_body_over_the_limit_is_refused_declared_or_chunked(gateway):
+    big = b"\0" * (2**20 + 1)
+    assert gateway.post("/v1/fleet/push-object", content=big).status_code == 413
+
+    def chunks():  # no Content-Length: the gateway used to read it all before any check
+        for _ in range(4):
+            yield b"\0" * (2**19)
+
+    r = gateway.post("/v1/fleet/push-object", content=chunks())
+    assert r.status_code == 413 and "a body over 1 MB" in r.text
