@@ -348,3 +348,21 @@ def test_a_nodes_data_folder_holds_for_its_federation_only(tmp_path):
     mine.mkdir()
     got, _ = deployed(config(), tmp_path, node_config={k: {"data-dir": str(mine)} for k in range(3)})
     assert got and data_dirs() == before
+
+
+def test_a_fedkd_reply_claiming_a_huge_svd_width_is_rejected_before_it_is_padded(tmp_path):
+    """FedKD's upload travels as the kept SVD components and the full width ``r`` they are padded back to: a node
+    stating r = 2**20 made the server allocate (m + n) x r floats before any check (2**26: killed for memory)."""
+    from hostile import _body
+
+    def widen(k, action, rec):
+        if (k, action) != (2, "train") or "body" not in rec:
+            return rec
+        return _body(rec, action, lambda b: {**b, "upload": {**b["upload"], "r": {
+            n: 2**20 for n in b["upload"]["r"]}}} if "r" in b["upload"] else b)
+
+    cfg = config("fedkd", algorithm={"name": "fedkd", "svd": True}, deploy={"min_clients": 2}, train={"rounds": 1})
+    with pytest.warns(UserWarning):
+        got, _ = deployed(cfg, tmp_path, tamper=widen)
+    why = got[0]["deploy"]["train"]["rejected"]["2"]
+    assert "cannot be unpacked" in why and "width r" in why and "1048576" in why

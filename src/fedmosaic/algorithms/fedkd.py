@@ -136,6 +136,12 @@ class FedKD(Algorithm):
     def unpack_upload(self, body):
         if "u" not in body:
             return body
+        u, v = body["u"], body["v"]
+        for k in u:  # the full width of an SVD of an m x n matrix is at most min(m, n): never pad beyond it
+            r = body["r"][k]
+            if not (isinstance(r, int) and u[k].shape[-1] <= r <= min(u[k].shape[-2], v[k].shape[-1])):
+                raise ValueError(f"fedkd: width r of {k!r} is {r!r}, outside [{u[k].shape[-1]}, "
+                                 f"{min(u[k].shape[-2], v[k].shape[-1])}]")
         pad = {k: body["r"][k] - body["u"][k].shape[-1] for k in body["u"]}
         return {"dense": body["dense"],
                 "u": {k: torch.nn.functional.pad(t, (0, pad[k])) for k, t in body["u"].items()},

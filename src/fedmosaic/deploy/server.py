@@ -266,7 +266,10 @@ class FlowerPool:
         except CorruptDataError as e:
             raise Rejected(str(e)) from None
         if action == "train":  # an upload as it travels (Algorithm.pack_upload) -> its fixed shapes
-            body = self._unpacked(body)
+            try:
+                body = self._unpacked(body)
+            except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
+                raise Rejected(f"its upload cannot be unpacked: {str(e)[:200]}") from None
         want = reference(k)
         if want is None:
             if body is not None:
