@@ -640,7 +640,8 @@ def validate(raw: dict, where: str = "config") -> RunConfig:
         if algo is None:
             near = difflib.get_close_matches(a.name, list(algorithms), n=1)
             hint = f"did you mean {near[0]!r}? " if near else ""
-            plug = "" if near and not (plugins.RECORDED or plugins.BROKEN) else plugins.hint("algorithm")  # a typo, or a plug-in's
+            # a typo, or a plug-in's (recorded by the run, or one that did not import)
+            plug = "" if near and not (plugins.RECORDED or plugins.BROKEN) else plugins.hint("algorithm")
             raise ConfigError(f"{where_}.name: unknown {short_repr(a.name)}{plug}; {hint}"
                               f"allowed: {', '.join(sorted(algorithms))}")
         try:

@@ -142,10 +142,10 @@ class FedKD(Algorithm):
             if not (isinstance(r, int) and u[k].shape[-1] <= r <= min(u[k].shape[-2], v[k].shape[-1])):
                 raise ValueError(f"fedkd: width r of {k!r} is {r!r}, outside [{u[k].shape[-1]}, "
                                  f"{min(u[k].shape[-2], v[k].shape[-1])}]")
-        pad = {k: body["r"][k] - body["u"][k].shape[-1] for k in body["u"]}
+        pad = {k: body["r"][k] - u[k].shape[-1] for k in u}
         return {"dense": body["dense"],
-                "u": {k: torch.nn.functional.pad(t, (0, pad[k])) for k, t in body["u"].items()},
-                "v": {k: torch.nn.functional.pad(t, (0, 0, 0, pad[k])) for k, t in body["v"].items()}}
+                "u": {k: torch.nn.functional.pad(t, (0, pad[k])) for k, t in u.items()},
+                "v": {k: torch.nn.functional.pad(t, (0, 0, 0, pad[k])) for k, t in v.items()}}
 
     def aggregate(self, server, uploads, weights, round_idx, signals):
         delta = {**uploads["dense"], **{k: uploads["u"][k] @ uploads["v"][k] for k in uploads.get("u", {})}}

@@ -68,20 +68,20 @@ def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0):
 
     client = httpx.AsyncClient(base_url=f"https://{superlink}", verify=ca, timeout=httpx.Timeout(120.0))
     limit = int(max_body_mb * 2**20)
+    too_big = f"refused by the fleet gateway: a body over {max_body_mb:g} MB\n"
 
     async def forward(request: Request) -> Response:
         path = request.url.path
         if request.method != "POST" or path not in FLEET:
             return PlainTextResponse(f"{REFUSED} ({request.method} {path[:100]})\n", status_code=403)
         declared = request.headers.get("content-length")
-        too_big = PlainTextResponse(f"refused by the fleet gateway: a body over {max_body_mb:g} MB\n", 413)
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return too_big
+            return PlainTextResponse(too_big, 413)
         body = bytearray()
         async for chunk in request.stream():  # chunked bodies too: never more than the limit held
             body += chunk
             if len(body) > limit:
-                return too_big
+                return PlainTextResponse(too_big, 413)
         body = bytes(body)
         why = check_push(body) if path == PUSH else None
         if why:

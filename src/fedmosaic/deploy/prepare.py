@@ -61,7 +61,6 @@ def make_pki(out: Path, hosts: list[str], nodes: int, days: int = 365) -> None:
             b = b.add_extension(e, critical=critical)
         return b
 
-
     ca_key = ec.generate_private_key(ec.SECP384R1())
     ca = build(_name("fedmosaic deployment CA"), _name("fedmosaic deployment CA"), ca_key.public_key(),
                basic=(x509.BasicConstraints(ca=True, path_length=0), True),
