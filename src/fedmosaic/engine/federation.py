@@ -117,9 +117,9 @@ class Federation:
             shared, public = srv.exchange(reply, t), (before, reply)
         broadcast = srv.broadcast(t, shared)
         parts = self.pool.train(header, broadcast, assignment)
-        cohort, up, loss, steps, weights = srv.collect(parts)
-        local = self._local_in_out(cohort, up) if self.settings.eval.local_models else {}
-        srv.aggregate(t, lr, cohort, up, loss, steps, weights)
+        cohort, up, loss, steps, weights, stats = srv.collect(parts)
+        srv.aggregate(t, lr, cohort, up, loss, steps, weights, stats)
+        local = self._local_in_out(cohort, up) if self.settings.eval.local_models else {}  # (the new statistics)
         if self.task_ends(t):
             self._end_task(t)
         return {

@@ -30,10 +30,19 @@ if TYPE_CHECKING:
     from ..settings import RoundSettings
 
 
-def average_buffers(stacked: dict, weights: torch.Tensor) -> dict:
-    """Weighted mean of float buffers (running mean/var); integer counters take the largest value."""
-    return {k: weighted_mean({k: t}, weights)[k] if t.is_floating_point() else t.max(0).values
-            for k, t in stacked.items()}
+def average_buffers(stacked: dict, weights: torch.Tensor, counts: str = "max") -> dict:
+    """Weighted mean of float buffers (running mean/var; a variance never below 0, which no honest client sends
+    and BatchNorm would take the root of); integer counters take the largest value (``counts`` "median": the
+    median, so that no one client sets them)."""
+    def one(k: str, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t.median(0).values if counts == "median" else t.max(0).values
+        mean = weighted_mean({k: t}, weights)[k]
+        return mean.clamp(min=0) if k.endswith("running_var") else mean
+    return {k: one(k, t) for k, t in stacked.items()}
+
+
+_STAT = "\0buffer/"  # a BatchNorm statistic's key beside the parameters the robust stage sees (no parameter's name)
 
 
 class ServerRuntime:
@@ -106,15 +115,14 @@ class ServerRuntime:
         return self.algo.exchange(self.state, reply["logits"], reply["ids"].to(self.device), t)
 
     def collect(self, parts: list[dict]) -> tuple:
-        """The uploads of a round, one part per architecture: a global model's BatchNorm statistics averaged by the
-        clients' sample counts; (cohort, uploads stacked, loss, steps, weights) in (architecture, id) order."""
-        for p in parts:
-            g = self.groups[self.group_index[p["arch"]]]
-            if self.algo.global_model and g.global_buffers:
-                g.global_buffers = average_buffers(p["buffers"], p["n"])
+        """The uploads of a round, one part per architecture: (cohort, uploads stacked, loss, steps, weights) in
+        (architecture, id) order, and a global model's BatchNorm statistics as its architectures' clients sent
+        them, [(group, stacked)] (``aggregate`` combines them)."""
+        stats = [(g, p["buffers"]) for p in parts for g in [self.groups[self.group_index[p["arch"]]]]
+                 if self.algo.global_model and g.global_buffers]
         return (np.concatenate([ids_of(p) for p in parts]), self._cat_uploads([p["upload"] for p in parts]),
                 torch.cat([p["loss"] for p in parts]), torch.cat([p["steps"] for p in parts]).cpu().numpy(),
-                torch.cat([p["n"] for p in parts]))
+                torch.cat([p["n"] for p in parts]), stats)
 
     def _cat_uploads(self, uploads: list) -> dict:
         """The architecture groups' uploads as one stack: they must share a layout (logits, prototypes, statistics;
@@ -126,24 +134,34 @@ class ServerRuntime:
         return cat_trees(uploads)
 
     def aggregate(self, t: int, lr: float, cohort: np.ndarray, up: dict, loss: torch.Tensor, steps: np.ndarray,
-                  weights: torch.Tensor) -> None:
-        """The new server state (``aggregate``), its own training (``server_program``) and the plateau. A cohort
-        whose clients hold no training sample (a skewed partition's empty clients) changes nothing: a weighted mean
-        of nothing is 0/0."""
+                  weights: torch.Tensor, stats: list = ()) -> None:
+        """The new server state (``aggregate``) and BatchNorm statistics (``stats`` from ``collect``: weighted by
+        the clients' sample counts, or through the robust rule with the parameters, as Flower's strategies see
+        them in a state dict), its own training (``server_program``) and the plateau. A cohort whose clients hold
+        no training sample (a skewed partition's empty clients) changes nothing: a weighted mean of nothing is
+        0/0."""
         if not bool(weights.sum() > 0):
             return
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
         s, ref = self.settings, self.state.get("model")  # (the broadcast model: updates are measured from it)
+        counts = "max"
         if s.attack is not None or s.aggregation is not None or s.privacy is not None:
             model = robust.attack(s, up["model"], ref, cohort, t, self.num_clients)  # the attackers' first
             if s.privacy is not None and s.privacy.mode == "local":  # clipped and noised by each client
                 weights = torch.ones_like(weights)  # (DP-FedAvg's uniform mean, as central)
-            elif s.privacy is not None:  # DP-FedAvg: clipped, averaged, noised
+            elif s.privacy is not None:  # DP-FedAvg: clipped, averaged, noised (no statistics: setup refuses them)
                 model, self.dp_clip = robust.private(s, model, ref, t, self.dp_clip)
-            else:
-                model, weights = robust.aggregate(s, model, ref, weights)
+            else:  # the statistics are judged with the parameters: one client cannot set them alone
+                (g, got), = stats or [(None, {})]  # (a global model: one architecture)
+                floats = [k for k, v in got.items() if v.is_floating_point()]
+                joint, weights = robust.aggregate(s, {**model, **{_STAT + k: got[k] for k in floats}},
+                                                  {**ref, **{_STAT + k: g.global_buffers[k] for k in floats}}, weights)
+                model, counts = {k: joint[k] for k in model}, "median"
+                stats = [(g, {**got, **{k: joint[_STAT + k] for k in floats}})] if g is not None else []
             up = {**up, "model": model}
+        for g, got in stats:
+            g.global_buffers = average_buffers(got, weights, counts)
         before, self.state = self.state, self.algo.aggregate(self.state, up, weights, t, signals)
         changed = next(((b, a) for b, a in zip_longest(layout(before), layout(self.state)) if a != b), None)
         if changed:  # (a plug-in's aggregate; a checkpoint, the next broadcast and a resume need the same layout)
