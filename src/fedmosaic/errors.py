@@ -53,8 +53,9 @@ def environment_error(exc: BaseException) -> str | None:
 
 
 def one_line(text, limit: int = 1000) -> str:
-    """``text`` as one line (whitespace runs folded into one space), cut to ``limit`` characters with "..."."""
-    text = " ".join(str(text).split())
+    """``text`` as one line (whitespace runs and control characters, a terminal's escapes among them, folded into
+    one space), cut to ``limit`` characters with "..."."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in str(text)).split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 

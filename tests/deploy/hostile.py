@@ -42,11 +42,17 @@ POISONS = {
     "samples": lambda rec, a: _body(rec, a, lambda b: {**b, "n": b["n"] * 1000}),
     "no_body": lambda rec, a: {k: v for k, v in rec.items() if k != "body"},
     "odd_types": lambda rec, a: {**rec, "round": str(rec["round"]), "body": [1, 2]},
+    "terms_shape": lambda rec, a: _body(rec, a, lambda b: {**b, "terms": {n: v.repeat(5) for n, v in b["terms"].items()}
+                                                              or {"ce": torch.zeros(5)}}),
+    "terms_type": lambda rec, a: _body(rec, a, lambda b: {**b, "terms": [1.0, 2.0]}),
+    "terms_many": lambda rec, a: _body(rec, a, lambda b: {**b, "terms": {f"t{i}": torch.zeros(1) for i in range(99)}}),
+    "error_text": lambda rec, a: {"error": "\x1b[2J" + "x" * 10**6, "nonce": rec["nonce"]},
 }
 
 
-#: replies no check can reject: well-formed and finite (what robust aggregation is for)
+#: replies no check can reject: well-formed and finite (what robust aggregation is for), or client-reported
 ACCEPTED = {
+    "own_terms": lambda rec, a: _body(rec, a, lambda b: {**b, "terms": {"mine": torch.ones(1)}}),
     "x1000": lambda rec, a: _body(rec, a, lambda b: {**b, "upload": tmap(lambda t: t * 1000.0
                                                                        if t.is_floating_point() else t, b["upload"])}),
 }

@@ -87,6 +87,8 @@ def test_a_poisoned_reply_is_rejected_and_counts_as_no_reply(poison, tmp_path):
     silent, _ = deployed(cfg, sub(tmp_path, "silent"), "silent",
                          tamper=lambda k, a, rec: None if (k, a, rec.get("round")) == (2, "train", 0) else rec)
     assert list(got[0]["deploy"]["train"]["rejected"]) == ["2"]
+    why = got[0]["deploy"]["train"]["rejected"]["2"]
+    assert len(why) < 500 and why.isprintable(), why[:100]  # (a node's own text: one bounded line, no escapes)
     assert got[0]["deploy"]["train"]["answered"] == 2 and got[0]["clients"] == 2
     assert same_metrics(got, silent, tol=0) == []
     assert got[1]["deploy"]["train"] == {"asked": 3, "answered": 3}  # trusted again in round 1, from its old state
@@ -321,6 +323,33 @@ def test_a_node_with_another_clients_key_is_refused_at_first_contact(tmp_path):
     unknown = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes", keys={1000: made[0], 1002: made[2]})
     with pytest.raises(FedMosaicError, match="node 1001 claims client 1, but its key is not"):
         run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(unknown, fed, "t0k3n", "R", made))
+
+
+def test_a_node_naming_other_terms_than_its_peers_is_merged_by_name(tmp_path):
+    """The terms of a client's objective are client-reported: a node that names its own is counted under that
+    name (its peers' means stay theirs) instead of crashing the merge of the round's replies."""
+    got, _ = deployed(config("ditto", train={"rounds": 1}), tmp_path, tamper=poison_train("own_terms", 2))
+    assert got[0]["terms"]["mine"] == 1.0 and set(got[0]["terms"]) > {"mine"}, got[0]["terms"]
+
+
+def test_an_impostor_beside_the_rightful_nodes_is_left_out_and_the_run_goes_on(tmp_path, capsys):
+    """A registered node (999) that answers first and claims client 1 with client 0's key is left out with one
+    line, and client 1's own node hosts it: one node cannot stop a run whose clients all have their nodes (before,
+    its refusal stopped the run). The run equals the simulation."""
+    from types import SimpleNamespace
+
+    from flwr.app import RecordDict
+
+    cfg = config("fedavg", train={"rounds": 1})
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    made = {k: f"-----BEGIN PUBLIC KEY-----\nKEY{k}\n-----END PUBLIC KEY-----\n" for k in range(3)}
+    grid = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes", keys={1000 + k: made[k] for k in range(3)})
+    impostor = SimpleNamespace(node_config={"partition-id": 1, "state-dir": str(tmp_path / "other")},
+                               state=RecordDict())
+    grid.nodes, grid.keys[999] = {999: impostor, **grid.nodes}, made[0]
+    run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "R", made))
+    assert "node 999 claims client 1, but its key is not the one made for client 1" in capsys.readouterr().out
+    assert same_metrics(read_metrics(tmp_path / "dep"), simulated(cfg, tmp_path), tol=0) == []
 
 
 def test_a_node_listed_online_but_dead_is_skipped_not_waited_for(tmp_path, capsys):

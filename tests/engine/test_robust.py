@@ -362,6 +362,21 @@ def test_a_local_dp_run_is_the_same_on_the_wire_pool_and_accounts_each_client_wi
     assert "never shows it" in capsys.readouterr().err and not (tmp_path / "x").exists()
 
 
+def test_after_local_dp_a_robust_rule_defeats_a_node_that_skips_its_clipping(tmp_path):
+    """Local DP trusts each node to clip its own update; one that sends 1000 x its update instead wrecks the
+    uniform mean. A rule after local DP is post-processing (the privacy holds), so it is allowed, and the median
+    stays within a few points of the honest private run."""
+    pytest.importorskip("dp_accounting")
+    private = {"privacy": {"mode": "local", "noise": 0.05, "clip": 2.0}}
+    attack = {"kind": "scale", "fraction": 0.2, "factor": 1000.0}
+    run(cfg(**private), tmp_path / "honest", progress=False)
+    run(cfg(**private, attack=attack), tmp_path / "none", progress=False)
+    run(cfg(**private, attack=attack, aggregation={"rule": "median"}), tmp_path / "median", progress=False)
+    base = _final(tmp_path / "honest")
+    assert base > 0.5 and _final(tmp_path / "none") < 0.2, (base, _final(tmp_path / "none"))
+    assert _final(tmp_path / "median") > base - 0.08, (_final(tmp_path / "median"), base)
+
+
 def test_a_private_run_reports_epsilon_each_round_and_stops_before_its_budget(tmp_path, capsys):
     pytest.importorskip("dp_accounting")
     out = tmp_path / "dp"

@@ -82,12 +82,16 @@ class FlowerPool:
     # ---- first contact ------------------------------------------------------------------------------
     def _hello(self) -> dict[int, int]:
         """A node per client: the nodes the SuperLink lists online are asked which client they host; each claim is
-        checked (key, data), and asking goes on until every client has its node or ``deploy.connect_timeout_s``."""
+        checked (key, data), and asking goes on until every client has its node or ``deploy.connect_timeout_s``.
+        A node whose claim fails is left out (one line says why), so one registered node cannot stop a run whose
+        clients all have their rightful nodes; once every node online has answered and a client is still without
+        one, the refusals are why, and the run stops with them."""
         K, wait = self.num_clients, self.opts.connect_timeout_s
         deadline = time.monotonic() + wait
         node_of: dict[int, int] = {}
         asked: set[int] = set()
         silent: dict[int, float] = {}  # node -> when it was asked
+        refused: dict[int, str] = {}  # node -> why its claim failed
         while len(node_of) < K:
             online = self._online()
             new = [n for n in online if n not in asked]
@@ -99,15 +103,21 @@ class FlowerPool:
                 nid = r.metadata.src_node_id
                 if nid in silent:
                     del silent[nid]
-                    k = self._claim(nid, r, node_of)
-                    node_of[k] = nid
+                    try:
+                        node_of[self._claim(nid, r, node_of)] = nid
+                    except FedMosaicError as e:
+                        refused[nid] = str(e)
+                        print(f"fedmosaic: {e}: node {nid} left out", flush=True)
             if len(node_of) == K:
                 break
+            missing = sorted(set(range(K)) - set(node_of))
+            if refused and not silent and set(self._online()) <= asked:
+                raise FedMosaicError(f"clients {missing} have no node: " + "; ".join(refused.values()))
             if time.monotonic() > deadline:
-                missing = sorted(set(range(K)) - set(node_of))
                 quiet = f"; listed online but silent: nodes {sorted(silent)}" if silent else ""
+                why = "".join(f"; {w}" for w in refused.values())
                 raise FedMosaicError(f"clients {missing} have no node after {wait:g} s (deploy.connect_timeout_s): "
-                                     f"{len(online)} nodes online{quiet}; start one SuperNode per client with "
+                                     f"{len(online)} nodes online{quiet}{why}; start one SuperNode per client with "
                                      "--node-config 'partition-id=K' and its own key")
             time.sleep(POLL_S)
         for nid in sorted(silent):  # (a node the SuperLink still lists but that died: not waited for)
@@ -135,30 +145,30 @@ class FlowerPool:
         except Rejected as e:
             raise FedMosaicError(f"node {nid} answered the first contact with no usable reply: {e}") from None
         if "error" in rec:
-            raise FedMosaicError(f"node {nid} refused the first contact: {rec['error']}")
+            raise FedMosaicError(f"node {nid} refused the first contact: {one_line(rec['error'], 300)}")
         k = rec.get("client")
         if not isinstance(k, int) or not 0 <= k < K:
-            raise FedMosaicError(f"node {nid} claims client {k!r}; the partition has clients 0-{K - 1}")
-        if k in node_of:
-            raise FedMosaicError(f"nodes {node_of[k]} and {nid} both claim client {k} (partition-id): give "
-                                 "each node its own")
-        if self.keys is not None:
+            raise FedMosaicError(f"node {nid} claims client {_said(k)}; the partition has clients 0-{K - 1}")
+        if self.keys is not None:  # (first: a node with another's key is an impostor, whoever claimed first)
             key = self._key_of(nid)
             if key is None or _pem(key) != _pem(self.keys[k]):
                 raise FedMosaicError(f"node {nid} claims client {k}, but its key is not the one made for client {k} "
                                      f"(node_keys.json): start client {k}'s SuperNode with pki/node-{k}")
+        if k in node_of:
+            raise FedMosaicError(f"nodes {node_of[k]} and {nid} both claim client {k} (partition-id): give "
+                                 "each node its own")
         sizes = self.fed.split["train"].sizes
         ours = rows_hash(self.fed, k)
         if rec.get("rows") != ours or rec.get("train") != int(sizes[k]):
             raise FedMosaicError(
                 f"node {nid} (client {k}) holds another partition: its rows hash {str(rec.get('rows'))[:12]} and "
-                f"{rec.get('train')} train samples, the server's {ours[:12]} and {int(sizes[k])} (the same config, "
+                f"{_said(rec.get('train'))} train samples, the server's {ours[:12]} and {int(sizes[k])} (the same config, "
                 "data and seed on both sides give the same partition: check the node's data-dir)")
         if rec.get("public") != public_hash(self.fed):
             raise FedMosaicError(f"node {nid} (client {k}) has another public stream than the server (data.public:"
                                  " the same dataset, or noise from the same seed, on every node)")
         if rec.get("arch") != int(self.fed.group_of[k]):
-            raise FedMosaicError(f"node {nid} (client {k}) builds architecture {rec.get('arch')}, the server "
+            raise FedMosaicError(f"node {nid} (client {k}) builds architecture {_said(rec.get('arch'))}, the server "
                                  f"{int(self.fed.group_of[k])}: another config on that node?")
         return k
 
@@ -210,7 +220,7 @@ class FlowerPool:
     @staticmethod
     def _record(reply) -> dict:
         if reply.has_error():
-            raise Rejected(f"Flower error {reply.error.code}: {reply.error.reason}")
+            raise Rejected(f"Flower error {_said(reply.error.code)}: {one_line(reply.error.reason, 300)}")
         try:
             return dict(reply.content[RECORD])
         except (KeyError, TypeError, ValueError):
@@ -253,9 +263,9 @@ class FlowerPool:
         rec = self._record(reply)
         self._check_nonce(k, rec)
         if "error" in rec:
-            raise Rejected(f"the node failed: {rec['error']}")
+            raise Rejected(f"the node failed: {one_line(rec['error'], 300)}")
         if rec.get("client") != k or rec.get("round") != t:
-            raise Rejected(f"it answers for client {rec.get('client')!r}, round {rec.get('round')!r}")
+            raise Rejected(f"it answers for client {_said(rec.get('client'))}, round {_said(rec.get('round'))}")
         data = rec.get("body")
         if not isinstance(data, bytes):
             raise Rejected("it has no message body")
@@ -278,6 +288,8 @@ class FlowerPool:
         if not isinstance(body, dict) or list(layout(_no_terms(body))) != list(layout(_no_terms(want))):
             raise Rejected("its keys, shapes or dtypes are not those this request gets from a client of its "
                            "architecture")
+        if action == "train" and not _named_scalars(body.get("terms")):
+            raise Rejected("its objective's terms are not named numbers of its one client")
         if not all_finite(body):
             raise Rejected("NaN or infinite values")
         body = to(body, self.device)
@@ -347,7 +359,11 @@ class FlowerPool:
         for k in got:
             self.stamps[k] = t
         print(f"fedmosaic: round {t}: {len(got)} of {len(bodies)} clients trained", flush=True)  # the run's log
-        return order_parts([got[k] for k in sorted(got)])
+        parts = order_parts([_no_terms(got[k]) for k in sorted(got)])
+        for p in parts:  # (the terms by name: a node may report others than its peers, not crash the merge)
+            mine = [got[k]["terms"] for k in sorted(got) if got[k].get("arch") == p.get("arch")]
+            p["terms"] = {n: torch.cat([m[n] for m in mine if n in m]) for n in dict.fromkeys(n for m in mine for n in m)}
+        return parts
 
     def _unpacked(self, msg: dict) -> dict:
         return {**msg, "upload": self.algo.unpack_upload(msg["upload"])}
@@ -451,6 +467,19 @@ def read_keys(path: Path, clients: int) -> dict[int, str]:
     if sorted(keys) != list(range(clients)) or not all("PUBLIC KEY" in v for v in keys.values()):
         raise FedMosaicError(f"{path}: needs one public key per client 0-{clients - 1}")
     return keys
+
+
+def _said(value) -> str:
+    """What a node sent where a number or a name belongs, as one short line."""
+    return one_line(repr(value), 60)
+
+
+def _named_scalars(terms) -> bool:
+    """A train reply's ``terms`` (which :func:`_no_terms` leaves out of the layout check): at most 32 names of at
+    most 64 printable characters, each with one float for the reply's one client."""
+    return isinstance(terms, dict) and len(terms) <= 32 and all(
+        isinstance(n, str) and 0 < len(n) <= 64 and n.isprintable() and isinstance(v, torch.Tensor)
+        and v.is_floating_point() and tuple(v.shape) == (1,) for n, v in terms.items())
 
 
 def _no_terms(body: dict) -> dict:

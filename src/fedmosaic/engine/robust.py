@@ -66,9 +66,10 @@ def check(s: RoundSettings, algo: type[Algorithm], tasks: bool) -> None:
         if not eligible(algo):
             raise ConfigError(f"privacy: algorithm {algo.name!r} does not average uploaded models, so DP-FedAvg's "
                               "clipped, noised mean is not defined for it")
-        if active:
+        if active and s.privacy.mode != "local":
             raise ConfigError(f"privacy: DP-FedAvg is its own aggregation (clipped updates, their mean, noise); "
-                              f"aggregation.rule {agg.rule} cannot be combined with it (a server optimizer can)")
+                              f"aggregation.rule {agg.rule} cannot be combined with it (a server optimizer can, and "
+                              "a rule can after privacy.mode: local)")
         accountant()  # the extra, in one line, before anything runs
     if active and agg.rule == "krum" and s.train.clients_per_round <= 2 * agg.f + 2:
         raise ConfigError(f"aggregation: krum with f = {agg.f} needs more than 2f + 2 = {2 * agg.f + 2} clients a "

@@ -148,17 +148,17 @@ class ServerRuntime:
         counts = "max"
         if s.attack is not None or s.aggregation is not None or s.privacy is not None:
             model = robust.attack(s, up["model"], ref, cohort, t, self.num_clients)  # the attackers' first
-            if s.privacy is not None and s.privacy.mode == "local":  # clipped and noised by each client
-                weights = torch.ones_like(weights)  # (DP-FedAvg's uniform mean, as central)
-            elif s.privacy is not None:  # DP-FedAvg: clipped, averaged, noised (no statistics: setup refuses them)
-                model, self.dp_clip = robust.private(s, model, ref, t, self.dp_clip)
-            else:  # the statistics are judged with the parameters: one client cannot set them alone
+            if s.privacy is not None and s.privacy.mode != "local":  # DP-FedAvg: clipped, averaged, noised
+                model, self.dp_clip = robust.private(s, model, ref, t, self.dp_clip)  # (setup refuses statistics)
+            elif s.aggregation is not None and s.aggregation.rule != "mean":  # (after local DP: post-processing)
                 (g, got), = stats or [(None, {})]  # (a global model: one architecture)
-                floats = [k for k, v in got.items() if v.is_floating_point()]
+                floats = [k for k, v in got.items() if v.is_floating_point()]  # judged with the parameters
                 joint, weights = robust.aggregate(s, {**model, **{_STAT + k: got[k] for k in floats}},
                                                   {**ref, **{_STAT + k: g.global_buffers[k] for k in floats}}, weights)
                 model, counts = {k: joint[k] for k in model}, "median"
                 stats = [(g, {**got, **{k: joint[_STAT + k] for k in floats}})] if g is not None else []
+            if s.privacy is not None and s.privacy.mode == "local":  # clipped and noised by each client: DP-FedAvg's
+                weights = torch.ones_like(weights) if counts == "max" else (weights > 0).to(weights)  # uniform mean
             up = {**up, "model": model}
         for g, got in stats:
             g.global_buffers = average_buffers(got, weights, counts)
