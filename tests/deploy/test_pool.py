@@ -325,6 +325,25 @@ def test_a_node_with_another_clients_key_is_refused_at_first_contact(tmp_path):
         run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(unknown, fed, "t0k3n", "R", made))
 
 
+def test_a_reply_far_larger_than_its_layout_is_rejected_before_it_is_decoded(tmp_path, monkeypatch):
+    """Under the default deploy.max_reply_mb (512) a node's 8 MiB reply for a model of a few KiB is refused by
+    its size alone: the server never decodes (allocates) more than four times what its own runtime answers."""
+    from fedmosaic.protocol import codec
+
+    decoded = []
+    real = codec.decode
+    monkeypatch.setattr(codec, "decode", lambda data, action: decoded.append(len(data)) or real(data, action))
+    cfg = config("fedavg", deploy={"min_clients": 2})
+    pad = lambda k, a, rec: _pad(rec, a) if (k, a) == (2, "train") else rec  # noqa: E731
+    with pytest.warns(UserWarning, match=r"reply of client 2 .* rejected: 8.0 MiB, more than 1.0 MiB \(four times"):
+        deployed(cfg, tmp_path, tamper=pad)
+    assert max(decoded) < 2**20
+
+
+def _pad(rec: dict, action: str) -> dict:
+    return {**rec, "body": rec["body"] + b"\0" * (8 * 2**20 - len(rec["body"]))}
+
+
 def test_a_node_naming_other_terms_than_its_peers_is_merged_by_name(tmp_path):
     """The terms of a client's objective are client-reported: a node that names its own is counted under that
     name (its peers' means stay theirs) instead of crashing the merge of the round's replies."""

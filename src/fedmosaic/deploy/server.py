@@ -45,7 +45,7 @@ from ..engine.messages import (
 )
 from ..errors import CorruptDataError, FedMosaicError, RunError, one_line
 from ..protocol import codec
-from ..protocol.tree import all_finite, layout, to
+from ..protocol.tree import all_finite, layout, leaves, to
 from .common import FRESH, MESSAGE_TYPES, RECORD, check_deployable, flower, public_hash, rows_hash
 
 #: how often the server looks for replies
@@ -271,6 +271,10 @@ class FlowerPool:
             raise Rejected("it has no message body")
         if len(data) > self.opts.max_reply_mb * 2**20:
             raise Rejected(f"{len(data) / 2**20:.1f} MiB, more than deploy.max_reply_mb = {self.opts.max_reply_mb:g}")
+        want = reference(k)  # (before decoding: no honest reply is much larger than the server's own runtime's)
+        if len(data) > (bound := 4 * sum(v.nbytes for v in leaves(want) if isinstance(v, torch.Tensor)) + 2**20):
+            raise Rejected(f"{len(data) / 2**20:.1f} MiB, more than {bound / 2**20:.1f} MiB (four times what a client "
+                           "of its architecture answers, and 1 MiB)")
         try:
             _, body = codec.decode(data, action)
         except CorruptDataError as e:
@@ -280,7 +284,6 @@ class FlowerPool:
                 body = self._unpacked(body)
             except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
                 raise Rejected(f"its upload cannot be unpacked: {str(e)[:200]}") from None
-        want = reference(k)
         if want is None:
             if body is not None:
                 raise Rejected("an acknowledgement with a body")
