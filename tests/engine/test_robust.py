@@ -192,6 +192,28 @@ def test_one_clients_batchnorm_statistics_cannot_move_a_robust_aggregate(rule):
             assert bool((v >= honest[k].min(0).values - 1e-6).all() & (v <= honest[k].max(0).values + 1e-6).all()), k
 
 
+def test_under_a_rule_one_clients_reported_loss_cannot_cut_everyones_learning_rate():
+    """train.optimizer.plateau follows the cohort's losses, which clients report: one reporting 1e30 every round
+    makes the mean flat, and the rate falls for all; under a robust rule the plateau follows their median."""
+    def scale(**over):
+        fed = build_federation(cfg(train={"rounds": 6, "clients_per_round": 10, "batch_size": 16,
+                                          "optimizer": {"lr": 0.1, "plateau": {"patience": 0, "factor": 0.5}}},
+                                   **over))
+        train = fed.pool.train
+
+        def lying(*args, **kw):
+            parts = train(*args, **kw)
+            parts[0] = {**parts[0], "loss": parts[0]["loss"].clone().index_fill(0, torch.tensor([0]), 1e30)}
+            return parts
+
+        fed.pool.train = lying
+        for t in range(6):
+            fed.round(t)
+        return fed.srv.plateau["scale"]
+
+    assert scale() < 1.0 and scale(aggregation={"rule": "median"}) == 1.0
+
+
 def test_a_mean_of_statistics_never_holds_a_negative_variance_and_privacy_refuses_batchnorm():
     got, _ = _statistics_after_a_poisoned_round()  # the plain mean trusts its clients, but BatchNorm takes roots
     assert all(bool((v >= 0).all()) for k, v in got.items() if k.endswith("running_var"))

@@ -145,23 +145,23 @@ class ServerRuntime:
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
         s, ref = self.settings, self.state.get("model")  # (the broadcast model: updates are measured from it)
-        counts = "max"
+        ruled = s.aggregation is not None and s.aggregation.rule != "mean"  # (then no one client sets anything)
         if s.attack is not None or s.aggregation is not None or s.privacy is not None:
             model = robust.attack(s, up["model"], ref, cohort, t, self.num_clients)  # the attackers' first
             if s.privacy is not None and s.privacy.mode != "local":  # DP-FedAvg: clipped, averaged, noised
                 model, self.dp_clip = robust.private(s, model, ref, t, self.dp_clip)  # (setup refuses statistics)
-            elif s.aggregation is not None and s.aggregation.rule != "mean":  # (after local DP: post-processing)
+            elif ruled:  # (after local DP too: post-processing)
                 (g, got), = stats or [(None, {})]  # (a global model: one architecture)
                 floats = [k for k, v in got.items() if v.is_floating_point()]  # judged with the parameters
                 joint, weights = robust.aggregate(s, {**model, **{_STAT + k: got[k] for k in floats}},
                                                   {**ref, **{_STAT + k: g.global_buffers[k] for k in floats}}, weights)
-                model, counts = {k: joint[k] for k in model}, "median"
+                model = {k: joint[k] for k in model}
                 stats = [(g, {**got, **{k: joint[_STAT + k] for k in floats}})] if g is not None else []
             if s.privacy is not None and s.privacy.mode == "local":  # clipped and noised by each client: DP-FedAvg's
-                weights = torch.ones_like(weights) if counts == "max" else (weights > 0).to(weights)  # uniform mean
+                weights = (weights > 0).to(weights) if ruled else torch.ones_like(weights)  # uniform mean
             up = {**up, "model": model}
         for g, got in stats:
-            g.global_buffers = average_buffers(got, weights, counts)
+            g.global_buffers = average_buffers(got, weights, "median" if ruled else "max")
         before, self.state = self.state, self.algo.aggregate(self.state, up, weights, t, signals)
         changed = next(((b, a) for b, a in zip_longest(layout(before), layout(self.state)) if a != b), None)
         if changed:  # (a plug-in's aggregate; a checkpoint, the next broadcast and a resume need the same layout)
@@ -174,7 +174,7 @@ class ServerRuntime:
         phases = self.algo.server_program(self.state, t)
         if phases:
             self._train(phases, up, cohort, lr, t)
-        self._track_plateau(t, float(loss.mean()))
+        self._track_plateau(t, float(loss.median() if ruled else loss.mean()))  # (client-reported losses)
 
     def _train(self, phases, uploads: dict, cohort: np.ndarray, lr: float, t: int) -> None:
         """The server's own training after aggregation (``Algorithm.server_program``): the global model trained on
@@ -191,8 +191,9 @@ class ServerRuntime:
         self.state = {**self.state, "model": tmap(lambda v: v[0], trained)}
 
     def _track_plateau(self, t: int, loss: float) -> None:
-        """``train.optimizer.plateau``: torch's ReduceLROnPlateau on the cohort's mean loss (relative threshold
-        1e-4) from the ``skip``-th round (of the run, or of each task) on; a new task starts it afresh."""
+        """``train.optimizer.plateau``: torch's ReduceLROnPlateau on the cohort's mean loss (under a robust rule
+        its median: the losses are client-reported) (relative threshold 1e-4) from the ``skip``-th round (of the
+        run, or of each task) on; a new task starts it afresh."""
         opt = self.settings.train.optimizer
         if opt.plateau is None:
             return
