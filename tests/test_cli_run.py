@@ -114,6 +114,9 @@ def test_batch_larger_than_every_client_is_the_full_batch(tmp_path):
      b"d: &d [*c,*c,*c,*c,*c,*c,*c,*c,*c,*c]\ne: [*d,*d,*d,*d,*d,*d,*d,*d,*d,*d,*d]\n", "more than 100,000 values"),
     (b"- a list\n", "the top level must be a mapping"),
     (b"!!python/object/apply:os.system [echo hi]\n", "invalid YAML"),
+    (b"train: {rounds: 2, batch_size: 8}\nmodel: {name: mlp}\ntrain:\n  rounds: 5\n",
+     "bad.yaml: 'train' is given twice (lines 1 and 3); keep one"),
+    (b"train:\n  rounds: 2\n  rounds: 5\n", "'rounds' is given twice (lines 2 and 3)"),
 ])
 def test_unreadable_config_files(content, needle, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
@@ -121,6 +124,18 @@ def test_unreadable_config_files(content, needle, tmp_path, capsys):
     assert main(["run", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert needle in err and err.count("\n") == 0, err
+
+
+def test_a_key_that_overrides_a_merged_one_is_no_repeat(tmp_path, capsys):
+    """``<<: *base`` then the key again is YAML's way to override; a ``--set`` value's own repeat is
+    refused."""
+    from fedmosaic.config import read_yaml
+
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("base: &base {rounds: 2, batch_size: 8}\ntrain:\n  <<: *base\n  rounds: 5\n")
+    assert read_yaml(merged)["train"] == {"rounds": 5, "batch_size": 8}
+    assert main(["run", "--check", "--set", "train={rounds: 1, rounds: 2}"]) == 2
+    assert "--set value '{rounds: 1, rounds: 2}': 'rounds' is given twice (line 1)" in capsys.readouterr().err
 
 
 def test_yaml_file_errors(tmp_path, capsys):

@@ -59,7 +59,7 @@ def test_an_amended_learning_rate_or_more_rounds_keep_the_checkpoints_usable(tmp
 def test_a_directory_whose_claim_never_finished_is_reclaimed(tmp_path, reference):
     out = tmp_path / "r"
     out.mkdir()
-    (out / ".config.yaml.k3j2_x.tmp").write_text("name: sma")  # what a kill during the claim leaves
+    (out / ".config.yaml.k3j2_x9q.tmp").write_text("name: sma")  # what a kill during the claim leaves
     rc, err = cli("run", "--no-progress", "--resume", str(out))
     assert rc == 2 and "never finished starting" in error_line(err) and "--out" in error_line(err)
     rc, err = cli("run", str(write_cfg(tmp_path)), "--no-progress", "--out", str(out))
@@ -97,8 +97,8 @@ def test_a_comparison_resumes_a_variant_that_lost_or_never_wrote_its_config(dama
         for p in list(second.rglob("*"))[::-1]:
             p.unlink() if p.is_file() else p.rmdir()
         if damage == "claim killed":
-            (second / ".config.yaml.abc123.tmp").write_text("")
-    (out / ".comparison.json.zz9.tmp").write_text("[")  # a table whose writing was killed
+            (second / ".config.yaml.abc123de.tmp").write_text("")
+    (out / ".comparison.json.zz9_0a1b.tmp").write_text("[")  # a table whose writing was killed
     rc, err = cli("run", "--no-progress", "--resume", str(out))
     assert rc == 0, err
     assert ("config.yaml is missing; restored from the comparison's config" in err) == (damage == "config.yaml lost")

@@ -111,6 +111,24 @@ def test_out_that_is_an_existing_file(tmp_path):
     assert target.read_text() == "user data"
 
 
+def test_out_through_a_dangling_symlink_is_refused_at_once(tmp_path, monkeypatch):
+    """A link whose target is gone: one line naming it, before the data are read; nothing made at its
+    target."""
+    import fedmosaic.runs.runner as runner
+
+    monkeypatch.setattr(runner, "build_federation", lambda *a, **k: pytest.fail("got as far as building it"))
+    link, gone = tmp_path / "link", tmp_path / "gone" / "x"
+    link.symlink_to(gone)
+    cfg = str(write_cfg(tmp_path))
+    for argv in (["--out", str(link)], ["--out", str(link / "r")], ["--check", "--out", str(link)],
+                 ["--out", str(link), "--seeds", "1", "2"], ["--runs-dir", str(link)]):
+        rc, err = cli("run", cfg, "--no-progress", *argv)
+        line = error_line(err)
+        assert rc == 2 and f"{link} is a symbolic link to {gone}, which does not exist" in line, line
+        assert ("--runs-dir" if "--runs-dir" in argv else "--out") in line
+    assert not (tmp_path / "gone").exists()
+
+
 def _read_only_dir(path: Path):
     """A directory nobody may write to: a read-only tmpfs for root (who ignores permissions), else chmod."""
     path.mkdir()
@@ -216,14 +234,27 @@ def test_corrupt_or_empty_latest_checkpoint_falls_back_to_the_previous(damage, t
 
 
 def test_leftover_temporary_files_are_removed(tmp_path, reference):
+    """Only the names ``atomic_write`` makes (hidden, the target's name, mkstemp's 8 random characters): a
+    user's own ``*.tmp`` beside the run is kept."""
     out = _cut(tmp_path, 1)
-    junk = [out / ".metrics.jsonl.abc123.tmp", out / "checkpoints" / ".round_00002.pt.xyz.tmp",
-            out / "checkpoints" / "tmpq1w2e3.tmp"]  # the last: the name older versions used
-    for p in junk:
+    junk = [out / ".metrics.jsonl.abc12_xy.tmp", out / "checkpoints" / ".round_00002.pt.q1w2e3r4.tmp"]
+    mine = [out / "notes.tmp", out / ".notes.tmp", out / ".notes.abc.tmp", out / "checkpoints" / "mine.tmp"]
+    for p in junk + mine:
         p.write_bytes(b"half")
     assert cli("run", "--no-progress", "--resume", str(out))[0] == 0
-    assert not any(p.exists() for p in junk)
+    assert not any(p.exists() for p in junk) and all(p.read_bytes() == b"half" for p in mine)
     assert metrics(out) == reference
+
+
+def test_check_deletes_no_tmp_file_of_the_user(tmp_path):
+    """``run --check`` writes nothing: a folder that holds a user's hidden ``.notes.tmp`` is not the leftover
+    of a killed claim, it is not empty."""
+    out = tmp_path / "r"
+    out.mkdir()
+    (out / ".notes.tmp").write_text("mine")
+    rc, err = cli("run", str(write_cfg(tmp_path)), "--check", "--out", str(out))
+    assert rc == 2 and "already exists" in error_line(err)
+    assert (out / ".notes.tmp").read_text() == "mine"
 
 
 def test_run_files_get_ordinary_permissions(tmp_path):
@@ -337,7 +368,36 @@ def test_one_signal_stops_a_long_round_within_a_step_after_its_grace(sig, code, 
     assert f"if it takes more than {GRACE_S:g} s, at its next step" in err
     assert f"fedmosaic: error: interrupted by {sig.name}" in error_line(err)
     assert GRACE_S <= took < GRACE_S + 30, took  # (30 s: a busy machine's step, never the round's hours)
-    assert not any(runs.iterdir())  # a new run stopped in round 0 leaves nothing behind (README)
+    assert not runs.exists()  # a new run stopped in round 0 leaves nothing behind (README), no --runs-dir
+
+
+def test_a_hand_edited_config_yaml_is_a_change_like_a_set(tmp_path, reference):
+    """The resume compares ``config.yaml`` with the config the run recorded (``meta.json``), not with itself:
+    an edit is refused without ``--amend`` (nothing changes), recorded with it; a run recorded before
+    meta.json held its config resumes as before."""
+    out = _cut(tmp_path, 1)
+    saved = (out / "config.yaml").read_text()
+    (out / "config.yaml").write_text(saved.replace("lr: 0.05", "lr: 0.5"))
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    line = error_line(err)
+    assert rc == 2 and "train.optimizer.lr: 0.05 -> 0.5" in line and "meta.json" in line and "--amend" in line
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    (out / "config.yaml").write_text(saved.replace("hidden: 8", "hidden: 9"))
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend")
+    assert rc == 2 and "model.options.hidden differs" in error_line(err)
+    (out / "config.yaml").write_text(saved.replace("lr: 0.05", "lr: 0.01"))
+    assert cli("run", "--no-progress", "--resume", str(out), "--amend")[0] == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert [a["changes"] for a in meta["amendments"]] == [{"train.optimizer.lr": [0.05, 0.01]}]
+    assert [r["lr"] for r in read_metrics(out)] == [0.05, 0.05, 0.01, 0.01]
+    (tmp_path / "old").mkdir()
+    old = _cut(tmp_path / "old", 1)
+    meta = json.loads((old / "meta.json").read_text())
+    del meta["config"]
+    (old / "meta.json").write_text(json.dumps(meta))
+    assert cli("run", "--no-progress", "--resume", str(old))[0] == 0
+    assert metrics(old) == reference
 
 
 def test_amend_with_a_damaged_meta_json_and_report_of_it(tmp_path):
@@ -374,7 +434,26 @@ def test_a_failed_start_leaves_no_reserved_directory(tmp_path):
     rc, err = cli("run", str(write_cfg(tmp_path, model={"name": "cnn4"})), "--no-progress", "--runs-dir",
                   str(tmp_path / "runs"))
     assert rc == 2 and "too small" in error_line(err)
-    assert not any((tmp_path / "runs").iterdir())
+    assert not (tmp_path / "runs").exists()  # made for it: removed too
+
+
+def test_a_failed_start_leaves_no_folder_it_made_and_keeps_those_that_were_there(tmp_path):
+    """The data are not found, or round 0 diverges: every folder the command made for the run (its --out and
+    the parents made for it, its --runs-dir) is removed; a folder that was there before stays."""
+    cfg, empty, kept = str(write_cfg(tmp_path)), tmp_path / "no data", tmp_path / "kept"
+    empty.mkdir()
+    kept.mkdir()
+    for argv in (["--runs-dir", str(tmp_path / "new" / "runs")], ["--out", str(tmp_path / "a" / "b")],
+                 ["--out", str(tmp_path / "s" / "t"), "--seeds", "1", "2"], ["--runs-dir", str(kept)],
+                 ["--out", str(kept), "--seeds", "1"], ["--out", str(kept / "x" / "y")]):
+        rc, err = cli("run", cfg, "--no-progress", "--data-dir", str(empty), "--set", "data.dataset=mnist",
+                      *argv)
+        assert rc == 2 and "not found" in error_line(err), argv
+    rc, err = cli("run", cfg, "--no-progress", "--out", str(tmp_path / "d" / "e"), "--set",
+                  "train.optimizer.lr=1.0e+30")
+    assert rc == 2 and "in the first round" in error_line(err)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg.yaml", "kept", "no data"]
+    assert kept.is_dir() and not any(kept.iterdir())
 
 
 def test_resume_without_checkpoints_keeps_the_metrics_it_recomputes(tmp_path, reference):
@@ -454,6 +533,43 @@ def test_a_run_whose_checkpoints_are_all_of_another_run_is_not_restarted_under_i
     rc, err = cli("run", "--no-progress", "--resume", str(out))
     assert rc == 2 and "cannot resume: its checkpoints were written by another run (seed" in error_line(err)
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_checkpoint_without_its_run_identity_is_not_this_runs(tmp_path, reference):
+    """Every format-2 checkpoint is written with its seed, partition and config hash: one without them (or
+    without one of them) is set aside, and where no other is usable the resume is refused in one line naming
+    it. A format-1 checkpoint written before there was an identity still resumes (tests/engine: earlier
+    format)."""
+    out = _cut(tmp_path, 2)
+    newest, before_it = (out / "checkpoints" / f"round_0000{r}.pt" for r in (2, 1))
+    state = torch.load(newest, weights_only=True)
+    torch.save({k: v for k, v in state.items() if k != "run"}, newest)
+    state = torch.load(before_it, weights_only=True)
+    torch.save({**state, "run": {k: v for k, v in state["run"].items() if k != "config"}}, before_it)
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    line = error_line(err)
+    assert rc == 2 and "written without a run identity (no seed, data_hash, config)" in line, line
+    assert "checkpoints/round_00002.pt the newest" in line and "altered or made elsewhere" in line
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    (tmp_path / "one").mkdir()  # only the newest without it: the one before is used
+    out = _cut(tmp_path / "one", 2)
+    ck = out / "checkpoints" / "round_00002.pt"
+    state = torch.load(ck, weights_only=True)
+    torch.save({k: v for k, v in state.items() if k != "run"}, ck)
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0 and "round_00002.pt: written without a run identity" in err and "set aside" in err
+    assert metrics(out) == reference
+    (tmp_path / "old").mkdir()  # format 1, from before checkpoints carried an identity
+    out = _cut(tmp_path / "old", 2)
+    state = torch.load(ck := out / "checkpoints" / "round_00002.pt", weights_only=True)
+    old = {k: v for k, v in state.items() if k not in ("format", "clients", "server_buffers", "run")}
+    old["stores"] = [c["store"] for c in state["clients"]]
+    old["buffers"] = [(c["buffers"], gb, c["task_buffers"])
+                      for c, gb in zip(state["clients"], state["server_buffers"], strict=True)]
+    torch.save(old, ck)
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 0 and "set aside" not in err and metrics(out) == reference
 
 
 def test_report_of_a_comparison_directory_lists_its_variants(tmp_path, capsys):

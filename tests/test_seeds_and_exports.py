@@ -151,6 +151,24 @@ def test_a_set_that_would_turn_a_comparison_into_one_run_is_refused_by_name(seed
     assert {p: p.stat().st_mtime_ns for p in seeded.rglob("*") if p.is_file()} == before
 
 
+def test_seeds_on_a_single_runs_resume_say_what_the_directory_holds(tmp_path):
+    """Not "seeds.yaml not found": the directory holds a single run, which --seeds (or compare:) cannot turn
+    into several; nothing in it changes."""
+    from test_recovery import error_line
+
+    out = tmp_path / "one"
+    assert cli("run", str(write_cfg(tmp_path, train__rounds=1)), "--no-progress", "--out", str(out))[0] == 0
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    for argv, kind in ((["--amend", "--seeds", "1", "2"], "not a seeds run"),
+                       (["--seeds", "1"], "not a seeds run"),
+                       (["--set", "compare=[{name: fedavg}, {name: local}]"], "not a comparison")):
+        rc, err = cli("run", "--no-progress", "--resume", str(out), *argv)
+        line = error_line(err)
+        assert rc == 2 and f"{out} holds a single run (config.yaml), {kind}" in line
+        assert "not found" not in line
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
 def _report(*dirs):
     import contextlib
     import io

@@ -712,7 +712,9 @@ def check_family(cfg: RunConfig, algo) -> None:
 def parse_value(text: str) -> Any:
     """A ``--set`` value read as YAML, so ``0.1``, ``true``, ``[1, 2]`` and ``{scheme: iid}`` get their types."""
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, _StrictLoader)  # (a SafeLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"--set value {short_repr(text)}: {e}") from None
     except yaml.YAMLError:
         return text
     except RecursionError:
@@ -737,6 +739,32 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key, first: int, second: int):
+        where = f"lines {first} and {second}" if first != second else f"line {first}"
+        super().__init__(f"{short_repr(key)} is given twice ({where}); keep one")
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """YAML that refuses a key given twice in one mapping: PyYAML keeps the last, so a second ``train:``
+    would silently drop the first one's settings. (A key that overrides one merged in by ``<<:`` is no
+    repeat.)"""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key, line = self.construct_object(key_node, deep=True), key_node.start_mark.line + 1
+            try:
+                if key in seen:
+                    raise _DuplicateKey(key, seen[key], line)
+                seen[key] = line
+            except TypeError:  # an unhashable key: SafeLoader says so
+                pass
+        return super().construct_mapping(node, deep)
+
+
 def read_yaml(path: Path) -> Any:
     """A YAML file's content; every way it can be unreadable is one line naming the file."""
     try:
@@ -751,7 +779,9 @@ def read_yaml(path: Path) -> Any:
     except UnicodeDecodeError as e:
         raise ConfigError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, _StrictLoader)  # (a SafeLoader)
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         line = getattr(getattr(e, "problem_mark", None), "line", None)
         raise ConfigError(f"{path}: invalid YAML" + (f" near line {line + 1}" if line is not None else "")) from None

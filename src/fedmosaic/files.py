@@ -8,12 +8,29 @@ file beside its target and renamed over it only when complete, with the permissi
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import BinaryIO
 
+from .errors import FedMosaicError
+
 TEMP_SUFFIX = ".tmp"
+#: the names ``atomic_write`` gives its temporary files: hidden, the target's name, mkstemp's 8 random
+#: characters
+_TEMP_NAME = re.compile(rf"\..+\.[a-z0-9_]{{8}}{re.escape(TEMP_SUFFIX)}")
+
+
+def refuse_dangling(path: Path, flag: str = "--out") -> None:
+    """A ``path`` through a symbolic link whose target is gone would fail only at its first write, as "File
+    exists": refused at once, in one line that names the link (nothing is created at its target)."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return
+        if p.is_symlink():
+            raise FedMosaicError(f"{flag} {path}: {p} is a symbolic link to {os.readlink(p)}, which does not "
+                                 f"exist; create that or choose another {flag}")
 
 
 def _umask() -> int:
@@ -54,9 +71,15 @@ def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], object], *
     return path
 
 
+def is_temp(path: Path) -> bool:
+    """``path`` is a temporary file of ``atomic_write``'s, by its name: a user's own ``notes.tmp`` in a folder
+    they point fedmosaic at is not one, and is never deleted."""
+    return _TEMP_NAME.fullmatch(path.name) is not None and path.is_file()
+
+
 def remove_temp_files(*folders: Path) -> list[Path]:
     """Delete the temporary files a killed process left in ``folders`` (they are never complete); returns them."""
-    found = [p for d in folders if d.is_dir() for p in d.iterdir() if p.name.endswith(TEMP_SUFFIX) and p.is_file()]
+    found = [p for d in folders if d.is_dir() for p in d.iterdir() if is_temp(p)]
     for p in found:
         p.unlink(missing_ok=True)
     return found

@@ -134,7 +134,7 @@ def test_partition_out_never_overwrites_what_it_did_not_write(tmp_path, capsys):
     args = ["partition", "--dataset", "digits", "--clients", "3", "--out"]
     for name, content, needle in [("manifest.json", "garbage", "holds an unreadable manifest.json"),
                                   ("partition.npz", "mine", "holds a partition.npz without a manifest.json"),
-                                  ("partition.png", "mine", "partition.png already exists")]:
+                                  ("partition.png", "mine", "holds 'partition.png' and is not a partition")]:
         d = tmp_path / name
         d.mkdir()
         (d / name).write_text(content)
@@ -149,6 +149,33 @@ def test_partition_out_never_overwrites_what_it_did_not_write(tmp_path, capsys):
     png = (d / "partition.png").stat().st_mtime_ns
     assert main([*args, str(d)]) == 0
     assert (d / "partition.npz").exists() and (d / "partition.png").stat().st_mtime_ns == png
+
+
+def test_partition_out_refuses_a_folder_that_is_not_a_partition(tmp_path, capsys, monkeypatch):
+    """A non-empty folder of the user's is refused in one line before the data are read; its files are
+    untouched (``notes.tmp`` too: it is not a temporary file of ours). One that holds only what a killed save
+    left is ours."""
+    args = ["partition", "--dataset", "digits", "--clients", "3", "--out"]
+    with monkeypatch.context() as m:
+        m.setattr(federated, "build", lambda *a, **k: pytest.fail("the data were read first"))
+        for names in (["notes.tmp"], ["thesis.tex", "data"]):
+            d = tmp_path / names[0]
+            d.mkdir()
+            for name in names:
+                (d / name).write_text("mine")
+            assert main([*args, str(d)]) == 2
+            err = capsys.readouterr().err
+            assert f"already holds {min(names)!r}" in err and "choose another --out" in err
+            assert err.count("\n") == 1
+            assert sorted(p.name for p in d.iterdir()) == sorted(names)
+        (tmp_path / "link").symlink_to(tmp_path / "gone")  # dangling: refused at once too, nothing made there
+        assert main([*args, str(tmp_path / "link")]) == 2
+        assert "link is a symbolic link to" in capsys.readouterr().err and not (tmp_path / "gone").exists()
+    d = tmp_path / "killed"
+    d.mkdir()
+    (d / ".partition.npz.a1b2c3d4.tmp").write_bytes(b"half")
+    assert main([*args, str(d)]) == 0
+    assert sorted(p.name for p in d.iterdir()) == ["manifest.json", "partition.npz", "partition.png"]
 
 
 @pytest.mark.slow

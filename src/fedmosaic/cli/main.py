@@ -83,7 +83,7 @@ def _gateway(args) -> None:
 def _run(args) -> None:
     from ..config import advise, algorithm_spec, load_config
     from ..reports.compare import run_all
-    from ..runs.dirs import new_run_dir, not_a_run
+    from ..runs.dirs import first_missing, new_run_dir, not_a_run, remove_made
 
     algorithms = getattr(args, "algorithms", None)
     updates = {"compare": [algorithm_spec(a) for a in algorithms]} if algorithms else {}
@@ -109,8 +109,9 @@ def _run(args) -> None:
         _check(cfg, args)
         return
     # a new directory is created (reserved) right away, so that runs started together never share one
-    out = Path(args.resume or args.out or new_run_dir(args.runs_dir, cfg.name))
     reserved = not (args.resume or args.out)
+    made = first_missing(Path(args.runs_dir)) if reserved else None  # --runs-dir, where this command makes it
+    out = Path(args.resume or args.out or new_run_dir(args.runs_dir, cfg.name))
     resume_cmd = f"fedmosaic run --resume {shlex.quote(str(out))}"
     # a run that stopped before its first round finished leaves nothing (runner.run): resume only what is there
     started = lambda: any((out / f).exists() for f in ("config.yaml", "comparison.yaml", "seeds.yaml"))  # noqa: E731
@@ -137,8 +138,8 @@ def _run(args) -> None:
             raise
         raise FedMosaicError(f"{problem}; {where()}") from e
     finally:
-        if reserved and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()  # failed before writing anything: leave no empty run directory
+        if reserved:  # failed before writing anything: leave no empty folder, nor a --runs-dir made for it
+            remove_made(out, made or out)
     _print_tables(summaries)
     print(f"\nrun directory: {out}\nlearning curves: {out / 'learning_curves.png'}")
 
@@ -229,7 +230,7 @@ def _partition(args) -> None:
     import numpy as np
 
     from ..config import parse_value
-    from ..data.federated import PartitionSpec, build
+    from ..data.federated import PartitionSpec, build, check_partition_dir
     from ..reports.plots import partition_bubbles
 
     params = {"scheme": args.scheme}
@@ -247,14 +248,14 @@ def _partition(args) -> None:
         raise FedMosaicError(f"--classes {args.classes!r}: expected class ids separated by commas, e.g. 36,37,38")
     spec = PartitionSpec(args.dataset, args.clients, params, args.pool, args.test_frac, args.val_frac, args.seed,
                          classes)
+    if args.out:
+        check_partition_dir(Path(args.out))  # before the data are read: a folder of the user's is refused
     fd = build(spec, clients_field="--clients")
     s = fd.summary()
     scheme = params["scheme"]
     out = Path(args.out) if args.out else Path("partitions") / f"{args.dataset}-{scheme}-{fd.hash[:10]}"
     png = out / "partition.png"
-    if png.exists() and not (out / "manifest.json").exists():
-        raise FedMosaicError(f"{png} already exists and is not part of a partition; choose another --out")
-    fd.save(out)
+    fd.save(out)  # (refuses a folder that holds anything but a partition, a lone partition.png too)
     if not png.exists():  # the same partition saved before keeps its plot
         described = ", ".join(f"{k}={v}" for k, v in params.items() if k != "scheme")
         partition_bubbles(s["counts"], png, title=f"{args.dataset} · {scheme}({described}) · {s['clients']} clients "

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import ConfigError, FedMosaicError
-from ..files import atomic_write, remove_temp_files
+from ..files import atomic_write, is_temp, refuse_dangling, remove_temp_files
 from ..paths import partition_cache_dir
 from .base import ArrayDataset, select_classes
 from .partition import Natural, client_split, parse_partition, summary
@@ -133,20 +133,12 @@ class FederatedData:
         holds another partition, an unreadable manifest or a partition.npz of unknown origin is refused.
         """
         d = Path(directory)
-        if d.exists() and not d.is_dir():
-            raise FedMosaicError(f"{d} exists and is not a directory; choose another --out")
         manifest = d / "manifest.json"
-        if manifest.exists():
-            try:
-                existing = json.loads(manifest.read_text()).get("hash")
-            except (OSError, ValueError, AttributeError):
-                raise FedMosaicError(f"{d} holds an unreadable manifest.json; choose another --out") from None
-            if existing != self.hash:
-                raise FedMosaicError(
-                    f"{d} already holds a different partition (hash {str(existing)[:12]}); choose another --out"
-                )
-        elif (d / "partition.npz").exists():
-            raise FedMosaicError(f"{d} holds a partition.npz without a manifest.json; choose another --out")
+        existing = check_partition_dir(d)
+        if manifest.exists() and existing != self.hash:
+            raise FedMosaicError(
+                f"{d} already holds a different partition (hash {str(existing)[:12]}); choose another --out"
+            )
         d.mkdir(parents=True, exist_ok=True)
         remove_temp_files(d)
         arrays = {f"src_{s}": self.src[s] for s in SPLITS} | {f"ptr_{s}": self.ptr[s] for s in SPLITS}
@@ -178,6 +170,28 @@ class FederatedData:
         if fd.hash != manifest["hash"]:
             raise FedMosaicError(f"{d}: content hash mismatch; the partition files were modified")
         return fd
+
+
+def check_partition_dir(d: Path) -> str | None:
+    """The hash of the partition ``d`` holds (None: it is new, or empty), checked before anything is computed
+    or written: a folder that is not a partition of ours (a file, an unreadable manifest, anything but a
+    partition in it) is refused, since nothing a user put there may be replaced or mixed with a partition."""
+    if d.exists() and not d.is_dir():
+        raise FedMosaicError(f"{d} exists and is not a directory; choose another --out")
+    refuse_dangling(d)
+    if (d / "manifest.json").exists():
+        try:
+            return json.loads((d / "manifest.json").read_text()).get("hash")
+        except (OSError, ValueError, AttributeError):
+            raise FedMosaicError(f"{d} holds an unreadable manifest.json; choose another --out") from None
+    if (d / "partition.npz").exists():
+        raise FedMosaicError(f"{d} holds a partition.npz without a manifest.json; choose another --out")
+    theirs = sorted(p.name for p in d.iterdir() if not is_temp(p)) if d.is_dir() else []
+    if theirs:
+        more = " and more" if theirs[1:] else ""
+        raise FedMosaicError(f"{d} already holds {theirs[0]!r}{more} and is not a partition folder (no "
+                             "manifest.json); choose another --out")
+    return None
 
 
 def build(spec: PartitionSpec, dataset: ArrayDataset | None = None, cache: bool = True,

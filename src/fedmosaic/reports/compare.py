@@ -14,7 +14,16 @@ from ..data.federated import build
 from ..errors import FedMosaicError, RunError
 from ..files import atomic_write, remove_temp_files
 from ..runs.checkpoints import config_changes, config_hash
-from ..runs.dirs import check_out, claim, diverged_round, holding, unclaimed
+from ..runs.dirs import (
+    check_out,
+    claim,
+    diverged_round,
+    first_missing,
+    holding,
+    not_a_run,
+    remove_made,
+    unclaimed,
+)
 from ..runs.records import read_metrics, rounds_recorded, summarize
 from ..runs.runner import run
 from ..setup.groups import data_spec
@@ -139,10 +148,12 @@ def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend
     """Claim (or, resuming, check and amend) a directory that holds several runs under the config file ``saved``,
     and hold it (``hold``, from ``holding``); the shared partition (``partition``), on which every later variant
     is built once before the first runs, so that what only the partition tells (a variant's memory budget, batch
-    plan) is refused before anything runs; and whether ``out`` was created here."""
+    plan) is refused before anything runs; and the outermost folder made for ``out`` (None: it was there)."""
     check_out(out, resume)
     changes = {}
     if resume:  # the runs check their own configs; this checks (and records) the whole
+        if not (out / saved).is_file():  # (e.g. --seeds on a single run's resume)
+            raise FedMosaicError(not_a_run(out, saved))
         if out.is_dir():
             hold()
         changes = config_changes(load_config(out / saved), cfg, out / saved, amend)
@@ -159,7 +170,7 @@ def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend
             warnings.simplefilter("ignore")  # each variant warns when it runs
             for v in cfg.variants()[1:]:  # (a Ray pool's actors check their shards when the variant runs)
                 build_federation(v, fd, pool="none" if v.engine.pool == "ray" else None)
-    created = not out.exists()
+    created = first_missing(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
         if not resume:
@@ -172,12 +183,12 @@ def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend
     return fd, created
 
 
-def _unclaim(out: Path, saved: str, resume: bool, created: bool) -> None:
-    """Stopped (a config error, a signal) before any run kept a round: leave no half-made directory behind."""
+def _unclaim(out: Path, saved: str, resume: bool, created: Path | None) -> None:
+    """Stopped (a config error, a signal) before any run kept a round: leave no half-made directory behind
+    (nor the folders above it that were made for it, ``created``)."""
     if not resume and out.is_dir() and [p.name for p in out.iterdir()] == [saved]:
         (out / saved).unlink()
-        if created:
-            out.rmdir()
+        remove_made(out, created)
 
 
 def write_outputs(out: Path, summaries: list[dict], curves: dict, title: str, colors: dict | None = None) -> None:

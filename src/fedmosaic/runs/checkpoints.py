@@ -83,6 +83,15 @@ def latest_checkpoint(out: Path) -> Path | None:
 class NotThisRun(ValueError):
     """A checkpoint that loads, but of another seed, partition, model or algorithm than the run being resumed."""
 
+    why = ("the data, model or algorithm this run was made with has changed since (a plug-in? the dataset's "
+           "files?)")
+
+
+class NoIdentity(NotThisRun):
+    """A checkpoint of today's format without its run identity: nothing says it is this run's."""
+
+    why = "fedmosaic writes one into every checkpoint of this format, so they were altered or made elsewhere"
+
 
 def load_checkpoint(path: Path, fed: Federation) -> int:
     """Load ``path`` into ``fed``; the round it ends. Raises ValueError for anything unusable."""
@@ -92,14 +101,18 @@ def load_checkpoint(path: Path, fed: Federation) -> int:
         raise ValueError(f"unreadable ({type(e).__name__})") from None
     if not isinstance(state, dict) or state.get("round") != int(path.stem.split("_")[1]):
         raise ValueError("not a checkpoint of this round")
-    state = fed.upgrade(state)  # format 1 (before the server/client split) is converted
+    older = state.get("format", 1) == 1  # format 1 (before the server/client split): converted
+    state = fed.upgrade(state)
     mine = fed.state_dict()
     if any(list(layout(state.get(k))) != list(layout(mine[k])) for k in ("server", "clients")):
         raise NotThisRun("written for a different model or algorithm")
     ours, theirs = identity(fed), state.get("run", {})
     if not isinstance(theirs, dict):
         raise ValueError("its run identity is damaged")
-    # older checkpoints carry no identity, or no config hash: what they do carry must match
+    if not older and ours.keys() - theirs.keys():  # every format-2 checkpoint was written with all of it
+        missing = ", ".join(k for k in ours if k not in theirs)
+        raise NoIdentity(f"written without a run identity (no {missing})")
+    # format 1 may carry no identity, or no config hash (written before them): what it carries must match
     differ = [k for k in ours if k in theirs and theirs[k] != ours[k]]
     if differ:
         what = {"seed": "seed", "data_hash": "partition", "config": "algorithm, its hyper-parameters or model"}
@@ -133,11 +146,11 @@ def restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
             # finished, its checkpoints removed since (to save disk, or kept elsewhere without them): the metrics
             # are its result and nothing is left to run; recomputing it from round 0 would only cost its time
             return len(records), records
-        other = next((e for _, e in unusable if isinstance(e, NotThisRun)), None)
+        ck, other = next(((ck, e) for ck, e in unusable if isinstance(e, NotThisRun)), (None, None))
         if other is not None:
-            raise FedMosaicError(f"{out}: cannot resume: its checkpoints were {other} — the data, model or algorithm "
-                                 "this run was made with has changed since (a plug-in? the dataset's files?); "
-                                 "restore them, or start a new run with another --out")
+            raise FedMosaicError(f"{out}: cannot resume: its checkpoints were {other}, {ck.relative_to(out)} "
+                                 f"the newest — {other.why}; restore them, or start a new run with another "
+                                 "--out")
         if records:
             warnings.warn(f"{out}: no usable checkpoint; starting again from round 0", stacklevel=2)
     for ck, e in unusable:

@@ -17,16 +17,17 @@ import numpy as np
 import torch
 
 from .. import plugins
-from ..config import RunConfig, dump
+from ..config import RunConfig, dump, load_config, validate
 from ..engine.federation import Federation
 from ..errors import FedMosaicError
-from ..files import TEMP_SUFFIX, atomic_write, remove_temp_files
+from ..files import atomic_write, is_temp, refuse_dangling, remove_temp_files
 from ..version import __version__
 
 
 def new_run_dir(root: str | Path, name: str) -> Path:
     """A new, empty directory ``<root>/<name>-<time>[-i]``, created here so that runs started at the same moment
     each get their own."""
+    refuse_dangling(Path(root), "--runs-dir")
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path(root) / f"{name}-{stamp}"
     path, i = base, 1
@@ -34,7 +35,7 @@ def new_run_dir(root: str | Path, name: str) -> Path:
         Path(root).mkdir(parents=True, exist_ok=True)
         while True:
             try:
-                path.mkdir()
+                path.mkdir(parents=True)  # (parents: a run that failed at once may have removed root since)
                 return path
             except FileExistsError:
                 path, i = base.with_name(f"{base.name}-{i}"), i + 1
@@ -57,18 +58,43 @@ def run_meta(cfg: RunConfig, fed: Federation) -> dict:
         "metric_sides": fed.metric_sides(),  # where each metric is computed: server, client or simulation only
         "plugins": plugins.used_by(cfg),  # the modules that registered this run's dataset or models
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "config": cfg.model_dump(mode="json"),  # what the run is: a resume compares config.yaml with it
         **fed.pool.meta(),  # a deployment: its driver, the run's node token, which node hosts which client
     }
 
 
-def discard(out: Path, created: bool) -> None:
-    """Remove what a new run wrote into ``out`` before its first round finished (config, meta, empty metrics)."""
+def discard(out: Path, created: Path | None) -> None:
+    """Remove what a new run wrote into ``out`` before its first round finished (config, meta, empty metrics),
+    and the folders it created (``created``: ``first_missing``)."""
     for name in ("config.yaml", "meta.json", "metrics.jsonl"):
         (out / name).unlink(missing_ok=True)
     remove_temp_files(out, out / "checkpoints")
-    for d in (out / "checkpoints", out) if created else (out / "checkpoints",):
-        with contextlib.suppress(OSError):  # not empty: something else is there, keep it
-            d.rmdir()
+    with contextlib.suppress(OSError):  # not empty: something else is there, keep it
+        (out / "checkpoints").rmdir()
+    remove_made(out, created)
+
+
+def first_missing(path: Path) -> Path | None:
+    """The outermost of ``path`` and its parents that does not exist yet (None: ``path`` exists): the folder
+    that creating ``path`` makes, so that a start that fails removes what it made, never a folder that was
+    there."""
+    missing = None
+    for p in (path, *path.parents):
+        if p.exists() or p.is_symlink():
+            break
+        missing = p
+    return missing
+
+
+def remove_made(path: Path, top: Path | None) -> None:
+    """Remove ``path`` and its parents up to ``top`` (``first_missing``'s), each only while it is empty."""
+    for p in (path, *path.parents) if top is not None else ():
+        try:
+            p.rmdir()
+        except OSError:  # not empty (something else is there: keep it) or gone
+            return
+        if p == top:
+            return
 
 
 def check_out(out: Path, resume: bool) -> None:
@@ -77,10 +103,16 @@ def check_out(out: Path, resume: bool) -> None:
     config was written) is empty: they are removed."""
     if out.exists() and not out.is_dir():
         raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
+    refuse_dangling(out, "--resume" if resume else "--out")
     if not resume and unclaimed(out):
         remove_temp_files(out)
     if not resume and out.exists() and any(out.iterdir()):
         raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
+
+
+#: what a directory holds by the config file it saved, and what a resume expected it to be
+_HOLDS = {"config.yaml": "a single run", "comparison.yaml": "a comparison", "seeds.yaml": "several seeds"}
+_NOT = {"config.yaml": "one run", "comparison.yaml": "a comparison", "seeds.yaml": "a seeds run"}
 
 
 def not_a_run(out: Path, expected: str = "config.yaml") -> str:
@@ -88,17 +120,17 @@ def not_a_run(out: Path, expected: str = "config.yaml") -> str:
     if unclaimed(out):
         return (f"--resume: {out} never finished starting (it was stopped while writing its config), so there is "
                 "nothing to resume; start the run again with --out pointing there")
-    held = next((f for f in ("seeds.yaml", "comparison.yaml") if (out / f).is_file()), None)
-    if held and expected == "config.yaml":  # e.g. --set compare=null or seeds=null on a comparison's resume
-        return (f"--resume: {out} holds {'several seeds' if held == 'seeds.yaml' else 'a comparison'} ({held}), "
-                "not one run: a --set cannot make it one; resume it without that --set, or choose another --out")
+    held = next((f for f in _HOLDS if f != expected and (out / f).is_file()), None)
+    if held and expected in _NOT:  # e.g. --set compare=null on a comparison's resume, --seeds on a run's
+        return (f"--resume: {out} holds {_HOLDS[held]} ({held}), not {_NOT[expected]}: a --set or --seeds "
+                "cannot make it one; resume it without them, or choose another --out")
     return f"--resume: {out} is not a run directory (no {expected})"
 
 
 def unclaimed(out: Path) -> bool:
     """``out`` holds only temporary files: a run (or comparison) was killed while writing its config there."""
     found = list(out.iterdir()) if out.is_dir() else []
-    return bool(found) and all(p.is_file() and p.name.startswith(".") and p.name.endswith(TEMP_SUFFIX) for p in found)
+    return bool(found) and all(is_temp(p) for p in found)
 
 
 def claim(path: Path, text: str) -> None:
@@ -195,6 +227,17 @@ def read_meta(out: Path) -> dict | None:
     return meta if isinstance(meta, dict) else None
 
 
+def recorded_config(out: Path) -> tuple[RunConfig, Path]:
+    """The config the run in ``out`` recorded (``meta.json``, amendments included) and where: ``config.yaml``
+    is the user's to read, and one edited by hand is a change like a ``--set`` (refused without ``--amend``,
+    recorded with it), not what the run was. A run recorded before ``meta.json`` held its config:
+    ``config.yaml``."""
+    raw = (read_meta(out) or {}).get("config")
+    if isinstance(raw, dict):
+        return validate(raw, f"{out / 'meta.json'}"), out / "meta.json"
+    return load_config(out / "config.yaml"), out / "config.yaml"
+
+
 def record_amendment(out: Path, cfg: RunConfig, changes: dict, start: int, fed: Federation) -> None:
     meta = read_meta(out)
     if meta is None:
@@ -206,6 +249,7 @@ def record_amendment(out: Path, cfg: RunConfig, changes: dict, start: int, fed: 
     meta.setdefault("amendments", []).append(
         {"from_round": start, "changes": changes, "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
          "execution": executions(fed)})
+    meta["config"] = cfg.model_dump(mode="json")
     atomic_write(out / "meta.json", json.dumps(meta, indent=2).encode())
     atomic_write(out / "config.yaml", dump(cfg).encode())
 

@@ -12,7 +12,7 @@ import time
 import warnings
 from pathlib import Path
 
-from ..config import RunConfig, dump, load_config, yaml_scalar
+from ..config import RunConfig, dump, yaml_scalar
 from ..data.federated import FederatedData
 from ..engine import robust
 from ..engine.client.runtime import NonFiniteLoss
@@ -33,10 +33,13 @@ from .dirs import (
     claim,
     deployed,
     discard,
+    first_missing,
     holding,
     not_a_run,
     note_divergence,
     record_amendment,
+    recorded_config,
+    remove_made,
     run_meta,
     started_threads,
     started_warm,
@@ -76,13 +79,14 @@ def _run(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, s
     if resume:
         if not (out / "config.yaml").is_file():
             raise FedMosaicError(not_a_run(out))
-        changes = config_changes(load_config(out / "config.yaml"), cfg, out / "config.yaml", amend)
+        recorded, where = recorded_config(out)
+        changes = config_changes(recorded, cfg, where, amend)
     trackers.check(trackers.wanted(cfg))
     # before creating anything: a config or data error leaves no empty run directory
     fed = build_federation(cfg, fd, started_threads(out) if resume else None, pool,
                            started_warm(out) if resume else None)
     print(f"fedmosaic: execution: {fed.execution}", flush=True)  # stdout: stderr is for warnings and errors
-    created, claimed = not out.exists(), False
+    created, claimed = first_missing(out), False
     if resume and deployed(out) and not getattr(fed.pool, "remote", False):  # its clients' state is on its nodes
         raise FedMosaicError(f"--resume: {out} is a deployed run (its clients' state is on their Flower nodes): "
                              "resume it with its deployment's `flwr run ... --run-config 'resume=true'`")
@@ -106,8 +110,7 @@ def _run(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, s
     except OSError as e:
         if claimed:  # nothing of value yet: leave no half-made run directory
             (out / "config.yaml").unlink(missing_ok=True)
-        if created and out.is_dir() and not any(out.iterdir()):
-            out.rmdir()
+        remove_made(out, created)
         raise FedMosaicError(f"cannot write the run directory {out}: {e.strerror or e}") from None
     try:
         lost = 0
