@@ -417,6 +417,24 @@ def test_amend_with_a_damaged_meta_json_and_report_of_it(tmp_path):
         rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", f"train.optimizer.lr={lr}")
         assert rc == 0 and "meta.json is missing or damaged" in err, err
         assert (out / "meta.json.corrupt").read_text() == damaged
+    (out / "meta.json").write_text("7")  # damaged again: the file set aside before stays as it was
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "train.optimizer.lr=0.04")
+    assert rc == 0 and (out / "meta.json.corrupt").read_text() == "[1]"
+    assert (out / "meta.json.corrupt.1").read_text() == "7"
+
+
+def test_what_is_set_aside_never_replaces_what_was_set_aside_before(tmp_path):
+    from fedmosaic.files import set_aside
+
+    for text in ("first", "second", "third"):
+        (tmp_path / "round_00002.pt").write_text(text)
+        set_aside(tmp_path / "round_00002.pt", ".corrupt")
+        set_aside(tmp_path / "metrics.jsonl.20261202-101010", ".bak", text.encode())  # (the same second)
+    assert [(tmp_path / f"round_00002.pt.corrupt{s}").read_text() for s in ("", ".1", ".2")] == \
+        ["first", "second", "third"]
+    assert [(tmp_path / f"metrics.jsonl.20261202-101010.bak{s}").read_text() for s in ("", ".1", ".2")] == \
+        ["first", "second", "third"]
+    assert not (tmp_path / "round_00002.pt").exists()
 
 
 def test_runs_started_together_get_their_own_directories(tmp_path):

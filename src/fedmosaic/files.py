@@ -71,6 +71,25 @@ def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], object], *
     return path
 
 
+def set_aside(path: Path, suffix: str, data: bytes | None = None) -> Path:
+    """``path`` renamed to ``path + suffix`` (``data``: a copy of those bytes written there instead), or to
+    ``.1``, ``.2``, ... after it when that name is taken: a file set aside before (a damaged checkpoint, an
+    older backup of the metrics) is never replaced. Returns the new name."""
+    for i in range(10_000):
+        new = path.with_name(path.name + suffix + (f".{i}" if i else ""))
+        try:
+            if data is None:
+                os.link(path, new)  # fails if new exists, atomically
+            else:
+                atomic_write(new, data, exclusive=True)
+        except FileExistsError:
+            continue
+        if data is None:
+            path.unlink()
+        return new
+    raise FedMosaicError(f"{path}: 10,000 files set aside beside it already; move some away")
+
+
 def is_temp(path: Path) -> bool:
     """``path`` is a temporary file of ``atomic_write``'s, by its name: a user's own ``notes.tmp`` in a folder
     they point fedmosaic at is not one, and is never deleted."""

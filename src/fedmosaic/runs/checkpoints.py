@@ -16,7 +16,7 @@ import torch
 from ..config import RunConfig
 from ..engine.federation import Federation
 from ..errors import FedMosaicError
-from ..files import atomic_write, remove_temp_files
+from ..files import atomic_write, remove_temp_files, set_aside
 from ..protocol.tree import layout
 from .records import (
     read_metrics,
@@ -154,11 +154,11 @@ def restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
         if records:
             warnings.warn(f"{out}: no usable checkpoint; starting again from round 0", stacklevel=2)
     for ck, e in unusable:
-        ck.rename(ck.with_name(ck.name + ".corrupt"))
-        warnings.warn(f"{ck}: {e}; set aside as {ck.name}.corrupt, resuming from an older checkpoint", stacklevel=2)
+        aside = set_aside(ck, ".corrupt")
+        warnings.warn(f"{ck}: {e}; set aside as {aside.name}, resuming from an older checkpoint", stacklevel=2)
     if len(records) - start > fed.cfg.checkpoint_every:  # more than a crash since the last checkpoint can explain
-        backup = out / f"metrics.jsonl.{datetime.now():%Y%m%d-%H%M%S}.bak"
-        atomic_write(backup, (out / "metrics.jsonl").read_bytes())
+        backup = set_aside(out / f"metrics.jsonl.{datetime.now():%Y%m%d-%H%M%S}", ".bak",
+                           (out / "metrics.jsonl").read_bytes())
         warnings.warn(f"{out}: rounds {start}-{len(records) - 1} have metrics but no usable checkpoint; they will "
                       f"be recomputed (the metrics as they were are kept in {backup.name})", stacklevel=2)
     records = records[:start]

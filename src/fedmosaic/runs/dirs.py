@@ -20,7 +20,7 @@ from .. import plugins
 from ..config import RunConfig, dump, load_config, validate
 from ..engine.federation import Federation
 from ..errors import FedMosaicError
-from ..files import atomic_write, is_temp, refuse_dangling, remove_temp_files
+from ..files import atomic_write, is_temp, refuse_dangling, remove_temp_files, set_aside
 from ..version import __version__
 
 
@@ -242,7 +242,7 @@ def record_amendment(out: Path, cfg: RunConfig, changes: dict, start: int, fed: 
     meta = read_meta(out)
     if meta is None:
         if (out / "meta.json").exists():
-            (out / "meta.json").rename(out / "meta.json.corrupt")
+            set_aside(out / "meta.json", ".corrupt")
         warnings.warn(f"{out}/meta.json is missing or damaged; a new one records the amendment", stacklevel=2)
         meta = {}
     meta.pop("diverged_round", None)  # (an amended run is not the one that diverged)
