@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from ..config import short_repr
 from ..engine.messages import (
     ids_of,
     merge_evaluations,
@@ -148,7 +149,7 @@ class FlowerPool:
             raise FedMosaicError(f"node {nid} refused the first contact: {one_line(rec['error'], 300)}")
         k = rec.get("client")
         if not isinstance(k, int) or not 0 <= k < K:
-            raise FedMosaicError(f"node {nid} claims client {_said(k)}; the partition has clients 0-{K - 1}")
+            raise FedMosaicError(f"node {nid} claims client {short_repr(k)}; the partition has clients 0-{K - 1}")
         if self.keys is not None:  # (first: a node with another's key is an impostor, whoever claimed first)
             key = self._key_of(nid)
             if key is None or _pem(key) != _pem(self.keys[k]):
@@ -162,13 +163,13 @@ class FlowerPool:
         if rec.get("rows") != ours or rec.get("train") != int(sizes[k]):
             raise FedMosaicError(
                 f"node {nid} (client {k}) holds another partition: its rows hash {str(rec.get('rows'))[:12]} and "
-                f"{_said(rec.get('train'))} train samples, the server's {ours[:12]} and {int(sizes[k])} (the same config, "
-                "data and seed on both sides give the same partition: check the node's data-dir)")
+                f"{short_repr(rec.get('train'))} train samples, the server's {ours[:12]} and {int(sizes[k])} (the "
+                "same config, data and seed on both sides give the same partition: check the node's data-dir)")
         if rec.get("public") != public_hash(self.fed):
             raise FedMosaicError(f"node {nid} (client {k}) has another public stream than the server (data.public:"
                                  " the same dataset, or noise from the same seed, on every node)")
         if rec.get("arch") != int(self.fed.group_of[k]):
-            raise FedMosaicError(f"node {nid} (client {k}) builds architecture {_said(rec.get('arch'))}, the server "
+            raise FedMosaicError(f"node {nid} (client {k}) builds architecture {short_repr(rec.get('arch'))}, the server "
                                  f"{int(self.fed.group_of[k])}: another config on that node?")
         return k
 
@@ -220,7 +221,7 @@ class FlowerPool:
     @staticmethod
     def _record(reply) -> dict:
         if reply.has_error():
-            raise Rejected(f"Flower error {_said(reply.error.code)}: {one_line(reply.error.reason, 300)}")
+            raise Rejected(f"Flower error {short_repr(reply.error.code)}: {one_line(reply.error.reason, 300)}")
         try:
             return dict(reply.content[RECORD])
         except (KeyError, TypeError, ValueError):
@@ -265,7 +266,7 @@ class FlowerPool:
         if "error" in rec:
             raise Rejected(f"the node failed: {one_line(rec['error'], 300)}")
         if rec.get("client") != k or rec.get("round") != t:
-            raise Rejected(f"it answers for client {_said(rec.get('client'))}, round {_said(rec.get('round'))}")
+            raise Rejected(f"it answers for client {short_repr(rec.get('client'))}, round {short_repr(rec.get('round'))}")
         data = rec.get("body")
         if not isinstance(data, bytes):
             raise Rejected("it has no message body")
@@ -470,11 +471,6 @@ def read_keys(path: Path, clients: int) -> dict[int, str]:
     if sorted(keys) != list(range(clients)) or not all("PUBLIC KEY" in v for v in keys.values()):
         raise FedMosaicError(f"{path}: needs one public key per client 0-{clients - 1}")
     return keys
-
-
-def _said(value) -> str:
-    """What a node sent where a number or a name belongs, as one short line."""
-    return one_line(repr(value), 60)
 
 
 def _named_scalars(terms) -> bool:

@@ -190,8 +190,8 @@ class World:
 
         self.groups = build_groups(cfg, self.fd.dataset.input_shape, self.fd.num_classes, self.num_clients,
                                    self.memory, dev)
-        stats = [v for g in self.groups for v in g.global_buffers.values() if v.is_floating_point()]
-        if cfg.privacy is not None and stats:
+        if cfg.privacy is not None and any(v.is_floating_point() for g in self.groups
+                                           for v in g.global_buffers.values()):
             raise ConfigError(f"privacy: model {cfg.model.name!r} keeps BatchNorm running statistics, computed from "
                               "each client's data and averaged neither clipped nor noised, so the reported epsilon "
                               "would not hold for them; choose a model without BatchNorm (model option norm: none for "
