@@ -221,6 +221,16 @@ def test_truncated_last_metrics_line_is_recomputed(tmp_path, reference):
     assert metrics(out) == reference
 
 
+def test_metrics_lines_lost_behind_a_checkpoint_are_recomputed(tmp_path, reference):
+    """After a power cut the checkpoints (fsynced) can be ahead of metrics.jsonl (appended, not fsynced each round):
+    the resume goes back to a checkpoint its metrics cover and ends with the metrics of an uninterrupted run."""
+    out = _cut(tmp_path, 2)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(lines[:1]))  # rounds 1 and 2 lost, their checkpoints kept
+    assert cli("run", "--no-progress", "--resume", str(out))[0] == 0
+    assert metrics(out) == reference
+
+
 @pytest.mark.parametrize("damage", [b"", b"garbage, not a checkpoint", "truncated"])
 def test_corrupt_or_empty_latest_checkpoint_falls_back_to_the_previous(damage, tmp_path, reference):
     out = _cut(tmp_path, 2)
@@ -255,6 +265,32 @@ def test_check_deletes_no_tmp_file_of_the_user(tmp_path):
     rc, err = cli("run", str(write_cfg(tmp_path)), "--check", "--out", str(out))
     assert rc == 2 and "already exists" in error_line(err)
     assert (out / ".notes.tmp").read_text() == "mine"
+
+
+def test_a_checkpoint_reaches_the_disk_before_its_name_and_its_name_after(tmp_path, monkeypatch):
+    """A power cut (not a kill -9, which the page cache survives) after a checkpoint is written must not leave an
+    empty file under the new name: its bytes are fsynced before the rename, the folder's entry after it."""
+    import fedmosaic.files as files
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"), os.fstat(fd).st_size))
+        real_fsync(fd)
+
+    def replace(a, b):
+        events.append(("replace", str(b), None))
+        real_replace(a, b)
+
+    monkeypatch.setattr(files.os, "fsync", fsync)
+    monkeypatch.setattr(files.os, "replace", replace)
+    out = tmp_path / "r"
+    assert cli("run", str(write_cfg(tmp_path, train__rounds=1)), "--no-progress", "--out", str(out))[0] == 0
+    (ck,) = (out / "checkpoints").glob("round_*.pt")
+    i = next(i for i, e in enumerate(events) if e[:2] == ("replace", str(ck)))
+    assert events[i - 1][0] == "fsync" and events[i - 1][1].startswith(str(out / "checkpoints" / f".{ck.name}."))
+    assert events[i - 1][2] == ck.stat().st_size > 0  # the whole file, not a part of it
+    assert events[i + 1][:2] == ("fsync", str(out / "checkpoints"))
 
 
 def test_run_files_get_ordinary_permissions(tmp_path):

@@ -43,11 +43,13 @@ FILE_MODE = 0o666 & ~_umask()
 
 
 def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], object], *, suffix: str = TEMP_SUFFIX,
-                 exclusive: bool = False) -> Path:
+                 exclusive: bool = False, durable: bool = True) -> Path:
     """Write ``data`` (bytes, or a function that writes to a binary file) to ``path`` atomically.
 
     ``exclusive``: never replace an existing ``path`` (FileExistsError instead): of two processes that claim the
-    same file at once, exactly one wins."""
+    same file at once, exactly one wins. ``durable``: the bytes and the new name reach the disk before this returns
+    (fsync of the file, then of its folder), so a power cut after it leaves the new file whole, not an empty one
+    under the new name; off only for scratch files nothing reads after the process."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=suffix)
     try:
@@ -57,6 +59,9 @@ def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], object], *
                 f.write(data)
             else:
                 data(f)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
         if exclusive:
             try:
                 os.link(tmp, path)  # fails if path exists, atomically
@@ -68,7 +73,23 @@ def atomic_write(path: str | Path, data: bytes | Callable[[BinaryIO], object], *
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+    if durable:
+        _fsync_dir(path.parent)
     return path
+
+
+def _fsync_dir(folder: Path) -> None:
+    """The folder's entries (a rename, a new name) to the disk; a file system that cannot open a folder skips."""
+    try:
+        fd = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse fsync on a folder; the file's own bytes are already on disk
+    finally:
+        os.close(fd)
 
 
 def set_aside(path: Path, suffix: str, data: bytes | None = None) -> Path:

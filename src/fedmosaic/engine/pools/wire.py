@@ -70,7 +70,7 @@ class WirePool:
             j, old = self.built.popitem(last=False)
             if self._dir is None:
                 self._dir = tempfile.TemporaryDirectory(prefix="fedmosaic-wire-")
-            atomic_write(self._file(j), codec.encode("store", old.state()))
+            atomic_write(self._file(j), codec.encode("store", old.state()), durable=False)  # scratch
             self._left.add(j)
         return rt
 
