@@ -315,3 +315,46 @@ def test_a_method_that_diverged_in_its_first_round_is_named_and_not_run_again(tm
     assert main(["report", str(out / "vehicle")]) == 0
     err = capsys.readouterr().err
     assert "diverged in round 0 (no run kept)" in err and "no run yet" not in err
+
+
+def test_methods_run_one_by_one_then_the_tables_once_all_have_ended(tmp_path, capsys):
+    """--methods runs only the methods named (an algorithm's name or a variant's directory name) in every seed and
+    leaves the rest as they are, to run later or on another machine with the same folder; a claim is judged once its
+    methods have finished; the comparison's tables are written by the command that ends its last method. A name that
+    is no method is one line before anything runs."""
+    need_data("vehicle")
+    out = tmp_path / "rep"
+    argv = ["reproduce", "apfl-pd", "--claims", "vehicle-gain", "--seeds", "0", "1", "--set", "train.rounds=2",
+            "--out", str(out), "--no-progress"]
+    assert main([*argv, "--methods", "fedavg", "fedavgg"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "'fedavgg' is no method" in err and "fedprox_mu=1.0" in err and "\n" not in err
+    assert not out.exists()
+    exp = out / "vehicle"
+    ran = lambda s: sorted(p.parent.name for p in (exp / f"seed_{s}").glob("*/config.yaml"))  # noqa: E731
+    assert main([*argv, "--methods", "fedavg"]) == 0
+    assert ran(0) == ran(1) == ["fedavg"]
+    assert all((exp / f"seed_{s}" / "fedavg" / "summary.json").is_file() for s in (0, 1))
+    assert not list(exp.rglob("comparison.json"))  # no table of a comparison half run
+    claims = {c["id"]: c for c in json.loads((out / "reproduction.json").read_text())["claims"]}
+    assert claims["vehicle-gain"]["verdict"] == "not run"
+    fedavg = {p: p.stat().st_mtime_ns for p in exp.rglob("fedavg/metrics.jsonl")}
+    assert main([*argv[:argv.index("--seeds")], "--out", str(out), "--no-progress", "--methods",
+                 "apfl_pd_delta_mu=700.0_delta_sigma=400.0"]) == 0
+    assert ran(0) == ran(1) == ["apfl_pd_delta_mu=700.0_delta_sigma=400.0", "fedavg"]
+    assert {p: p.stat().st_mtime_ns for p in exp.rglob("fedavg/metrics.jsonl")} == fedavg
+    claims = {c["id"]: c for c in json.loads((out / "reproduction.json").read_text())["claims"]}
+    assert claims["vehicle-gain"]["seeds"] == 2 and claims["vehicle-gain"]["verdict"] != "not run"
+    assert not list(exp.rglob("comparison.json"))
+    capsys.readouterr()
+    assert main([*argv[:argv.index("--seeds")], "--out", str(out), "--no-progress", "--status"]) == 0
+    assert "seed 0: 2 of 6 methods finished; seed 1: 2 of 6 methods finished" in capsys.readouterr().out
+    assert main([*argv[:argv.index("--seeds")], "--out", str(out), "--no-progress", "--methods", "fedprox",
+                 "fedcurv", "fedmeta", "central"]) == 0  # the last ones: now the tables, over both seeds
+    assert {p: p.stat().st_mtime_ns for p in exp.rglob("fedavg/metrics.jsonl")} == fedavg
+    table = json.loads((exp / "comparison.json").read_text())
+    assert len(table) == 6 and all(r["seeds"] == 2 for r in table)
+    assert all((exp / f"seed_{s}" / "comparison.json").is_file() for s in (0, 1))
+    capsys.readouterr()
+    assert main([*argv[:argv.index("--seeds")], "--out", str(out), "--no-progress", "--status"]) == 0
+    assert "- `vehicle` (finished before;" in capsys.readouterr().out

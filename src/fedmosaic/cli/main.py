@@ -157,7 +157,7 @@ def _reproduce(args) -> None:
     out = Path(args.out or f"runs/reproduce-{args.paper}-{args.scale}")
     try:
         report = reproduce(args.paper, out, scale=args.scale, claims=args.claims, sets=args.set, seeds=args.seeds,
-                           progress=not args.no_progress, status=args.status)
+                           progress=not args.no_progress, status=args.status, methods=args.methods)
     except KeyboardInterrupt as e:
         raise _interrupted(e, f"finished rounds are kept: the same command resumes {out}" if (out / REQUEST).is_file()
                            else "nothing was written") from None
@@ -382,6 +382,9 @@ def build_parser() -> argparse.ArgumentParser:
     rr.add_argument("--scale", choices=("cpu", "paper"), default="cpu",
                     help="cpu: the reduced setting (default); paper: the paper's own rounds and models")
     rr.add_argument("--seeds", nargs="+", type=_at_least(0), metavar="SEED", help="instead of the claims' seeds")
+    rr.add_argument("--methods", nargs="+", metavar="NAME", help="run only these methods of each experiment (e.g. "
+                    "pfedsrb; the others are left as they are, to run later or on another machine with the same "
+                    "folder); the verdicts count every method that has finished")
     rr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override every experiment's config, e.g. train.rounds=2")
     rr.add_argument("--out", help="its directory (default: runs/reproduce-PAPER-SCALE); the same command again "

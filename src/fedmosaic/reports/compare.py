@@ -18,6 +18,7 @@ from ..runs.dirs import (
     check_out,
     claim,
     diverged_round,
+    ended,
     first_missing,
     holding,
     not_a_run,
@@ -71,22 +72,27 @@ COLUMNS = (
 )
 
 
-def run_all(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = False, progress: bool = True
-            ) -> list[dict]:
+def run_all(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = False, progress: bool = True,
+            only: set[str] | None = None) -> list[dict]:
     """Run ``cfg`` (each of its ``compare`` variants in a sub-directory, each of its ``seeds`` in ``seed_<s>``);
     write the table (JSON, Markdown, LaTeX) and the plots. Returns one summary per method (over the seeds: mean
-    and std, ``over_seeds``)."""
+    and std, ``over_seeds``). ``only``: the directory names of the variants to run, the others left as they are
+    (one machine a method); the table and plots are then written once every variant has ended, and the summaries
+    returned are those of the variants run."""
     out = Path(out)
     with holding(out) as hold:  # a comparison's directory is held as a run's is (each of its runs: its own)
-        return _run_all(cfg, out, resume, amend, progress, hold)
+        return _run_all(cfg, out, resume, amend, progress, hold, only)
 
 
-def _run_all(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, hold) -> list[dict]:
+def _run_all(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, hold,
+             only: set[str] | None = None) -> list[dict]:
     if cfg.seeds:
-        return _run_seeds(cfg, out, resume=resume, amend=amend, progress=progress, hold=hold)
+        return _run_seeds(cfg, out, resume=resume, amend=amend, progress=progress, hold=hold, only=only)
     variants = cfg.variants()
     colors = method_colors([v.name for v in variants])
     if len(variants) == 1:  # one algorithm: the variant, which is cfg itself or the one `compare:` names
+        if only is not None and dir_name(variants[0].name) not in only:
+            return []
         summaries = [run(variants[0], out, resume=resume, amend=amend, progress=progress)]
         curves = {variants[0].name: read_metrics(out)}
     else:
@@ -95,6 +101,8 @@ def _run_all(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: boo
         try:
             for v in variants:
                 sub = out / dir_name(v.name)
+                if only is not None and dir_name(v.name) not in only:
+                    continue
                 try:
                     summaries.append(run(v, sub, resume=resume and _variant_started(sub, v), amend=amend,
                                          progress=progress, fd=fd))
@@ -118,29 +126,43 @@ def _run_all(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: boo
                           title=f"{name}: round {last['round'] + 1}", names=last["cross"].get("names"))
         if "continual_matrix" in s:  # the continual accuracy matrix
             accuracy_matrix(s["continual_matrix"], where / "accuracy_matrix.png", title=name)
-    write_outputs(out, summaries, curves, f"{cfg.name}: {cfg.data.dataset}", colors)
+    if only is None:
+        write_outputs(out, summaries, curves, f"{cfg.name}: {cfg.data.dataset}", colors)
+    elif all(ended(out / dir_name(v.name)) for v in variants):  # the last of the methods run one by one
+        _write_from_runs(out, f"{cfg.name}: {cfg.data.dataset}", colors)
     return summaries
 
 
-def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress: bool, hold) -> list[dict]:
+def _write_from_runs(out: Path, title: str, colors: dict) -> list[dict]:
+    """The table and plots of the runs under ``out`` (a seeds or comparison directory), as they are."""
+    summaries, curves, notes = from_runs([out])
+    for n in notes:
+        warnings.warn(n, stacklevel=3)
+    write_outputs(out, summaries, curves, title, colors)
+    return summaries
+
+
+def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress: bool, hold,
+               only: set[str] | None = None) -> list[dict]:
     """Every seed its own run or comparison in ``out/seed_<s>`` (its own partition unless data.seed is set), then
-    the table over the seeds and banded curves in ``out``."""
+    the table over the seeds and banded curves in ``out`` (with ``only``: once every seed's every variant ended)."""
     _, created = _claim_comparison(cfg, out, "seeds.yaml", resume, amend, hold, partition=False)
-    names = [v.name for v in cfg.variants()]
+    variants = cfg.variants()
     try:
+        ran = []
         for seed in cfg.seeds:
             sub, one = out / f"seed_{seed}", cfg.with_seed(seed)
             started = _variant_started(sub, one, "config.yaml" if len(one.variants()) == 1 else "comparison.yaml")
-            run_all(one, sub, resume=resume and started, amend=amend, progress=progress)
+            ran += run_all(one, sub, resume=resume and started, amend=amend, progress=progress, only=only)
     except BaseException:
         _unclaim(out, "seeds.yaml", resume, created)
         raise
-    summaries, curves, notes = from_runs([out])
-    for n in notes:
-        warnings.warn(n, stacklevel=2)
-    write_outputs(out, summaries, curves, f"{cfg.name}: {cfg.data.dataset}, seeds {', '.join(map(str, cfg.seeds))}",
-                  method_colors(names))
-    return summaries
+    title = f"{cfg.name}: {cfg.data.dataset}, seeds {', '.join(map(str, cfg.seeds))}"
+    colors = method_colors([v.name for v in variants])
+    if only is None or all(ended(out / f"seed_{s}" / ("" if len(variants) == 1 else dir_name(v.name)))
+                           for s in cfg.seeds for v in variants):
+        return _write_from_runs(out, title, colors)
+    return ran
 
 
 def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend: bool, hold,

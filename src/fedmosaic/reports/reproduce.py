@@ -36,7 +36,7 @@ from pydantic import Field, ValidationError, model_validator
 from ..config import dump, load_config, validate
 from ..errors import ConfigError, FedMosaicError, RunError, Stopped, one_line
 from ..files import atomic_write
-from ..runs.dirs import check_out, claim, holding
+from ..runs.dirs import check_out, claim, ended, holding
 from ..runs.records import rounds_recorded
 from ..schema import Schema
 
@@ -241,13 +241,6 @@ def variant_dir(where: Path, v, variants: list) -> Path:
     return where / dir_name(v.name) if len(variants) > 1 else where
 
 
-def ended(run_dir: Path) -> bool:
-    """A run that finished (its summary written) or diverged (its rounds before are its result)."""
-    from ..runs.dirs import diverged_round
-
-    return (run_dir / "summary.json").is_file() or diverged_round(run_dir) is not None
-
-
 def find(summaries: list[dict], method: str) -> dict | None:
     """A method's summary: the variant of that name, or the only one of that algorithm."""
     exact = [s for s in summaries if s.get("name") == method]
@@ -332,11 +325,13 @@ def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
 # ---- the command ----------------------------------------------------------------------------------------------------
 def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | None = None, sets: list[str] = (),
               seeds: list[int] | None = None, progress: bool = True, gpu: bool | None = None,
-              status: bool = False) -> dict:
+              status: bool = False, methods: list[str] | None = None) -> dict:
     """Run (or resume) what the chosen claims of ``paper`` need under ``out`` and judge them; write
     ``reproduction.md`` and ``reproduction.json`` there and return the latter's content. ``status``: run and write
     nothing — how far each experiment has got, and each claim's verdict on the seeds where its methods have
-    ended. A resume takes the --set and --seeds the reproduction started with; one command at a time holds ``out``."""
+    ended. ``methods``: run only these methods of each experiment (an algorithm's name, or a variant's as
+    ``--list`` shows it); the others are left as they are, to run elsewhere or later. A resume takes the --set
+    and --seeds the reproduction started with; one command at a time holds ``out``."""
     from .compare import run_all
 
     spec = load_paper(paper)
@@ -369,6 +364,7 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
     if resume:
         for n in names:
             check_same_setting(paper, out, out / n, configs[n])
+    only = picked(paper, {n: configs[n] for n in names if n in asked}, methods)
     gpu = has_gpu() if gpu is None else gpu
     with holding(out) as hold:  # one reproduction at a time in a folder; --status reads beside it
         if not status:
@@ -391,7 +387,8 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
                 if why is None and not status and n in asked:
                     started = time.perf_counter()
                     try:
-                        run_all(cfg, where, resume=(where / "seeds.yaml").is_file(), progress=progress)
+                        run_all(cfg, where, resume=(where / "seeds.yaml").is_file(), progress=progress,
+                                only=None if only is None else only[n])
                     except (RunError, Stopped):  # the machine's problem or the user's signal: all stops
                         raise
                     except FedMosaicError as e:  # refused (e.g. too big for this machine): the rest run
@@ -412,6 +409,26 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
             atomic_write(out / "reproduction.json", json.dumps(report, indent=2).encode())
             atomic_write(out / "reproduction.md", markdown(report).encode())
     return report
+
+
+def picked(paper: str, configs: dict, methods: list[str] | None) -> dict[str, set[str]] | None:
+    """Per experiment, the directory names of its variants that ``methods`` names (an algorithm's name or a
+    variant's); a name that is no method of any of them is refused in one line before anything runs."""
+    if methods is None:
+        return None
+    from .compare import dir_name
+
+    def names(v) -> set[str]:
+        return {v.name, dir_name(v.name), v.algorithm.name}
+
+    variants = {n: cfg.variants() for n, cfg in configs.items()}
+    known = set().union(*(names(v) for vs in variants.values() for v in vs))
+    bad = [m for m in methods if m not in known]
+    if bad:
+        have = sorted({dir_name(v.name) for vs in variants.values() for v in vs})
+        raise FedMosaicError(f"reproduce {paper} --methods: {bad[0]!r} is no method of the claims asked for; "
+                             f"methods: {', '.join(have)}")
+    return {n: {dir_name(v.name) for v in vs if names(v) & set(methods)} for n, vs in variants.items()}
 
 
 def saved_request(out: Path, paper: str, scale: str, sets: list[str], seeds: list[int] | None,

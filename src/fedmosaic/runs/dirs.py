@@ -270,3 +270,8 @@ def diverged_round(out: Path) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def ended(out: Path) -> bool:
+    """A run that finished (its summary written) or diverged (its rounds before are its result)."""
+    return (out / "summary.json").is_file() or diverged_round(out) is not None
+
+
