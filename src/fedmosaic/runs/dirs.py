@@ -273,5 +273,3 @@ def diverged_round(out: Path) -> int | None:
 def ended(out: Path) -> bool:
     """A run that finished (its summary written) or diverged (its rounds before are its result)."""
     return (out / "summary.json").is_file() or diverged_round(out) is not None
-
-
