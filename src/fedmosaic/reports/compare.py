@@ -24,6 +24,7 @@ from ..runs.dirs import (
     not_a_run,
     remove_made,
     unclaimed,
+    variant_dir,
 )
 from ..runs.records import read_metrics, rounds_recorded, summarize
 from ..runs.runner import run
@@ -128,7 +129,7 @@ def _run_all(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: boo
             accuracy_matrix(s["continual_matrix"], where / "accuracy_matrix.png", title=name)
     if only is None:
         write_outputs(out, summaries, curves, f"{cfg.name}: {cfg.data.dataset}", colors)
-    elif all(ended(out / dir_name(v.name)) for v in variants):  # the last of the methods run one by one
+    elif all(ended(variant_dir(out, v, variants)) for v in variants):  # the last of the methods run one by one
         _write_from_runs(out, f"{cfg.name}: {cfg.data.dataset}", colors)
     return summaries
 
@@ -159,8 +160,7 @@ def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress
         raise
     title = f"{cfg.name}: {cfg.data.dataset}, seeds {', '.join(map(str, cfg.seeds))}"
     colors = method_colors([v.name for v in variants])
-    if only is None or all(ended(out / f"seed_{s}" / ("" if len(variants) == 1 else dir_name(v.name)))
-                           for s in cfg.seeds for v in variants):
+    if only is None or all(ended(variant_dir(out / f"seed_{s}", v, variants)) for s in cfg.seeds for v in variants):
         return _write_from_runs(out, title, colors)
     return ran
 

@@ -33,10 +33,10 @@ import numpy as np
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from ..config import dump, load_config, validate
+from ..config import dir_name, dump, load_config, validate
 from ..errors import ConfigError, FedMosaicError, RunError, Stopped, one_line
 from ..files import atomic_write
-from ..runs.dirs import check_out, claim, ended, holding
+from ..runs.dirs import check_out, claim, ended, holding, variant_dir
 from ..runs.records import rounds_recorded
 from ..schema import Schema
 
@@ -235,12 +235,6 @@ def seed_summaries(where: Path, variants: list) -> list[dict]:
     return summaries
 
 
-def variant_dir(where: Path, v, variants: list) -> Path:
-    from .compare import dir_name
-
-    return where / dir_name(v.name) if len(variants) > 1 else where
-
-
 def find(summaries: list[dict], method: str) -> dict | None:
     """A method's summary: the variant of that name, or the only one of that algorithm."""
     exact = [s for s in summaries if s.get("name") == method]
@@ -416,7 +410,6 @@ def picked(paper: str, configs: dict, methods: list[str] | None) -> dict[str, se
     variant's); a name that is no method of any of them is refused in one line before anything runs."""
     if methods is None:
         return None
-    from .compare import dir_name
 
     def names(v) -> set[str]:
         return {v.name, dir_name(v.name), v.algorithm.name}

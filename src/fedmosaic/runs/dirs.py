@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from .. import plugins
-from ..config import RunConfig, dump, load_config, validate
+from ..config import RunConfig, dir_name, dump, load_config, validate
 from ..engine.federation import Federation
 from ..errors import FedMosaicError
 from ..files import atomic_write, is_temp, refuse_dangling, remove_temp_files, set_aside
@@ -273,3 +273,8 @@ def diverged_round(out: Path) -> int | None:
 def ended(out: Path) -> bool:
     """A run that finished (its summary written) or diverged (its rounds before are its result)."""
     return (out / "summary.json").is_file() or diverged_round(out) is not None
+
+
+def variant_dir(where: Path, v: RunConfig, variants: list[RunConfig]) -> Path:
+    """The directory of the variant ``v`` of a comparison of ``variants`` in ``where`` (``where`` itself for one)."""
+    return where / dir_name(v.name) if len(variants) > 1 else where
