@@ -192,6 +192,50 @@ def test_one_clients_batchnorm_statistics_cannot_move_a_robust_aggregate(rule):
             assert bool((v >= honest[k].min(0).values - 1e-6).all() & (v <= honest[k].max(0).values + 1e-6).all()), k
 
 
+def test_a_round_with_fewer_updates_than_bulyan_or_krum_needs_is_skipped_not_aggregated():
+    """check() holds the configured cohort to the rule's bounds; clients that drop out (or withhold their replies
+    in a deployment) leave fewer: Bulyan's trimmed mean over n <= 4f values was NaN, which was then kept, broadcast
+    and checkpointed. Now such a round is skipped with one warning and the server keeps its state."""
+    for rule in ({"rule": "bulyan", "f": 1}, {"rule": "krum", "f": 2, "m": 1}):
+        fed = build_federation(cfg(aggregation=rule, participation={"dropout": 0.2},
+                                   train={"rounds": 4, "clients_per_round": 7, "batch_size": 16}))
+        t = next(t for t in range(100) if len(fed.srv.cohort(t)) < 7)  # a round with dropouts: too few for the rule
+        before = {k: v.clone() for k, v in fed.srv.state["model"].items()}
+        with pytest.warns(UserWarning, match=rf"round {t}: aggregation: {rule['rule']} with f = {rule['f']} needs"):
+            fed.round(t)
+        assert all(torch.equal(before[k], v) for k, v in fed.srv.state["model"].items())
+        full = next(t for t in range(100) if len(fed.srv.cohort(t)) == 7)
+        fed.round(full)  # a full cohort is aggregated, and stays finite
+        assert not all(torch.equal(before[k], v) for k, v in fed.srv.state["model"].items())
+        assert all(bool(torch.isfinite(v).all()) for v in fed.srv.state["model"].values())
+
+
+def test_a_server_state_that_overflows_is_never_kept():
+    """Finite uploads can still overflow the server's state: one client's update of 1e25 squares to inf in FedAdam's
+    second moment (float32), which then stayed inf for the rest of the run (and froze the model: m / sqrt(inf));
+    a non-finite aggregate was kept, broadcast and checkpointed. Now the round is skipped with one warning."""
+    fed = build_federation(cfg(aggregation={"optimizer": "adam"}))
+    train = fed.pool.train
+
+    def huge(*args, **kw):
+        parts = train(*args, **kw)
+        up = {k: v.clone() for k, v in parts[0]["upload"]["model"].items()}
+        for v in up.values():
+            v[0] = 1e25
+        parts[0] = {**parts[0], "upload": {**parts[0]["upload"], "model": up}}
+        return parts
+
+    fed.pool.train = huge
+    before = {k: v.clone() for k, v in fed.srv.state["model"].items()}
+    with pytest.warns(UserWarning, match=r"round 0: the aggregate of clients \[.*\] is not finite"):
+        fed.round(0)
+    assert all(torch.equal(before[k], v) for k, v in fed.srv.state["model"].items()) and fed.srv.opt_state is None
+    fed.pool.train = train
+    fed.round(1)  # the next honest round goes on from it
+    assert not all(torch.equal(before[k], v) for k, v in fed.srv.state["model"].items())
+    assert all(bool(torch.isfinite(v).all()) for v in fed.srv.opt_state["v"].values())
+
+
 def test_under_a_rule_one_clients_reported_loss_cannot_cut_everyones_learning_rate():
     """train.optimizer.plateau follows the cohort's losses, which clients report: one reporting 1e30 every round
     makes the mean flat, and the rate falls for all; under a robust rule the plateau follows their median."""

@@ -82,6 +82,20 @@ def check(s: RoundSettings, algo: type[Algorithm], tasks: bool) -> None:
                           f"{s.train.clients_per_round - agg.f} it can trust")
 
 
+def short(s: RoundSettings, n: int) -> str | None:
+    """Why the rule cannot judge the ``n`` updates that arrived (fewer than it needs for its ``f``: clients that
+    dropped out or withheld their replies), or None. ``check`` holds the configured cohort to the same bounds; this
+    holds the round's actual one, since Krum's and Bulyan's guarantees need them of the updates they see (with
+    n <= 4f Bulyan's trimmed mean is over no value at all)."""
+    agg = s.aggregation
+    rule = None if agg is None else agg.rule
+    if rule == "krum" and n <= 2 * agg.f + 2:
+        return f"krum with f = {agg.f} needs more than 2f + 2 = {2 * agg.f + 2} updates, {n} arrived"
+    if rule == "bulyan" and n < 4 * agg.f + 3:
+        return f"bulyan with f = {agg.f} needs at least 4f + 3 = {4 * agg.f + 3} updates, {n} arrived"
+    return None
+
+
 def attackers(num_clients: int, fraction: float, seed: int) -> np.ndarray:
     """The attacking clients' ids (sorted): ceil(fraction K) of the K clients, drawn once from the run seed."""
     k = min(num_clients, math.ceil(fraction * num_clients - 1e-9))

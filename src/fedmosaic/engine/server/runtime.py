@@ -8,6 +8,7 @@ federation is the number of clients, their architectures and the task calendar.
 
 from __future__ import annotations
 
+import warnings
 from itertools import zip_longest
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ from torch.utils._pytree import tree_structure
 from ...errors import ConfigError
 from ...protocol.algorithm import Algorithm
 from ...protocol.program import Signals
-from ...protocol.tree import layout, leaves, tmap, weighted_mean
+from ...protocol.tree import all_finite, layout, leaves, tmap, weighted_mean
 from .. import robust
 from ..group import Group
 from ..messages import ids_of
@@ -142,6 +143,10 @@ class ServerRuntime:
         0/0."""
         if not bool(weights.sum() > 0):
             return
+        if (why := robust.short(self.settings, len(cohort))) is not None:
+            warnings.warn(f"round {t}: aggregation: {why}; the round is skipped (the server keeps its state)",
+                          stacklevel=2)
+            return
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
         s, ref = self.settings, self.state.get("model")  # (the broadcast model: updates are measured from it)
@@ -160,17 +165,26 @@ class ServerRuntime:
             if s.privacy is not None and s.privacy.mode == "local":  # clipped and noised by each client: DP-FedAvg's
                 weights = (weights > 0).to(weights) if ruled else torch.ones_like(weights)  # uniform mean
             up = {**up, "model": model}
-        for g, got in stats:
-            g.global_buffers = average_buffers(got, weights, "median" if ruled else "max")
-        before, self.state = self.state, self.algo.aggregate(self.state, up, weights, t, signals)
-        changed = next(((b, a) for b, a in zip_longest(layout(before), layout(self.state)) if a != b), None)
+        buffers = [(g, average_buffers(got, weights, "median" if ruled else "max")) for g, got in stats]
+        state = self.algo.aggregate(self.state, up, weights, t, signals)
+        changed = next(((b, a) for b, a in zip_longest(layout(self.state), layout(state)) if a != b), None)
         if changed:  # (a plug-in's aggregate; a checkpoint, the next broadcast and a resume need the same layout)
             raise ConfigError(f"algorithm {s.algorithm!r}: aggregate returned a server state of another layout "
                               f"({_shown(changed[1])} where the state had {_shown(changed[0])}); it must return the "
                               "state's keys with their shapes and dtypes")
+        opt_state = self.opt_state
         if s.aggregation is not None and s.aggregation.optimizer != "none":
-            model, self.opt_state = robust.server_step(s, self.opt_state, ref, self.state["model"], t)
-            self.state = {**self.state, "model": model}
+            model, opt_state = robust.server_step(s, self.opt_state, ref, state["model"], t)
+            state = {**state, "model": model}
+        if not all_finite((state, opt_state, [b for _, b in buffers])):  # (finite uploads can overflow it, e.g.
+            # a server optimizer's squared update: such a state is never kept, broadcast or saved)
+            warnings.warn(f"round {t}: the aggregate of clients {cohort.tolist()[:10]} is not finite (their updates "
+                          "overflow); the round is skipped (the server keeps its state); an aggregation rule "
+                          "(norm_bound, median, krum) bounds what one client can move", stacklevel=2)
+            return
+        self.state, self.opt_state = state, opt_state
+        for g, b in buffers:
+            g.global_buffers = b
         phases = self.algo.server_program(self.state, t)
         if phases:
             self._train(phases, up, cohort, lr, t)
