@@ -251,6 +251,21 @@ def test_first_contact_refuses_a_node_with_other_data(family, field, match, tmp_
         run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "R"))
 
 
+def test_a_refusal_at_first_contact_prints_a_nodes_text_as_one_line_without_its_escapes(tmp_path, capsys):
+    """A rows hash is a node's text: a terminal escape and a newline in it reached the server's log and its error."""
+    cfg = config("fedavg")
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+
+    def evil(k, action, rec):
+        return {**rec, "rows": "\x1b[2J\x1b[H\nOK: forged"} if (k, action) == (1, "hello") else rec
+
+    grid = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes", tamper=evil)
+    with pytest.raises(FedMosaicError, match="node 1001 .client 1. holds another partition") as e:
+        run(cfg, tmp_path / "dep", progress=False, pool=lambda fed: FlowerPool(grid, fed, "t0k3n", "R"))
+    said = capsys.readouterr().out + str(e.value)
+    assert "holds another partition" in said and "\x1b" not in said and "\nOK: forged" not in said
+
+
 def test_missing_nodes_are_waited_for_then_refused(tmp_path):
     cfg = config("fedavg", deploy={"connect_timeout_s": 0.5})
     (tmp_path / "run.yaml").write_text(dump(cfg))
@@ -414,3 +429,29 @@ def test_a_fedkd_reply_claiming_a_huge_svd_width_is_rejected_before_it_is_padded
         got, _ = deployed(cfg, tmp_path, tamper=widen)
     why = got[0]["deploy"]["train"]["rejected"]["2"]
     assert "cannot be unpacked" in why and "width r" in why and "1048576" in why
+
+
+def test_a_fedkd_reply_of_zero_width_factors_as_wide_as_it_likes_is_rejected_before_it_is_padded(tmp_path):
+    """The width's bound came from the factors' own shapes: u [1, M, 0] and v [1, 0, M] with r = M passed it, and a
+    908-byte reply made the server pad two M x M tensors per matrix (M = 8000: 1 GB). A packed upload must be cut
+    from its reference's shapes, checked before unpacking."""
+    import torch
+    from hostile import _body
+    M = 4000
+
+    def flat(k, action, rec):
+        if (k, action) != (2, "train") or "body" not in rec:
+            return rec
+
+        def change(b):
+            up = b["upload"]
+            for n in up.get("u", {}):
+                up["u"][n], up["v"][n], up["r"][n] = torch.zeros(1, M, 0), torch.zeros(1, 0, M), M
+            return b
+        return _body(rec, action, change)
+
+    cfg = config("fedkd", algorithm={"name": "fedkd", "svd": True}, deploy={"min_clients": 2}, train={"rounds": 1})
+    with pytest.warns(UserWarning):
+        got, _ = deployed(cfg, tmp_path, tamper=flat)
+    why = got[0]["deploy"]["train"]["rejected"]["2"]
+    assert "is not cut from the reference's" in why and str(M) in why

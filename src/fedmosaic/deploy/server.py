@@ -107,8 +107,8 @@ class FlowerPool:
                     try:
                         node_of[self._claim(nid, r, node_of)] = nid
                     except FedMosaicError as e:
-                        refused[nid] = str(e)
-                        print(f"fedmosaic: {e}: node {nid} left out", flush=True)
+                        refused[nid] = one_line(e)  # (what a node sent, folded to one line)
+                        print(f"fedmosaic: {refused[nid]}: node {nid} left out", flush=True)
             if len(node_of) == K:
                 break
             missing = sorted(set(range(K)) - set(node_of))
@@ -162,7 +162,7 @@ class FlowerPool:
         ours = rows_hash(self.fed, k)
         if rec.get("rows") != ours or rec.get("train") != int(sizes[k]):
             raise FedMosaicError(
-                f"node {nid} (client {k}) holds another partition: its rows hash {str(rec.get('rows'))[:12]} and "
+                f"node {nid} (client {k}) holds another partition: its rows hash {short_repr(rec.get('rows'), 16)} and "
                 f"{short_repr(rec.get('train'))} train samples, the server's {ours[:12]} and {int(sizes[k])} (the "
                 "same config, data and seed on both sides give the same partition: check the node's data-dir)")
         if rec.get("public") != public_hash(self.fed):
@@ -281,6 +281,7 @@ class FlowerPool:
         except CorruptDataError as e:
             raise Rejected(str(e)) from None
         if action == "train":  # an upload as it travels (Algorithm.pack_upload) -> its fixed shapes
+            _cut_from(body, want)
             try:
                 body = self._unpacked(body)
             except (ValueError, KeyError, TypeError, AttributeError, IndexError, RuntimeError) as e:
@@ -479,6 +480,21 @@ def _named_scalars(terms) -> bool:
     return isinstance(terms, dict) and len(terms) <= 32 and all(
         isinstance(n, str) and 0 < len(n) <= 64 and n.isprintable() and isinstance(v, torch.Tensor)
         and v.is_floating_point() and tuple(v.shape) == (1,) for n, v in terms.items())
+
+
+def _cut_from(body, want: dict) -> None:
+    """A packed upload is cut from the fixed shapes of its reference, never grown: every tensor at a path the
+    reference has, of its rank and dtype and no dimension larger — checked before unpacking, which pads (FedKD's
+    widths, whose bound a node would otherwise set itself: 900 bytes asking for gigabytes)."""
+    ref = {p: (s, d) for p, s, d in layout(want.get("upload") if isinstance(want, dict) else None, "/upload")}
+    got = body.get("upload") if isinstance(body, dict) else None
+    for p, s, d in layout(got, "/upload"):
+        if d is None:  # (a number or a name: unpack_upload judges it)
+            continue
+        r = ref.get(p)
+        if r is None or r[1] != d or len(s) != len(r[0]) or any(a > b for a, b in zip(s, r[0], strict=True)):
+            raise Rejected(f"its upload's {p[:80]!r} of shape {list(s)[:8]} is not cut from the reference's "
+                           f"{list(r[0]) if r else None}")
 
 
 def _no_terms(body: dict) -> dict:
