@@ -195,6 +195,8 @@ def test_a_stopped_deployment_resumes_on_restarted_nodes_with_the_uninterrupted_
     fresh = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes")  # new Context.state, same node files
     run(cfg, tmp_path / "dep", resume=True, progress=False, pool=lambda fed: FlowerPool(fresh, fed, "t0k3n", "R"))
     assert same_metrics(read_metrics(tmp_path / "dep"), simulated(cfg, tmp_path), tol=0) == []
+    folders = sorted((tmp_path / "nodes").glob("*/client-*"))  # (a client's personal model: its owner's alone)
+    assert len(folders) == 3 and all(f.stat().st_mode & 0o777 == 0o700 for f in folders)
 
 
 def test_the_simulator_refuses_to_resume_a_deployed_run_and_leaves_its_checkpoints(tmp_path):

@@ -60,6 +60,7 @@ class NodeStore:
 
         data = codec.encode("store", state)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir.chmod(0o700)  # (a client's personal model and store: its owner's alone, whatever the umask)
         atomic_write(self.path(stamp), data)
         for old in sorted(self.dir.glob("stamp_*.fmsg"))[:-KEEP_STAMPS]:
             old.unlink(missing_ok=True)
