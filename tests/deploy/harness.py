@@ -62,6 +62,8 @@ class LocalFederation:
         self.env = {**os.environ, "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
                     "FLWR_HOME": str(self.home), "FEDMOSAIC_DATA": data_dir, "OMP_NUM_THREADS": "1",
                     "FLWR_SUPEREXEC_TASK_POLL_INTERVAL": "0.2"}  # fewer idle seconds per message
+        self.keys = self.root / "node_keys.json"  # the gateway's allow-list: every key registered here
+        self.keys.write_text("{}")
         self.procs: dict[str, subprocess.Popen] = {}
         self.offsets: dict[str, int] = {}
         (self.root / "logs").mkdir(exist_ok=True)
@@ -96,7 +98,7 @@ class LocalFederation:
         p = self.pki
         self._start("gateway", [exe("fedmosaic"), "gateway", "--listen", f"127.0.0.1:{self.port}", "--superlink",
                                 f"127.0.0.1:{self.link_port}", "--certfile", str(p / "server.pem"), "--keyfile",
-                                str(p / "server.key"), "--ca", str(p / "ca.crt")])
+                                str(p / "server.key"), "--ca", str(p / "ca.crt"), "--node-keys", str(self.keys)])
         self._up("gateway", self.port, "/v1/fleet/get-run", timeout)
 
     def _up(self, name: str, port: int, path: str, timeout: float) -> None:
@@ -120,6 +122,11 @@ class LocalFederation:
                               cwd=self.root)
 
     def register(self, pub: Path) -> int:
+        from fedmosaic.deploy.prepare import public_key_pem
+        from fedmosaic.files import atomic_write
+
+        keys = json.loads(self.keys.read_text())
+        atomic_write(self.keys, json.dumps({**keys, str(pub): public_key_pem(pub)}).encode())
         r = self.flwr("supernode", "register", str(pub), "fedmosaic", "--format", "json")
         out = json.loads(r.stdout)
         if not out.get("success"):

@@ -70,3 +70,57 @@ def test_a_body_over_the_limit_is_refused_declared_or_chunked(gateway):
 
     r = gateway.post("/v1/fleet/push-object", content=chunks())
     assert r.status_code == 413 and "a body over 1 MB" in r.text
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory):
+    """The gateway with ``--node-keys``: only node-0's key (of the PKI's two) is the deployment's."""
+    import json
+
+    from fedmosaic.deploy.gateway import node_keys
+    from fedmosaic.deploy.prepare import public_key_pem
+
+    pki = tmp_path_factory.mktemp("gwk") / "pki"
+    make_pki(pki, ["127.0.0.1"], 2)
+    (pki / "keys.json").write_text(json.dumps({"0": public_key_pem(pki / "node-0.pub")}))
+    with TestClient(make_app("127.0.0.1:9", str(pki / "ca.crt"), max_body_mb=1,
+                             keys=node_keys(pki / "keys.json"))) as client:
+        yield client, pki
+
+
+def signed(key_file, stamp=None, sign=None) -> dict:
+    """Flower's node authentication headers (flwr 1.42's NodeAuthHttpInterceptor) for the node key ``key_file``."""
+    from base64 import b64encode
+
+    from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+    from flwr.supercore.date import now
+    from flwr.supercore.primitives.asymmetric import public_key_to_bytes, sign_message
+
+    key = load_ssh_private_key(key_file.read_bytes(), None)
+    stamp = stamp or now().isoformat()
+    return {**HEADERS, "flwr-public-key": b64encode(public_key_to_bytes(key.public_key())).decode(),
+            "flwr-timestamp": stamp, "flwr-signature": b64encode(sign_message(key, (sign or stamp).encode())).decode()}
+
+
+def test_with_node_keys_only_a_signed_request_of_a_deployment_node_is_read(keyed):
+    """Whoever reaches the gateway could make it hold a body up to the limit (16 half-sent 64 MiB bodies: 1 GB held,
+    found by a review); with --node-keys a request is refused (401, one line) before its body is read unless one of
+    the deployment's node keys signed its fresh timestamp, as Flower's SuperLink checks after it."""
+    import datetime
+
+    client, pki = keyed
+    old = (datetime.datetime.now(datetime.UTC) - datetime.timedelta(minutes=10)).isoformat()
+    for headers, why in [(HEADERS, "no node's signature (Flower's node authentication headers)"),
+                         (signed(pki / "node-1"), "the key is not one of this deployment's nodes"),
+                         (signed(pki / "node-0", stamp=old), "the signed timestamp is not fresh"),
+                         (signed(pki / "node-0", sign="2000-01-01T00:00:00+00:00"), "the signature does not verify")]:
+        r = client.post(PATH, content=push(), headers=headers)
+        assert r.status_code == 401 and r.text == f"refused by the fleet gateway: {why}\n", r.text
+    r = client.post(PATH, content=push(), headers=signed(pki / "node-0"))
+    assert r.status_code == 502 and "did not answer" in r.text  # forwarded (nothing listens behind it here)
+    r = client.post(PATH, content=b"\xff not protobuf", headers=signed(pki / "node-0"))
+    assert r.status_code == 403  # the checks of a node's body still apply after its signature
+    # an unsigned activation goes on (the SuperLink refuses it in Flower's words, which the node logs), body capped
+    assert client.post("/v1/fleet/activate-node", content=b"\0" * 100, headers=HEADERS).status_code == 502
+    r = client.post("/v1/fleet/activate-node", content=b"\0" * (64 * 1024 + 1), headers=signed(pki / "node-1"))
+    assert r.status_code == 413 and "an unsigned activation over 64 KiB" in r.text

@@ -63,6 +63,7 @@ def test_deploy_writes_the_app_the_pki_and_the_commands(tmp_path, capsys):
     assert 'address = "127.0.0.1:9092"' in home and 'root-certificates = "' in home
     assert "--host 127.0.0.1 --port 9092" in printed and "fedmosaic gateway --listen 127.0.0.1:9093" in printed
     assert "--superlink 127.0.0.1:9093" in printed  # the SuperNodes reach the gateway
+    assert f"--node-keys {out / 'app' / 'fedmosaic_app' / 'node_keys.json'} " in printed  # it checks their keys
     keys = json.loads((out / "app" / "fedmosaic_app" / "node_keys.json").read_text())
     assert sorted(keys) == ["0", "1", "2"] and all("BEGIN PUBLIC KEY" in v for v in keys.values())
     assert len(set(keys.values())) == 3
@@ -98,6 +99,34 @@ def test_deploy_refuses_bad_arguments_in_one_line_and_writes_nothing(args, messa
     assert re.search(message, err), err
     assert err.count("\n") == 1 and "Traceback" not in err
     assert not (tmp_path / "dep").exists() and not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--superlink", "127.0.0.1:abc", "--superlink: '127.0.0.1:abc' is not HOST:PORT"),
+    ("--superlink", "[::1", "--superlink: '.::1' is not HOST:PORT"),
+    ("--superlink", "http://x:1", "--superlink: 'http://x' is neither an IP address nor a host name"),
+    ("--superlink", "127.0.0.1:99999", "is not HOST:PORT"),
+    ("--listen", "bad host:1", "--listen: 'bad host' is neither"),
+])
+def test_the_gateway_refuses_a_bad_address_in_one_line(flag, value, message, tmp_path, capsys):
+    args = {"--listen": "127.0.0.1:1", "--superlink": "127.0.0.1:2", flag: value}
+    assert main(["gateway", *[a for kv in args.items() for a in kv], "--certfile", "x", "--keyfile", "x",
+                 "--ca", "x"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and err.count("\n") == 1, err
+
+
+def test_the_gateway_refuses_a_node_keys_file_that_is_not_one_in_one_line(tmp_path, capsys):
+    from fedmosaic.deploy.prepare import make_pki
+
+    make_pki(tmp_path / "pki", ["127.0.0.1"], 1)
+    (tmp_path / "keys.json").write_text('{"0": "not a key"}')
+    p = {f: str(tmp_path / "pki" / n) for f, n in (("--certfile", "server.pem"), ("--keyfile", "server.key"),
+                                                   ("--ca", "ca.crt"))}
+    assert main(["gateway", "--listen", "127.0.0.1:1", "--superlink", "127.0.0.1:2", *[a for kv in p.items()
+                 for a in kv], "--node-keys", str(tmp_path / "keys.json")]) == 2
+    err = capsys.readouterr().err
+    assert "--node-keys" in err and "not a JSON object of PEM public keys" in err and err.count("\n") == 1, err
 
 
 @pytest.mark.parametrize("host, listen, node", [("::1", "'[::1]:9093'", "[::1]:9093"),

@@ -64,20 +64,30 @@ def _deploy(args) -> None:
 
 
 def _gateway(args) -> None:
+    from cryptography.exceptions import UnsupportedAlgorithm
+
     from ..deploy.common import flower
-    from ..deploy.gateway import serve
+    from ..deploy.gateway import node_keys, serve
     from ..deploy.prepare import address, check_host
 
     flower()
+    for flag, given in (("--listen", args.listen), ("--superlink", args.superlink)):
+        host, _, port = given.rpartition(":")
+        if not port.isdigit() or not 1 <= int(port) <= 65535 or host.startswith("[") != host.endswith("]"):
+            raise FedMosaicError(f"{flag}: {given[:80]!r} is not HOST:PORT (port 1-65535; IPv6 in brackets)")
+        check_host(host.strip("[]"), flag)
     host, _, port = args.listen.rpartition(":")
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise FedMosaicError(f"--listen: {args.listen[:80]!r} is not HOST:PORT (port 1-65535; IPv6 in brackets)")
-    check_host(host.strip("[]"))
-    for f in (args.certfile, args.keyfile, args.ca):
+    for f in (args.certfile, args.keyfile, args.ca, *([args.node_keys] if args.node_keys else [])):
         if not Path(f).is_file():
             raise FedMosaicError(f"gateway: {f} is not a file")
+    if args.node_keys:
+        try:
+            node_keys(args.node_keys)()
+        except (ValueError, TypeError, AttributeError, UnsupportedAlgorithm) as e:
+            raise FedMosaicError(f"gateway: --node-keys {args.node_keys}: not a JSON object of PEM public keys "
+                                 f"({one_line(e, 120)})") from None
     serve(address(host.strip("[]"), int(port)), args.superlink, args.certfile, args.keyfile, args.ca,
-          args.max_body_mb)
+          args.max_body_mb, args.node_keys)
 
 
 def _run(args) -> None:
@@ -420,6 +430,8 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--ca", required=True, help="the CA that signed the SuperLink's certificate")
     gw.add_argument("--max-body-mb", type=_at_least(1), default=1024, metavar="MB",
                     help="refuse a node's request body over this, read or not (commands.sh: from deploy.max_reply_mb)")
+    gw.add_argument("--node-keys", metavar="FILE", help="the deployment's node keys (the app's node_keys.json; read "
+                    "again when it changes): a request not signed by one of them is refused before its body is read")
     gw.set_defaults(fn=_gateway)
 
     rp = sub.add_parser("report", help="table (and learning curves) of existing run directories, finished or not")

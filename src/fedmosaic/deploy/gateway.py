@@ -7,7 +7,11 @@ on the server, stop the operator's run (docs/design.md "Deployment: who can do w
 the SuperLink to the server's loopback and puts this gateway on the address the nodes reach: it terminates TLS with
 the SuperLink's certificate and forwards the Fleet API's node operations alone (``FLEET``, POST) to the SuperLink
 over TLS on loopback; anything else is refused with 403 and a one-line reason, before it reaches the SuperLink. A
-node's own authentication (its registered key signs every Fleet request's headers) passes through unchanged.
+node's own authentication (its registered key signs every Fleet request's headers) passes through unchanged; with
+``--node-keys`` (``commands.sh`` gives the app's ``node_keys.json``) the gateway checks it first, before it reads a
+byte of the body: a caller whose key is not the deployment's, whose signature of the timestamp does not verify or
+whose timestamp is stale gets 401 (its activation goes on to the SuperLink, body capped at 64 KiB, to be refused
+there in Flower's words), so only the deployment's nodes can make it hold a body larger than that.
 
 Run as ``fedmosaic gateway --listen HOST:PORT --superlink 127.0.0.1:PORT --certfile ... --keyfile ... --ca ...``
 (``commands.sh`` does).
@@ -16,6 +20,8 @@ Run as ``fedmosaic gateway --listen HOST:PORT --superlink 127.0.0.1:PORT --certf
 from __future__ import annotations
 
 import contextlib
+import json
+from pathlib import Path
 
 #: the Fleet API's calls a registered node makes (flwr 1.42, ``superlink/routers/fleet/router.py``); node
 #: self-registration is not among them (the SuperLink refuses it under --enable-supernode-auth anyway)
@@ -28,6 +34,10 @@ _DROP = frozenset(("host", "connection", "keep-alive", "transfer-encoding", "te"
 REFUSED = "refused by the fleet gateway: only the Fleet API's node operations are served on this address"
 #: the request bodies the gateway reads itself before it forwards them (``check_push``)
 PUSH = "/v1/fleet/push-messages"
+#: with node keys, the one call forwarded unsigned by them, its body at most SMALL bytes: a node whose key is not
+#: registered then hears the SuperLink's own refusal ("Failed to activate SuperNode"), not a 401 that Flower's
+#: SuperNode takes for a graceful end
+ACTIVATE, SMALL = "/v1/fleet/activate-node", 64 * 1024
 
 
 def check_push(body: bytes) -> str | None:
@@ -57,9 +67,69 @@ def check_push(body: bytes) -> str | None:
     return None
 
 
-def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0):
+def node_keys(path: str | Path):
+    """A function giving the DER public keys of the deployment's nodes from ``path`` (``node_keys.json``: client
+    id -> PEM), read again when the file changes (a node added later is registered and added to it)."""
+    from cryptography.hazmat.primitives import serialization
+
+    path, seen = Path(path), {}
+
+    def keys() -> frozenset[bytes]:
+        try:
+            stamp = path.stat().st_mtime_ns
+            if seen.get("stamp") != stamp:
+                seen.update(stamp=stamp, keys=frozenset(
+                    serialization.load_pem_public_key(pem.encode()).public_bytes(
+                        serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+                    for pem in json.loads(path.read_text()).values()))
+        except (OSError, ValueError, TypeError, AttributeError):
+            if "keys" not in seen:  # (at start: one line from the CLI)
+                raise
+            seen.pop("stamp")  # a file being rewritten: the keys read before, until it reads whole
+        return seen["keys"]
+    return keys
+
+
+def unsigned(headers, keys: frozenset[bytes]) -> str | None:
+    """Why a Fleet request does not come from one of the nodes ``keys``, or None: Flower's own check (its node
+    authentication: the timestamp header signed by the key it names, fresh within Flower's window), with the key
+    one of the deployment's. (The SuperLink checks the same, and that the key is the node id's, after this.)"""
+    import base64
+    import binascii
+    import datetime
+
+    from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from flwr.common.constant import SYSTEM_TIME_TOLERANCE, TIMESTAMP_HEADER, TIMESTAMP_TOLERANCE
+    from flwr.supercore.constant import FLEET_HTTP_PUBLIC_KEY_HEADER, FLEET_HTTP_SIGNATURE_HEADER
+
+    try:
+        key = serialization.load_pem_public_key(base64.b64decode(headers[FLEET_HTTP_PUBLIC_KEY_HEADER], validate=True))
+        signature = base64.b64decode(headers[FLEET_HTTP_SIGNATURE_HEADER], validate=True)
+        stamp = headers[TIMESTAMP_HEADER]
+        age = (datetime.datetime.now(datetime.UTC) - datetime.datetime.fromisoformat(stamp)).total_seconds()
+    except (KeyError, ValueError, TypeError, binascii.Error, UnsupportedAlgorithm):
+        return "no node's signature (Flower's node authentication headers)"
+    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if der not in keys:
+        return "the key is not one of this deployment's nodes"
+    if not -SYSTEM_TIME_TOLERANCE < age < TIMESTAMP_TOLERANCE + SYSTEM_TIME_TOLERANCE:
+        return "the signed timestamp is not fresh"
+    try:
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            raise InvalidSignature
+        key.verify(signature, stamp.encode("ascii"), ec.ECDSA(hashes.SHA256()))
+    except (InvalidSignature, UnicodeError, ValueError):
+        return "the signature does not verify"
+    return None
+
+
+def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0, keys=None):
     """The gateway's ASGI app, forwarding to ``https://<superlink>`` verified against the CA file ``ca``. A body
-    over ``max_body_mb`` is refused whether it declares its length or streams in chunks (read up to the limit)."""
+    over ``max_body_mb`` is refused whether it declares its length or streams in chunks (read up to the limit).
+    ``keys`` (:func:`node_keys`): only requests signed by one of these nodes are read (and unsigned activations,
+    up to 64 KiB: ``ACTIVATE``)."""
     import httpx
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -69,19 +139,24 @@ def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0):
     client = httpx.AsyncClient(base_url=f"https://{superlink}", verify=ca, timeout=httpx.Timeout(120.0))
     limit = int(max_body_mb * 2**20)
     too_big = f"refused by the fleet gateway: a body over {max_body_mb:g} MB\n"
+    too_big_unsigned = f"refused by the fleet gateway: an unsigned activation over {SMALL // 1024} KiB\n"
 
     async def forward(request: Request) -> Response:
         path = request.url.path
         if request.method != "POST" or path not in FLEET:
             return PlainTextResponse(f"{REFUSED} ({request.method} {path[:100]})\n", status_code=403)
+        why = unsigned(request.headers, keys()) if keys is not None else None
+        if why and path != ACTIVATE:
+            return PlainTextResponse(f"refused by the fleet gateway: {why}\n", status_code=401)
+        cap, big = (SMALL, too_big_unsigned) if why else (limit, too_big)  # (unsigned: an activation, see ACTIVATE)
         declared = request.headers.get("content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            return PlainTextResponse(too_big, 413)
+        if declared is not None and (not declared.isdigit() or int(declared) > cap):
+            return PlainTextResponse(big, 413)
         body = bytearray()
         async for chunk in request.stream():  # chunked bodies too: never more than the limit held
             body += chunk
-            if len(body) > limit:
-                return PlainTextResponse(too_big, 413)
+            if len(body) > cap:
+                return PlainTextResponse(big, 413)
         body = bytes(body)
         why = check_push(body) if path == PUSH else None
         if why:
@@ -103,12 +178,14 @@ def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0):
     return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
 
 
-def serve(listen: str, superlink: str, certfile: str, keyfile: str, ca: str, max_body_mb: float = 1024) -> None:
+def serve(listen: str, superlink: str, certfile: str, keyfile: str, ca: str, max_body_mb: float = 1024,
+          keys_file: str | None = None) -> None:
     """Serve the gateway on ``listen`` (HOST:PORT, IPv6 in brackets) until stopped."""
     import uvicorn
 
     host, port = split_address(listen)
-    uvicorn.run(make_app(superlink, ca, max_body_mb), host=host, port=port, ssl_certfile=certfile,
+    keys = node_keys(keys_file) if keys_file else None
+    uvicorn.run(make_app(superlink, ca, max_body_mb, keys), host=host, port=port, ssl_certfile=certfile,
                 ssl_keyfile=keyfile, log_level="warning", workers=1)
 
 

@@ -150,15 +150,15 @@ def node_config(client: int, state_dir: str | Path, data_dir: str | None = None)
 _HOSTNAME = re.compile(r"(?=.{1,253}$)([A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)(\.[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*\.?")
 
 
-def check_host(host: str) -> str:
-    """``host`` if it is an IP address or a DNS name (RFC 1123), else one line."""
+def check_host(host: str, flag: str = "--host") -> str:
+    """``host`` if it is an IP address or a DNS name (RFC 1123), else one line naming ``flag``."""
     try:
         ipaddress.ip_address(host)
         return host
     except ValueError:
         pass
     if not _HOSTNAME.fullmatch(host) or host.replace(".", "").isdigit():
-        raise FedMosaicError(f"--host: {host[:80]!r} is neither an IP address nor a host name (letters, digits, '-' "
+        raise FedMosaicError(f"{flag}: {host[:80]!r} is neither an IP address nor a host name (letters, digits, '-' "
                              "and '.'; an IPv6 address without brackets)")
     return host
 
@@ -297,7 +297,8 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
         f"# 2. the fleet gateway on {public}, the one address nodes reach: TLS, the Fleet API's node calls alone",
         f"setsid fedmosaic gateway --listen {q(public)} --superlink {q(link)} --certfile {q(str(pki / 'server.pem'))} "
         f"--keyfile {q(str(pki / 'server.key'))} --ca {q(str(pki / 'ca.crt'))} "
-        f"--max-body-mb {gateway_limit_mb(cfg.deploy.max_reply_mb)} & pids+=($!)",
+        f"--max-body-mb {gateway_limit_mb(cfg.deploy.max_reply_mb)} --node-keys {q(str(app_pkg / NODE_KEYS))} "
+        "& pids+=($!)",
         "# 3. register each node's public key, once the SuperLink answers",
         f"for i in $(seq 60); do flwr supernode list {LINK} >/dev/null 2>&1 && break; sleep 1; done",
         *[f"flwr supernode register {q(str(pki / f'node-{k}.pub'))} {LINK}" for k in range(K)],
