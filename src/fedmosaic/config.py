@@ -655,6 +655,17 @@ def validate(raw: dict, where: str = "config") -> RunConfig:
     return cfg
 
 
+def trainable(cfg: RunConfig) -> int:
+    """How many clients ever train: all but ``participation.held_out``'s (a scheme's own count: unknown here, so
+    ``train.clients_per_round``)."""
+    from .engine.seeding import held_out_count
+
+    k = cfg.data.clients
+    if k is None:
+        return cfg.train.clients_per_round
+    return k - held_out_count(k, cfg.participation.held_out if cfg.participation else 0.0)
+
+
 def advise(cfg: RunConfig, compare_given: bool = False) -> None:
     """Warn about what a new run's config holds but will not use, and refuse an algorithm that would silently not
     run (not for the configs a run directory saved: a
@@ -676,6 +687,9 @@ def advise(cfg: RunConfig, compare_given: bool = False) -> None:
             warnings.warn(f"eval.report_every: {cfg.eval.report_every} is a multiple of eval.every "
                           f"({cfg.eval.every}): those rounds report with their evaluation anyway; it adds nothing",
                           stacklevel=2)
+    if (k := cfg.train.clients_per_round) > (n := trainable(cfg)):
+        warnings.warn(f"train.clients_per_round: {k}, but participation.held_out leaves {n} of the "
+                      f"{cfg.data.clients} clients that train; each round samples those {n}", stacklevel=2)
     # the default section (which comparison.yaml files written before dump() left it out hold) says nothing
     if cfg.compare and not compare_given and cfg.algorithm != AlgorithmConfig() and cfg.algorithm not in cfg.compare:
         raise ConfigError(f"algorithm: {label(cfg.algorithm)} would not run: beside compare: only its entries run; "
@@ -684,8 +698,12 @@ def advise(cfg: RunConfig, compare_given: bool = False) -> None:
 
 def check_family(cfg: RunConfig, algo) -> None:
     """The settings an algorithm (its class ``algo``) needs or cannot use, each refused in one line before anything
-    is written — for every entry of a comparison before its first variant runs."""
+    is written — for every entry of a comparison before its first variant runs (so ``--check`` refuses them too)."""
+    from .engine import robust
+
     name = algo.name
+    # the robust stage, attack and privacy (the run's settings carry the same fields; the world checks them again)
+    robust.check(cfg, algo, cfg.data.tasks is not None, min(cfg.train.clients_per_round, trainable(cfg)))
     if cfg.model.heterogeneous and (algo.global_model or algo.shares_weights):
         what = "one global model" if algo.global_model else "part of its clients' weights"
         raise ConfigError(f"model.heterogeneous: algorithm {name!r} averages {what}, so every client needs the same "

@@ -132,6 +132,18 @@ def test_an_algorithm_with_its_own_server_step_or_too_few_clients_for_krum_is_re
         assert not out.exists()
 
 
+def test_the_rules_bounds_hold_for_the_clients_that_train_and_a_cohort_larger_than_them_is_warned_of(capsys):
+    """participation.held_out leaves fewer clients to sample than train.clients_per_round: Bulyan's bound was held
+    to the configured 15 while each round sampled the 10 that train; and the smaller cohort went unsaid."""
+    base = ["run", "quickstart", "--set", "compare=null", "--set", "participation={held_out: 0.5}", "--check"]
+    assert main([*base, "--set", "train.clients_per_round=15", "--set", "aggregation={rule: bulyan, f: 2}"]) == 2
+    err = capsys.readouterr().err
+    assert "needs at least 4f + 3 = 11 clients a round (a round samples 10 of train.clients_per_round 15" in err
+    assert main([*base, "--set", "train.clients_per_round=15"]) == 0
+    err = capsys.readouterr().err
+    assert "train.clients_per_round: 15, but participation.held_out leaves 10 of the 20 clients that train" in err
+
+
 def _final(out):
     return read_metrics(out)[-1]["global"]["acc"]
 
@@ -455,6 +467,21 @@ def test_a_private_run_reports_epsilon_each_round_and_stops_before_its_budget(tm
     assert len(recs) == 2 and eps[0] < eps[1] <= 6.0
     assert json.loads((out / "summary.json").read_text())["epsilon"] == eps[-1]
     assert eps[-1] == pytest.approx(robust.rdp_epsilon(1.0, 2, 1e-5, fixed=(20, 10)))
+
+
+def test_the_accountant_samples_from_the_clients_that_can_be_chosen_not_the_held_out_ones(tmp_path):
+    """participation.held_out clients are never sampled: with half of 20 held out, a cohort of 10 is every client
+    that trains, every round, and no sampling amplifies the privacy. The accountant counted all 20 (epsilon 7.47
+    where 9.01 is spent after 3 rounds)."""
+    pytest.importorskip("dp_accounting")
+    out = tmp_path / "dp"
+    assert main(["run", "quickstart", "--set", "compare=null", "--set", "train.rounds=3", "--out", str(out),
+                 "--set", "privacy={noise: 1.0, clip: 1.0}", "--set", "participation={held_out: 0.5}",
+                 "--no-progress"]) == 0
+    recs = read_metrics(out)
+    assert {r["clients"] for r in recs} == {10}
+    assert recs[-1]["privacy"]["epsilon"] == pytest.approx(robust.rdp_epsilon(1.0, 3, 1e-5))
+    assert recs[-1]["privacy"]["epsilon"] > robust.rdp_epsilon(1.0, 3, 1e-5, fixed=(20, 10)) + 1
 
 
 def test_adaptive_clipping_settles_at_the_target_quantile_where_flowers_rule_collapses():

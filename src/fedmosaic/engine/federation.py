@@ -139,7 +139,7 @@ class Federation:
 
     def _spent(self, t: int) -> dict:
         """Client-level DP: the (epsilon, delta) of rounds 0..t (epsilon None: no noise, no guarantee)."""
-        eps = robust.epsilon(self.settings, t + 1, self.num_clients)
+        eps = robust.epsilon(self.settings, self.srv.populations(t + 1))
         return {"epsilon": eps if np.isfinite(eps) else None, "delta": self.settings.privacy.delta,
                 "clip": self.srv.dp_clip}  # (the next round's: adaptive clipping moves it)
 

@@ -22,6 +22,7 @@ then reduces the updates so that the algorithm's weighted mean of the rows it re
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -45,8 +46,9 @@ def eligible(algo: type[Algorithm]) -> bool:
     return bool(algo.global_model) and algo.aggregate is Algorithm.aggregate
 
 
-def check(s: RoundSettings, algo: type[Algorithm], tasks: bool) -> None:
-    """One line, before anything runs, when the stage or the attack does not apply to the algorithm or cohort."""
+def check(s: RoundSettings, algo: type[Algorithm], tasks: bool, cohort: int) -> None:
+    """One line, before anything runs, when the stage or the attack does not apply to the algorithm or to the
+    ``cohort`` (the clients a round samples: ``train.clients_per_round``, or fewer where fewer train)."""
     agg, attack = s.aggregation, s.attack
     active = agg is not None and agg.rule != "mean"
     opt = agg is not None and agg.optimizer != "none"
@@ -71,15 +73,18 @@ def check(s: RoundSettings, algo: type[Algorithm], tasks: bool) -> None:
                               f"aggregation.rule {agg.rule} cannot be combined with it (a server optimizer can, and "
                               "a rule can after privacy.mode: local)")
         accountant()  # the extra, in one line, before anything runs
-    if active and agg.rule == "krum" and s.train.clients_per_round <= 2 * agg.f + 2:
+    given = f"a round samples {cohort}" + ("" if cohort == s.train.clients_per_round else
+                                             f" of train.clients_per_round {s.train.clients_per_round}: only "
+                                             f"{cohort} clients train (participation.held_out)")
+    if active and agg.rule == "krum" and cohort <= 2 * agg.f + 2:
         raise ConfigError(f"aggregation: krum with f = {agg.f} needs more than 2f + 2 = {2 * agg.f + 2} clients a "
-                          f"round (train.clients_per_round is {s.train.clients_per_round})")
-    if active and agg.rule == "bulyan" and s.train.clients_per_round < 4 * agg.f + 3:
+                          f"round ({given})")
+    if active and agg.rule == "bulyan" and cohort < 4 * agg.f + 3:
         raise ConfigError(f"aggregation: bulyan with f = {agg.f} needs at least 4f + 3 = {4 * agg.f + 3} clients a "
-                          f"round (train.clients_per_round is {s.train.clients_per_round})")
-    if active and agg.rule == "krum" and agg.m > s.train.clients_per_round - agg.f:
-        raise ConfigError(f"aggregation: krum keeps m = {agg.m} updates, more than the n - f = "
-                          f"{s.train.clients_per_round - agg.f} it can trust")
+                          f"round ({given})")
+    if active and agg.rule == "krum" and agg.m > cohort - agg.f:
+        raise ConfigError(f"aggregation: krum keeps m = {agg.m} updates, more than the n - f = {cohort - agg.f} it "
+                          f"can trust ({given})")
 
 
 def short(s: RoundSettings, n: int) -> str | None:
@@ -303,14 +308,20 @@ def rdp_epsilon(noise: float, steps: int, delta: float, *, poisson: float | None
     on a Poisson sample of rate ``poisson`` (neighbours add or remove one record) or a fixed-size sample ``fixed``
     = (population, sample) without replacement (neighbours replace one record), or on everything: RDP accounting
     (dp-accounting) at the orders ``ORDERS``."""
+    return _epsilon(noise, {(poisson, fixed): steps}, delta)
+
+
+def _epsilon(noise: float, steps: dict, delta: float) -> float:
+    """epsilon at ``delta`` of compositions of several kinds: ``steps`` maps (poisson, fixed) to how many."""
     accountant()
     from dp_accounting.rdp.rdp_privacy_accountant import compute_epsilon
 
-    if steps == 0:
+    if not sum(steps.values()):
         return 0.0
     if noise == 0:
         return float("inf")
-    return float(compute_epsilon(ORDERS, steps * np.asarray(_round_rdp(noise, poisson, fixed)), delta)[0])
+    rdp = sum(n * np.asarray(_round_rdp(noise, *kind)) for kind, n in steps.items() if n)
+    return float(compute_epsilon(ORDERS, rdp, delta)[0])
 
 
 @functools.lru_cache(maxsize=64)
@@ -333,12 +344,15 @@ def _round_rdp(noise: float, poisson: float | None, fixed: tuple[int, int] | Non
     return tuple(acc._rdp)  # (the accountant's own composition: count x this vector)
 
 
-def epsilon(s: RoundSettings, rounds: int, num_clients: int) -> float:
-    """The client-level epsilon (at ``privacy.delta``) of ``rounds`` rounds: ``train.clients_per_round`` of the
-    ``num_clients`` sampled without replacement each round, as the engine samples its cohorts. Local: a client's
-    own uploads, as if it took part in every round (its sampling is no secret to it), each a Gaussian mechanism of
-    std sigma C on a clipped update that any other data of the client moves by up to 2C (multiplier sigma / 2)."""
+def epsilon(s: RoundSettings, populations: list[int]) -> float:
+    """The client-level epsilon (at ``privacy.delta``) of the rounds whose cohorts were drawn from ``populations``
+    clients (per round: those that can be sampled, neither held out nor without a task then):
+    ``train.clients_per_round`` of them sampled without replacement, as the engine samples its cohorts. Local: a
+    client's own uploads, as if it took part in every round (its sampling is no secret to it), each a Gaussian
+    mechanism of std sigma C on a clipped update that any other data of the client moves by up to 2C (multiplier
+    sigma / 2)."""
     p = s.privacy
     if p.mode == "local":
-        return rdp_epsilon(p.noise / 2, rounds, p.delta)
-    return rdp_epsilon(p.noise, rounds, p.delta, fixed=(num_clients, min(s.train.clients_per_round, num_clients)))
+        return rdp_epsilon(p.noise / 2, len(populations), p.delta)
+    k = s.train.clients_per_round
+    return _epsilon(p.noise, collections.Counter((None, (n, min(k, n))) for n in populations), p.delta)

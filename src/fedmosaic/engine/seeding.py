@@ -32,11 +32,16 @@ def sample_cohort(num_clients: int, per_round: int, seed: int, round_idx: int,
     return np.sort(picked if among is None else np.asarray(among)[picked])
 
 
+def held_out_count(num_clients: int, fraction: float) -> int:
+    """How many of ``num_clients`` never train: ``fraction`` of them, at least one when it is above 0, never all."""
+    return 0 if fraction <= 0 or num_clients < 2 else min(num_clients - 1, max(1, round(fraction * num_clients)))
+
+
 def held_out(num_clients: int, fraction: float, seed: int) -> np.ndarray:
-    """The clients that never train (sorted): ``fraction`` of them, at least one when it is above 0, never all."""
-    if fraction <= 0 or num_clients < 2:
+    """The clients that never train (sorted; :func:`held_out_count` of them), drawn once from the run seed."""
+    n = held_out_count(num_clients, fraction)
+    if not n:
         return np.zeros(0, dtype=np.int64)
-    n = min(num_clients - 1, max(1, round(fraction * num_clients)))
     return np.sort(rng(seed, PARTICIPATION, 2).choice(num_clients, size=n, replace=False))
 
 

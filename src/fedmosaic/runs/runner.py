@@ -200,7 +200,7 @@ def _over_budget(cfg: RunConfig, fed: Federation, t: int) -> bool:
     p = cfg.privacy
     if p is None or p.max_epsilon is None:
         return False
-    eps = robust.epsilon(fed.settings, t + 1, fed.num_clients)
+    eps = robust.epsilon(fed.settings, fed.srv.populations(t + 1))
     if eps <= p.max_epsilon:
         return False
     warnings.warn(f"privacy: round {t} would bring epsilon to {eps:.4g} > max_epsilon {p.max_epsilon:g} (delta "

@@ -15,7 +15,7 @@ from functools import partial
 import numpy as np
 import torch
 
-from ..config import RunConfig
+from ..config import RunConfig, trainable
 from ..data.federated import FederatedData
 from ..data.federated import build as lay_out
 from ..data.partition.tasks import task_streams
@@ -145,7 +145,8 @@ class World:
         precision(cfg.engine.deterministic, cfg.engine.tf32, dev)
         check_precision(cfg.engine.precision, dev)
         # before any data are read
-        robust.check(settings, registered()[cfg.algorithm.name], cfg.data.tasks is not None)
+        robust.check(settings, registered()[cfg.algorithm.name], cfg.data.tasks is not None,
+                     min(cfg.train.clients_per_round, trainable(cfg)))
         budget = lambda: memory_bytes(dev) if cfg.engine.memory_mb is None else cfg.engine.memory_mb * 2**20  # noqa
         if fd is None:  # a model that cannot fit is refused before the data are laid out (a copy of the dataset)
             spec = data_spec(cfg)

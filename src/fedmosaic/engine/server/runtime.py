@@ -66,6 +66,7 @@ class ServerRuntime:
         self.dp_clip: float | None = None
         #: ``participation.held_out``: the clients that never train (``seeding.held_out``, drawn once by the world)
         self.held_out = held_out
+        self._population: list[int] = []  # (``populations``, per round)
 
     # ---- what goes down ---------------------------------------------------------------------------
     def chosen(self, t: int) -> np.ndarray:
@@ -75,6 +76,16 @@ class ServerRuntime:
         if len(self.held_out):
             live = np.setdiff1d(np.arange(self.num_clients) if live is None else live, self.held_out)
         return sample_cohort(self.num_clients, self.settings.train.clients_per_round, self.settings.seed, t, live)
+
+    def populations(self, rounds: int) -> list[int]:
+        """How many clients each of rounds 0..rounds-1 draws its cohort from (those ``chosen`` may pick): what the
+        privacy accountant's sampling rate is of."""
+        while len(self._population) < rounds:
+            t = len(self._population)
+            live = self.calendar.live(t) if self.calendar is not None else None
+            self._population.append(len(np.setdiff1d(np.arange(self.num_clients) if live is None else live,
+                                                     self.held_out)))
+        return self._population[:rounds]
 
     def cohort(self, t: int) -> np.ndarray:
         """The clients of round ``t`` that answer: the chosen ones but those that drop out
