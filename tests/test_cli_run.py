@@ -159,6 +159,29 @@ def test_resume_a_finished_and_an_interrupted_run(tmp_path, capsys):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_resume_of_a_folder_a_user_made_around_a_config_changes_nothing(tmp_path, capsys):
+    """A folder holding a hand-written config.yaml beside the user's own files is no run: a resume replaced their
+    metrics.jsonl, table.md and summary.json without a word (it took the missing meta.json for a run stopped while
+    starting, which holds nothing but its config)."""
+    out = tmp_path / "exp"
+    out.mkdir()
+    (out / "config.yaml").write_text(yaml.safe_dump({"name": "mine", "data": {"clients": 6}, "train": {
+        "rounds": 1, "clients_per_round": 3}, "algorithm": {"name": "fedavg"}}))
+    mine = {"metrics.jsonl": '{"round": 0, "mine": 1}\n', "table.md": "| mine |\n", "summary.json": "{}"}
+    for name, text in mine.items():
+        (out / name).write_text(text)
+    assert main(["run", "--no-progress", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "holds a config.yaml but no meta.json, beside metrics.jsonl, summary.json, table.md" in err, err
+    assert {p.name: p.read_text() for p in out.iterdir() if p.name != "config.yaml"} == mine
+    (out / "config.yaml").rename(tmp_path / "c.yaml")  # a run stopped while starting holds its config alone
+    for p in out.iterdir():
+        p.unlink()
+    (tmp_path / "c.yaml").rename(out / "config.yaml")
+    assert main(["run", "--no-progress", "--resume", str(out)]) == 0
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1 and (out / "meta.json").exists()
+
+
 def test_report_compares_existing_runs_at_a_common_round(tmp_path, capsys):
     runs = []
     for algo, rounds in (("fedavg", 3), ("fedprox", 2)):

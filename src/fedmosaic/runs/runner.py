@@ -18,7 +18,7 @@ from ..engine import robust
 from ..engine.client.runtime import NonFiniteLoss
 from ..engine.federation import Federation
 from ..errors import ClientsLost, FedMosaicError, RunError
-from ..files import atomic_write
+from ..files import atomic_write, is_temp
 from ..setup.world import build_federation
 from . import trackers
 from .checkpoints import (
@@ -79,6 +79,11 @@ def _run(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, s
     if resume:
         if not (out / "config.yaml").is_file():
             raise FedMosaicError(not_a_run(out))
+        others = sorted(p.name for p in out.iterdir() if p.name != "config.yaml" and not is_temp(p))
+        if not (out / "meta.json").exists() and others:  # (a run stopped before meta.json holds nothing else)
+            raise FedMosaicError(f"--resume: {out} holds a config.yaml but no meta.json, beside "
+                                 f"{', '.join(others[:4])}{' ...' if len(others) > 4 else ''}: not a run fedmosaic "
+                                 "started, so nothing there is resumed or overwritten; choose another folder")
         recorded, where = recorded_config(out)
         changes = config_changes(recorded, cfg, where, amend)
     trackers.check(trackers.wanted(cfg))
