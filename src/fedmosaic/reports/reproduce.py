@@ -149,8 +149,16 @@ def finished(where: Path, cfg) -> bool:
     table written and each seed's every method ended (a seed's folder lost since is run again)."""
     from .compare import diverged_first
 
+    return (where / "comparison.json").is_file() and all_ended(where, cfg)
+
+
+def all_ended(where: Path, cfg) -> bool:
+    """Every seed's every method of the experiment in ``where`` ended, with this very config (its table may not be
+    written yet: a copy of the runs alone, which the command completes without training)."""
+    from .compare import diverged_first
+
     saved, variants = where / "seeds.yaml", cfg.variants()
-    return ((where / "comparison.json").is_file() and saved.is_file() and load_config(saved) == cfg
+    return (saved.is_file() and load_config(saved) == cfg
             and all(ended(variant_dir(where / f"seed_{s}", v, variants)) or v.name in diverged_first(where / f"seed_{s}")
                     for s in cfg.seeds for v in variants))
 
@@ -369,10 +377,12 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
         runs: dict[str, dict] = {}
         for n in names:
             exp, cfg, where = spec.experiments[n], configs[n], out / n
-            run = {"command": command(exp, scale, list(sets), cfg.seeds, where), "cost": exp.cost.get(scale)}
+            run: dict = {"cost": exp.cost.get(scale)}
             why = None
             if finished(where, cfg):  # judged from its runs, also where its data or GPU is not (a copy elsewhere)
                 run["finished"] = True
+            elif (status or n not in asked) and all_ended(where, cfg):  # (the command writes its table, no more)
+                run["ended"] = True
             else:
                 why = missing_data(cfg) or (f"the {scale} setting needs a GPU and none is here"
                                             if scale in exp.gpu and not gpu else None)
@@ -388,6 +398,7 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
                     except FedMosaicError as e:  # refused (e.g. too big for this machine): the rest run
                         why = f"refused: {e}"
                     run["wall_s"] = time.perf_counter() - started
+            run = {"command": command(exp, scale, list(sets), cfg.seeds, where), **run}  # (after it: --resume)
             runs[n] = {**run, "not_run": why} if why else run
         verdicts = []
         for c in chosen:
@@ -469,6 +480,20 @@ def _num(v: float | None, std: float | None = None) -> str:
     return f"{v:.2f}" + (f" ± {std:.2f}" if std is not None else "")
 
 
+def _state(r: dict) -> str:
+    """How far one experiment of the report got, in words."""
+    so_far = r.get("progress")
+    if "not_run" in r:
+        return f"not run: {r['not_run']}" + (f"; so far: {so_far}" if so_far else "")
+    if r.get("finished"):
+        return "finished before"
+    if r.get("ended"):
+        return "every method of every seed finished; the command writes its table without training"
+    if "progress" in r:
+        return "not started" if so_far is None else f"under way: {so_far}"
+    return f"{r['wall_s']:.0f} s this time"
+
+
 def seeds_judged(c: dict) -> str:
     """The seeds a claim was judged on: " (3 seeds)", or " (1 of 3 seeds)" where fewer have its results."""
     if not c.get("seeds"):
@@ -493,10 +518,5 @@ def markdown(report: dict) -> str:
                    "ours - paper (a best: the margin to the next method); accuracies in percent points."), "",
               "Experiments (each command runs or resumes one by itself):", ""]
     for n, r in report["experiments"].items():
-        so_far = r.get("progress")
-        state = f"not run: {r['not_run']}" + (f"; so far: {so_far}" if so_far else "") if "not_run" in r else \
-            "finished before" if r.get("finished") else \
-            ("not started" if so_far is None else f"under way: {so_far}") if "progress" in r else \
-            f"{r['wall_s']:.0f} s this time"
-        lines.append(f"- `{n}` ({state}; cost: {r.get('cost') or 'not estimated'}): `{r['command']}`")
+        lines.append(f"- `{n}` ({_state(r)}; cost: {r.get('cost') or 'not estimated'}): `{r['command']}`")
     return "\n".join(lines) + "\n"

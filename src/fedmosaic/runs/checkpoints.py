@@ -162,7 +162,10 @@ def restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
         warnings.warn(f"{out}: rounds {start}-{len(records) - 1} have metrics but no usable checkpoint; they will "
                       f"be recomputed (the metrics as they were are kept in {backup.name})", stacklevel=2)
     records = records[:start]
-    atomic_write(out / "metrics.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
+    text = "".join(json.dumps(r) + "\n" for r in records).encode()
+    # (only what changes is written: a finished run's metrics stay untouched by a resume that has nothing to do)
+    if not (out / "metrics.jsonl").is_file() or (out / "metrics.jsonl").read_bytes() != text:
+        atomic_write(out / "metrics.jsonl", text)
     return start, records
 
 
