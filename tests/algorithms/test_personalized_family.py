@@ -30,6 +30,7 @@ from fedmosaic.setup.world import build_federation
 NEW = [
     {"name": "apfl_pd", "z": 1, "refresh_first": 2},
     {"name": "pfedsrb", "R": 2},
+    {"name": "pfedsrb", "R": 2, "personal": "local"},
     {"name": "pfedme", "K": 2},
     {"name": "perfedavg"},
     {"name": "fedmeta"},
@@ -221,6 +222,28 @@ def test_pfedsrb_reports_a_sparse_personal_part(fd):
     assert 0 < nonzero < total
     assert ev["report"]["personal_nonzero"] == pytest.approx(nonzero / fed.num_clients)
     assert ev["report"]["personal_sparsity"] == pytest.approx(1 - nonzero / total)
+
+
+def test_pfedsrb_personal_local_is_the_last_uploaded_model_and_w_plus_s_before_the_first_round(fd):
+    """``personal: local`` evaluates each client's last local model w_m (its upload), and W + S_m for a client that
+    has not trained yet; the default is W + S_m for every client."""
+    fed = build_federation(make_cfg(algorithm={"name": "pfedsrb", "R": 2, "personal": "local"}), fd)
+    uploads = []
+    orig = fed.algo.aggregate
+    fed.algo.aggregate = lambda s, up, *a: uploads.append(tmap(torch.clone, up)) or orig(s, up, *a)
+    rec = fed.round(0)
+    cohort = np.sort(np.random.default_rng([5, 1, 0]).choice(6, rec["clients"], replace=False))
+    store, W = fed.groups[0].store, fed.server["model"]
+    personal = [fed.algo.personal_params(tmap(lambda t, r=r: t[r], store), {"global": W})
+                for r in fed.row_of[np.arange(6)]]
+    for i, cid in enumerate(cohort):
+        assert_trees_close(personal[cid], tmap(lambda t, i=i: t[i], uploads[0]["model"]), atol=0, rtol=0)
+    for cid in sorted(set(range(6)) - set(cohort.tolist())):  # not trained: W + S_m (S_m = 0)
+        assert_trees_close(personal[cid], W, atol=0, rtol=0)
+    default = ALGORITHMS["pfedsrb"](ALGORITHMS["pfedsrb"].Config())
+    row = tmap(lambda t: t[fed.row_of[cohort[0]]], store)
+    assert_trees_close(default.personal_params(row, {"global": W}), tmap(torch.add, W, row["S"]), atol=0, rtol=0)
+    assert not torch.equal(next(iter(personal[cohort[0]].values())), next(iter(W.values())))
 
 
 # ---- pFedMe, Per-FedAvg, FedMeta, FedAvg + FT, central -----------------------------------------------

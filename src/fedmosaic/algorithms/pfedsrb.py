@@ -13,6 +13,10 @@ W + S_m. The paper gives no value for rho or R: rho = 1 and R = 5 are our defaul
 u restarts at 0 every round (``reset_u``); each w-step is ``w_steps`` minibatch steps, or ``train.local_epochs``
 epochs when unset — so a round costs R times a FedAvg round of the same epochs.
 
+``personal: local`` evaluates each client's last local model w_m (its upload, dense) instead of W + S_m: a reading of
+the paper's personalized accuracy that its text does not rule out (its §3 names S_m the personal model), tried as
+an explanation of its ordering (docs/results.md: it is not one).
+
 ``learn_s: false`` is FedProx (mu = rho): S and u both stay 0 — no S-step and no dual step, as a dual update with S
 held at 0 would pull w towards W − Σ(w − W) and undo the local training — so every phase minimises
 f(w) + (rho/2) ||w − W^t||^2 from where the last one stopped. With R = 1 that is FedProx exactly; with R > 1 it is
@@ -46,6 +50,10 @@ class PFedSRBConfig(AlgoConfig):
                                             "the local steps; with R = 1 and server_mean samples, FedProx exactly)")
     server_mean: Literal["plain", "samples"] = Field(
         "plain", description="the server's mean of the uploads: plain 1/M (the paper) or weighted by train size")
+    personal: Literal["global+S", "local"] = Field(
+        "global+S", description="the personal model evaluated: W + S_m (the paper's §3) or the client's last local "
+                                "model w_m (dense: what the client uploaded; a reading of an evaluation the paper "
+                                "does not spell out)")
 
 
 def soft_threshold(x: torch.Tensor, k: float) -> torch.Tensor:
@@ -63,7 +71,10 @@ class PFedSRB(Algorithm):
         return {**server, "model": weighted_mean(uploads["model"], w)}
 
     def init_client(self, init_params):
-        return {"S": tmap(torch.zeros_like, init_params), "u": tmap(torch.zeros_like, init_params)}
+        state = {"S": tmap(torch.zeros_like, init_params), "u": tmap(torch.zeros_like, init_params)}
+        if self.cfg.personal == "local":  # w: the last local model; W + S until the client has trained once
+            state = {**state, "w": tmap(torch.zeros_like, init_params), "trained": torch.zeros(())}
+        return state
 
     def local_init(self, payload, state):
         return {"model": tmap(torch.add, payload["global"], state["S"])}
@@ -101,10 +112,16 @@ class PFedSRB(Algorithm):
         return params, {**state, "u": {k: state["u"][k] + w[k] - S[k] - W[k] for k in w}}
 
     def finish(self, params, state, payload, stats):
-        return {"model": params["model"]}, {"S": state["S"], "u": state["u"]}  # (the anchor lives for one w-step)
+        kept = {"S": state["S"], "u": state["u"]}  # (the anchor lives for one w-step)
+        if self.cfg.personal == "local":
+            kept.update(w=params["model"], trained=torch.ones_like(state["trained"]))
+        return {"model": params["model"]}, kept
 
     def personal_params(self, state, payload):
-        return tmap(torch.add, payload["global"], state["S"])
+        mixed = tmap(torch.add, payload["global"], state["S"])
+        if self.cfg.personal == "local":
+            return {k: torch.where(state["trained"] > 0, state["w"][k], mixed[k]) for k in mixed}
+        return mixed
 
     def client_report(self, state):
         return {"nonzero": sum((t != 0).sum() for t in state["S"].values())}
