@@ -1,5 +1,6 @@
-"""How long `fedmosaic run PRESET` takes on this machine, on one CPU thread: the runtime `fedmosaic list presets`
-shows (each preset's `# runtime:` comment line).
+"""How long one method of a preset (its `algorithm:`) takes on this machine, on one CPU thread: the runtime
+`fedmosaic list presets` shows (each preset's `# runtime:` comment line), beside the number of methods its
+`compare:` lists (`fedmosaic run PRESET` runs them all, each its own time).
 
 A preset whose round is cheap runs for real, in full when the whole run fits in ``--measure-up-to`` seconds
 ("measured"), else for as many rounds as fit in ``--budget`` seconds, and the rest is extrapolated from their mean

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 from fedtest import HANG_S
 
 from fedmosaic.cli.main import main
@@ -63,8 +64,10 @@ def test_list_presets_shows_each_presets_runtime(capsys):
     out = capsys.readouterr().out
     for name in preset_names():
         # a whole run on a 2-core CPU, "~" when extrapolated from timed rounds
-        line = re.search(rf"^  {re.escape(name)} +(~?[\d.]+ (s|min|h|days))  \S", out, re.MULTILINE)
+        line = re.search(rf"^  {re.escape(name)} +(~?[\d.]+ (s|min|h|days))( x (\d+))?  \S", out, re.MULTILINE)
         assert line, f"no runtime for {name} in:\n{out}"
+        methods = len(yaml.safe_load(preset_path(name).read_text()).get("compare") or [])  # one method's time, x N
+        assert int(line[4] or 1) == max(methods, 1), (name, line[0])
         comment = [ln for ln in preset_path(name).read_text().splitlines() if ln.startswith("# runtime: ")]
         assert len(comment) == 1, name  # and it says how the time was found
         assert ("(estimated: " if line[1].startswith("~") else "(measured: ") in comment[0], name

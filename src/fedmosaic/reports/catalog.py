@@ -82,15 +82,20 @@ def models() -> list[str]:
 def presets() -> list[str]:
     """Each preset's first comment line, after its expected runtime: the TIME of its ``# runtime: TIME (how it
     was found)`` comment, '?' where it has none."""
+    import yaml
+
     from ..presets import preset_names, preset_path
 
-    out = [f"{'':28s} {'runtime':>9s}  (of `fedmosaic run NAME` on one thread of a 2-core CPU, ~ = estimated; "
-           "`compare NAME` runs each method it lists)"]
+    out = [f"{'':28s} {'runtime':>13s}  (of one method, the preset's algorithm, on one thread of a 2-core CPU, ~ = "
+           "estimated; x N: `fedmosaic run NAME` runs the N methods its compare: lists, each its own time)"]
     for name in preset_names():
-        lines = preset_path(name).read_text().splitlines()
+        text = preset_path(name).read_text()
+        lines = text.splitlines()
         about = _first_sentence(lines)
         runtime = next((m[1] for m in map(RUNTIME.match, lines) if m), "?")
-        out.append(f"{name:28s} {runtime:>9s}  {about}")
+        methods = len(yaml.safe_load(text).get("compare") or [])
+        runtime += f" x {methods}" if methods > 1 else ""
+        out.append(f"{name:28s} {runtime:>13s}  {about}")
     return out
 
 
