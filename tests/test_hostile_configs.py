@@ -80,6 +80,19 @@ CASES = [
     # public stream one entry uses is no warning either
     ("hetero-compare-without-algorithm", {"model.heterogeneous": HETERO, "data.public": NOISE, "compare": [
         {"name": "fedmd"}, {"name": "local"}]}, 0, None),
+    # settings the chosen optimizer, rule or attack does not read (a review found each accepted and ignored)
+    ("adam-with-momentum", {"train.optimizer": {"name": "adam", "lr": 0.01, "momentum": 0.9}}, 2,
+     "train.optimizer: momentum: name 'adam' does not use it (used by 'sgd'); remove it"),
+    ("sgd-with-betas", {"train.optimizer": {"lr": 0.01, "betas": [0.5, 0.9]}}, 2,
+     "betas: name 'sgd' does not use it (used by 'adam')"),
+    ("median-with-a-clip", {"aggregation": {"rule": "median", "clip": 5.0}}, 2,
+     "aggregation: clip: rule 'median' does not use it (used by 'norm_bound')"),
+    ("avgm-with-beta2", {"aggregation": {"optimizer": "avgm", "beta2": 0.9}}, 2,
+     "aggregation: beta2: optimizer 'avgm' does not use it (used by 'adam', 'yogi')"),
+    ("noise-attack-with-a-factor", {"attack": {"kind": "noise", "factor": 5.0}}, 2,
+     "attack: factor: kind 'noise' does not use it (used by 'scale', 'sign_flip')"),
+    ("defaults-written-out-are-no-setting", {"train.optimizer": {"name": "adam", "lr": 0.01, "momentum": 0.0,
+                                                                 "betas": [0.9, 0.999]}}, 0, None),
 ]
 
 

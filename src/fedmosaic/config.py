@@ -18,7 +18,7 @@ from .engine.client.augment import AugmentConfig
 from .engine.client.optim import OptimizerConfig
 from .errors import ConfigError, FedMosaicError
 from .protocol.algorithm import registered
-from .schema import MAX_COUNT, MAX_SEED, Schema
+from .schema import MAX_COUNT, MAX_SEED, Schema, unused
 
 #: A config file larger than this is not a config (a YAML alias bomb or a wrong file).
 MAX_CONFIG_BYTES = 1 << 20
@@ -303,6 +303,11 @@ class AggregationConfig(Schema):
     def _clip(self):
         if self.rule == "norm_bound" and self.clip is None:
             raise ValueError("aggregation: rule norm_bound needs clip (the largest update norm kept, e.g. 1.0)")
+        server = {"eta", "beta1", "beta2", "tau"}
+        unused(self, "rule", {"norm_bound": {"clip"}, "trimmed_mean": {"trim"}, "krum": {"f", "m"}, "bulyan": {"f"}},
+               {"optimizer"} | server)
+        unused(self, "optimizer", {"adam": server, "yogi": server, "adagrad": {"eta", "tau"}, "avgm": {"eta", "beta1"}},
+               {"rule", "clip", "trim", "f", "m"})
         return self
 
 
@@ -369,6 +374,11 @@ class AttackConfig(Schema):
     fraction: float = Field(0.1, gt=0, le=1, description="the share of all clients that attack (rounded up)")
     factor: float = Field(1000.0, description="scale and sign_flip: the multiplier")
     sigma: float = Field(1.0, ge=0, description="noise: the std of the added noise, per coordinate")
+
+    @model_validator(mode="after")
+    def _used(self):
+        unused(self, "kind", {"scale": {"factor"}, "sign_flip": {"factor"}, "noise": {"sigma"}}, {"fraction"})
+        return self
 
 
 class DeployConfig(Schema):

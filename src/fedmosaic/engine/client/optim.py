@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from pydantic import Field, field_validator, model_validator
 
-from ...schema import Schema
+from ...schema import Schema, unused
 
 
 class PlateauConfig(Schema):
@@ -56,6 +56,8 @@ class OptimizerConfig(Schema):
     def _nesterov(self):
         if self.nesterov and (self.name != "sgd" or self.momentum == 0):
             raise ValueError("nesterov: needs name 'sgd' and momentum > 0")
+        unused(self, "name", {"sgd": {"momentum", "nesterov"}, "adam": {"betas", "eps"}},
+               {"lr", "weight_decay", "lr_decay", "plateau"})
         return self
 
     def lr_at(self, round_idx: int) -> float:
