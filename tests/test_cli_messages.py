@@ -122,3 +122,20 @@ def test_list_presets_never_cuts_a_description_mid_sentence(capsys):
             block.append(line.lstrip("# ").strip())
         whole = " ".join(block)
         assert about == whole or (whole.startswith(about[:-1]) and about.endswith((".", "…"))), (about, whole)
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["run", "--out", "x", "--runs-dir", "y"], "--runs-dir: where a new run directory goes when no --out names it"),
+    (["run", "--out", ""], "argument --out: an empty path"),
+    (["run", "--resume", " "], "argument --resume: an empty path"),
+    (["report", "somewhere", "--title", "T"], "--title: the title of the plot; give --plot FILE too"),
+    (["reproduce", "apfl-pd", "--list", "--claims", "nonsense"], "it takes --scale alone (got --claims)"),
+    (["reproduce", "apfl-pd", "--list", "--out", "x", "--status"], "(got --out, --status)"),
+])
+def test_an_option_the_command_would_ignore_is_refused_in_one_line(argv, needle, tmp_path, monkeypatch, capsys):
+    """A review found each accepted and silently ignored (an empty --out fell back to runs/<name>-<time>)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and err.count("\n") == 1, err
+    assert not any(tmp_path.iterdir())  # nothing written

@@ -51,8 +51,8 @@ class PFedSRBConfig(AlgoConfig):
     server_mean: Literal["plain", "samples"] = Field(
         "plain", description="the server's mean of the uploads: plain 1/M (the paper) or weighted by train size")
     personal: Literal["global+S", "local"] = Field(
-        "global+S", description="the personal model evaluated: W + S_m (the paper's §3) or the client's last local "
-                                "model w_m (dense: what the client uploaded; a reading of an evaluation the paper "
+        "global+S", description="the personal model evaluated: W + S_m (as the paper defines it) or the client's "
+                                "last local model w_m (dense: what it uploaded; a reading of an evaluation the paper "
                                 "does not spell out)")
 
 

@@ -101,6 +101,9 @@ def _run(args) -> None:
         updates["seeds"] = args.seeds
     if args.amend and not args.resume:
         raise FedMosaicError("--amend: only with --resume RUN_DIR (it changes a run that exists)")
+    if args.runs_dir and (args.out or args.resume):
+        raise FedMosaicError(f"--runs-dir: where a new run directory goes when no --out names it; with "
+                             f"{'--out' if args.out else '--resume'} it would be ignored: give one of them")
     if args.resume:
         if args.out or args.config:
             raise FedMosaicError("--resume: the run directory has its config; give no config file or --out with it")
@@ -120,8 +123,9 @@ def _run(args) -> None:
         return
     # a new directory is created (reserved) right away, so that runs started together never share one
     reserved = not (args.resume or args.out)
-    made = first_missing(Path(args.runs_dir)) if reserved else None  # --runs-dir, where this command makes it
-    out = Path(args.resume or args.out or new_run_dir(args.runs_dir, cfg.name))
+    runs_dir = args.runs_dir or "runs"
+    made = first_missing(Path(runs_dir)) if reserved else None  # --runs-dir, where this command makes it
+    out = Path(args.resume or args.out or new_run_dir(runs_dir, cfg.name))
     resume_cmd = f"fedmosaic run --resume {shlex.quote(str(out))}"
     # a run that stopped before its first round finished leaves nothing (runner.run): resume only what is there
     started = lambda: any((out / f).exists() for f in ("config.yaml", "comparison.yaml", "seeds.yaml"))  # noqa: E731
@@ -158,6 +162,11 @@ def _reproduce(args) -> None:
     from ..reports.reproduce import REQUEST, load_paper, markdown, reproduce, seeds_judged
 
     if args.list:
+        given = [f for f, v in (("--claims", args.claims), ("--seeds", args.seeds), ("--methods", args.methods),
+                                ("--set", args.set), ("--out", args.out), ("--status", args.status)) if v]
+        if given:
+            raise FedMosaicError(f"--list: names every claim of {args.paper} with its experiment and cost, and runs "
+                                 f"nothing; it takes --scale alone (got {', '.join(given)})")
         spec = load_paper(args.paper)
         for c in spec.claims:
             exp = spec.experiments[c.experiment]
@@ -207,6 +216,8 @@ def _report(args) -> None:
     from ..reports.compare import from_runs
     from ..reports.plots import FORMATS, accuracy_per_task, diagnostics, diverged, learning_curves
 
+    if args.title and not args.plot:
+        raise FedMosaicError("--title: the title of the plot; give --plot FILE too")
     plot = Path(args.plot) if args.plot else None
     # beside it in the same format: class-incremental runs per task, the objective's parts and measures per round
     tasks, parts = (None, None) if plot is None else (plot.with_name(f"{plot.stem}-{kind}{plot.suffix}")
@@ -341,6 +352,12 @@ def _at_least(low: int):
     return parse
 
 
+def _path(text: str) -> str:
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path (a folder or file name is needed)")
+    return text
+
+
 def _fraction(text: str) -> float:
     try:
         value = float(text)
@@ -370,9 +387,11 @@ def build_parser() -> argparse.ArgumentParser:
     for q in (r, c):
         q.add_argument("config", nargs="?", help="YAML file or preset name (default: quickstart)")
         q.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.rounds=5")
-        q.add_argument("--out", help="run directory (must not exist yet)")
-        q.add_argument("--runs-dir", default="runs", help="where new run directories go (default: ./runs)")
-        q.add_argument("--resume", metavar="RUN_DIR", help="continue an interrupted run from its last checkpoint")
+        q.add_argument("--out", type=_path, help="run directory (must not exist yet)")
+        q.add_argument("--runs-dir", type=_path, help="where a new run directory goes when no --out names it "
+                       "(default: ./runs)")
+        q.add_argument("--resume", type=_path, metavar="RUN_DIR",
+                       help="continue an interrupted run from its last checkpoint")
         q.add_argument("--amend", action="store_true",
                        help="with --resume: let --set change the learning rate, rounds, evaluation or engine settings "
                        "from the next round on (recorded in meta.json), e.g. after a divergence")
@@ -397,7 +416,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "folder); the verdicts count every method that has finished")
     rr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override every experiment's config, e.g. train.rounds=2")
-    rr.add_argument("--out", help="its directory (default: runs/reproduce-PAPER-SCALE); the same command again "
+    rr.add_argument("--out", type=_path, help="its directory (default: runs/reproduce-PAPER-SCALE); the same command again "
                     "resumes it")
     rr.add_argument("--list", action="store_true", help="name the claims, their experiments and costs; run nothing")
     rr.add_argument("--status", action="store_true", help="while it runs (or after it stopped): how far each "
@@ -410,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "keys and the commands for a SuperLink and one SuperNode per client")
     dp.add_argument("config", help="YAML file or preset name")
     dp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.rounds=5")
-    dp.add_argument("--out", required=True, help="a new directory for the deployment (must not exist yet)")
+    dp.add_argument("--out", type=_path, required=True, help="a new directory for the deployment (must not exist yet)")
     dp.add_argument("--host", default="127.0.0.1", help="the SuperLink's address as nodes reach it (default "
                     "127.0.0.1; a machine's address or DNS name for real devices)")
     dp.add_argument("--port", type=int, default=9093, help="the port nodes reach: the fleet gateway's (default "
@@ -437,10 +456,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="table (and learning curves) of existing run directories, finished or not")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
     rp.add_argument("--rounds", type=_at_least(1), help="compare over the first N rounds of each run")
-    rp.add_argument("--plot", metavar="FILE", help="write the learning curves there (must not exist yet): .png, .pdf "
+    rp.add_argument("--plot", type=_path, metavar="FILE", help="write the learning curves there (must not exist yet): .png, .pdf "
                     "or .svg; FILE-tasks and FILE-diagnostics beside it (per task; the objective's parts and measures "
                     "per round) where the runs have them")
-    rp.add_argument("--title", help="title of the plot")
+    rp.add_argument("--title", help="title of the plot (with --plot)")
     rp.set_defaults(fn=_report)
 
     pt = sub.add_parser("partition", help="partition a dataset over clients, print a summary, save it with a PNG")
@@ -457,7 +476,7 @@ def build_parser() -> argparse.ArgumentParser:
     pt.add_argument("--val-frac", type=_fraction, default=0.0)
     pt.add_argument("--seed", type=_at_least(0), default=0)
     pt.add_argument("--classes", help="keep only these class ids, e.g. 36,37,...,45 (FEMNIST a-j)")
-    pt.add_argument("--out", help="directory for manifest.json, partition.npz and partition.png")
+    pt.add_argument("--out", type=_path, help="directory for manifest.json, partition.npz and partition.png")
     pt.set_defaults(fn=_partition)
 
     ls = sub.add_parser("list", help="what can be named in a config: algorithms (with every hyper-parameter), models, "
