@@ -139,3 +139,20 @@ def test_an_option_the_command_would_ignore_is_refused_in_one_line(argv, needle,
     err = capsys.readouterr().err
     assert needle in err and err.count("\n") == 1, err
     assert not any(tmp_path.iterdir())  # nothing written
+
+
+def test_errors_name_what_the_user_gave(tmp_path, capsys):
+    """A review found messages naming the wrong thing: deploy's existing --out offered a --resume deploy has not;
+    a damaged config.yaml among report's runs was not named."""
+    (tmp_path / "dep").mkdir()
+    (tmp_path / "dep" / "mine.txt").write_text("mine")
+    assert main(["deploy", "deploy-quickstart", "--out", str(tmp_path / "dep")]) == 2
+    err = capsys.readouterr().err
+    assert "deployment directory" in err and "already exists; choose another --out" in err and "--resume" not in err
+    run = tmp_path / "r"
+    assert main(["run", "--set", "compare=null", "--set", "train.rounds=1", "--out", str(run), "--no-progress"]) == 0
+    with open(run / "config.yaml", "a") as f:
+        f.write("nonsense: 3\n")
+    capsys.readouterr()
+    assert main(["report", str(run)]) == 2
+    assert capsys.readouterr().err.startswith(f"fedmosaic: error: {run / 'config.yaml'}: nonsense: unknown field")

@@ -226,7 +226,7 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
     out = Path(out).absolute()
     if any(ord(c) < 32 or ord(c) == 127 for c in str(out)):  # commands.sh names it in comments and commands
         raise FedMosaicError(f"--out: {str(out)!r} holds a control character (a newline?); choose a plain name")
-    check_out(out, resume=False)
+    check_out(out, resume=False, what="deployment directory")
     K = cfg.data.clients
     if K is None:
         raise FedMosaicError("data.clients: a deployment needs the number of clients (one SuperNode each)")

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..config import RunConfig, dir_name, dump, load_config
 from ..data.federated import build
-from ..errors import FedMosaicError, RunError
+from ..errors import ConfigError, FedMosaicError, RunError
 from ..files import atomic_write, remove_temp_files
 from ..runs.checkpoints import config_changes, config_hash
 from ..runs.dirs import (
@@ -312,7 +312,11 @@ def from_runs(dirs: list[Path], upto: int | None = None
         records = read_metrics(d)
         if not records:
             raise FedMosaicError(f"{d} has no finished round yet (metrics.jsonl is empty)")
-        found.append((d, load_config(d / "config.yaml"), records))
+        try:
+            cfg = load_config(d / "config.yaml")
+        except ConfigError as e:  # (which of the runs it is)
+            raise ConfigError(f"{d / 'config.yaml'}: {e}") from None
+        found.append((d, cfg, records))
     lengths = {len(r) for d, _, r in found if diverged_round(d) is None}
     if upto is None and len(lengths) > 1:
         upto = min(lengths)

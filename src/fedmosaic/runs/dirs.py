@@ -97,17 +97,19 @@ def remove_made(path: Path, top: Path | None) -> None:
             return
 
 
-def check_out(out: Path, resume: bool) -> None:
+def check_out(out: Path, resume: bool, what: str = "run directory") -> None:
     """A run (or comparison) directory is a directory, and a new run's is empty: nothing is ever overwritten. A
     directory that holds nothing but the temporary files of a start that was killed while claiming it (before its
-    config was written) is empty: they are removed."""
+    config was written) is empty: they are removed. ``what``: the folder as the message names it (another than a
+    run directory is not offered --resume)."""
     if out.exists() and not out.is_dir():
         raise FedMosaicError(f"{out} exists and is not a directory; choose another --out")
     refuse_dangling(out, "--resume" if resume else "--out")
     if not resume and unclaimed(out):
         remove_temp_files(out)
     if not resume and out.exists() and any(out.iterdir()):
-        raise FedMosaicError(f"run directory {out} already exists; use --resume to continue it or choose another --out")
+        resume_it = "use --resume to continue it or " if what == "run directory" else ""
+        raise FedMosaicError(f"{what} {out} already exists; {resume_it}choose another --out")
 
 
 #: what a directory holds by the config file it saved, and what a resume expected it to be

@@ -96,7 +96,7 @@ def fixed_clients(n_requested: int | None, count: int, what: str) -> int:
         return count
     raise ConfigError(
         f"n_clients: {what} fixes {count} clients (got {shown(n_requested)}); "
-        f"leave n_clients unset or set it to {count}"
+        f"leave it unset or set it to {count}"
     )
 
 
