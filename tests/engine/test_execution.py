@@ -51,6 +51,11 @@ def test_defaults_are_auto_and_explicit_settings_are_kept():
     assert (seq.backend, seq.compile) == ("sequential", False)  # compiling needs the mapped step
     forced = choose("vectorized", True, 16, DENSE, "cpu", SHORT)
     assert (forced.compile, forced.fuse_steps) == (True, 16)
+    # an explicit compile that cannot be kept (the per-client loop: configured, or a BatchNorm model's) is said
+    bn = ModelFacts("Wrapped", 100, conv=True, buffers=True)
+    for backend, model, why in (("sequential", DENSE, "engine.backend: sequential"), ("auto", bn, "buffers")):
+        with pytest.warns(UserWarning, match=f"engine.compile: true, but no compile: .*{why}"):
+            assert not choose(backend, True, 8, model, "cpu", LONG, compiler=True).compile
 
 
 def test_auto_on_the_cpu_loops_convolutions_and_vectorizes_dense_models_with_a_looped_tail():

@@ -32,6 +32,7 @@ import math
 import os
 import shutil
 import time
+import warnings
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -240,6 +241,12 @@ def choose(backend: str, compile: bool | str, fuse_steps: int, model: ModelFacts
             else:
                 compile = True
                 why.append(f"compile: saves ~{saving:,.0f} s for ~{warmup:.0f} s of {state} warm-up")
+    if compile is True and backend != "vectorized":  # (explicit: said, not dropped in silence)
+        dropped = "no compile: " + ("the model's buffers or dropout need the per-client loop, which has nothing to "
+                                    "compile" if model.buffers or model.random else "the per-client loop "
+                                    "(engine.backend: sequential) has nothing to compile")
+        why.append(dropped)
+        warnings.warn(f"engine.compile: true, but {dropped}", stacklevel=2)
     compile = bool(compile) and backend == "vectorized"
     train_threads = None
     if auto_backend and threads is None and device == "cpu" and not model.conv and not compile \
