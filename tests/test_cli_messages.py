@@ -156,3 +156,15 @@ def test_errors_name_what_the_user_gave(tmp_path, capsys):
     capsys.readouterr()
     assert main(["report", str(run)]) == 2
     assert capsys.readouterr().err.startswith(f"fedmosaic: error: {run / 'config.yaml'}: nonsense: unknown field")
+
+
+def test_check_refuses_an_out_or_runs_dir_below_a_file_as_the_run_would(tmp_path, capsys):
+    """--check said ok for --out afile/x (the run then failed: Not a directory) and never looked at --runs-dir."""
+    (tmp_path / "afile").write_text("mine")
+    for argv, needle in ((["--out", str(tmp_path / "afile" / "x")], "is a file, not a folder; choose another --out"),
+                         (["--runs-dir", str(tmp_path / "afile")], "is a file, not a folder; choose another --runs-dir")):
+        for check in (["--check"], ["--set", "train.rounds=1", "--no-progress"]):
+            assert main(["run", *argv, *check]) == 2
+            err = capsys.readouterr().err
+            assert needle in err and err.count("\n") == 1, err
+    assert (tmp_path / "afile").read_text() == "mine"

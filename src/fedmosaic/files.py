@@ -24,9 +24,12 @@ _TEMP_NAME = re.compile(rf"\..+\.[a-z0-9_]{{8}}{re.escape(TEMP_SUFFIX)}")
 
 def refuse_dangling(path: Path, flag: str = "--out") -> None:
     """A ``path`` through a symbolic link whose target is gone would fail only at its first write, as "File
-    exists": refused at once, in one line that names the link (nothing is created at its target)."""
+    exists", and one below a file as "Not a directory": both refused at once, in one line that names the link or
+    the file (nothing is created)."""
     for p in (path, *path.parents):
         if p.exists():
+            if p != path and not p.is_dir():
+                raise FedMosaicError(f"{flag} {path}: {p} is a file, not a folder; choose another {flag}")
             return
         if p.is_symlink():
             raise FedMosaicError(f"{flag} {path}: {p} is a symbolic link to {os.readlink(p)}, which does not "

@@ -191,10 +191,12 @@ def _reproduce(args) -> None:
 def _check(cfg, args) -> None:
     """``--check``: what the command would run, once its config is valid, its --out free and its data found."""
     from ..reports.reproduce import missing_data
-    from ..runs.dirs import check_out
+    from ..runs.dirs import check_out, refuse_runs_dir
 
     if args.out and not args.resume:
         check_out(Path(args.out), resume=False)
+    if not (args.out or args.resume):  # where the run would make its folder
+        refuse_runs_dir(Path(args.runs_dir or "runs"))
     missing = missing_data(cfg)
     if missing:
         raise FedMosaicError(missing)

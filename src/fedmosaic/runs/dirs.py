@@ -24,10 +24,17 @@ from ..files import atomic_write, is_temp, refuse_dangling, remove_temp_files, s
 from ..version import __version__
 
 
+def refuse_runs_dir(root: Path) -> None:
+    """Where new run directories go: refused in one line where none can be made (a file, a dangling link)."""
+    refuse_dangling(root, "--runs-dir")
+    if root.exists() and not root.is_dir():
+        raise FedMosaicError(f"--runs-dir {root} is a file, not a folder; choose another --runs-dir")
+
+
 def new_run_dir(root: str | Path, name: str) -> Path:
     """A new, empty directory ``<root>/<name>-<time>[-i]``, created here so that runs started at the same moment
     each get their own."""
-    refuse_dangling(Path(root), "--runs-dir")
+    refuse_runs_dir(Path(root))
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path(root) / f"{name}-{stamp}"
     path, i = base, 1
