@@ -162,7 +162,8 @@ def test_check_refuses_an_out_or_runs_dir_below_a_file_as_the_run_would(tmp_path
     """--check said ok for --out afile/x (the run then failed: Not a directory) and never looked at --runs-dir."""
     (tmp_path / "afile").write_text("mine")
     for argv, needle in ((["--out", str(tmp_path / "afile" / "x")], "is a file, not a folder; choose another --out"),
-                         (["--runs-dir", str(tmp_path / "afile")], "is a file, not a folder; choose another --runs-dir")):
+                         (["--runs-dir", str(tmp_path / "afile")],
+                          "is a file, not a folder; choose another --runs-dir")):
         for check in (["--check"], ["--set", "train.rounds=1", "--no-progress"]):
             assert main(["run", *argv, *check]) == 2
             err = capsys.readouterr().err

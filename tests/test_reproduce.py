@@ -154,9 +154,10 @@ def test_reproduce_apfl_pd_end_to_end_with_a_dataset_missing(tmp_path, capsys):
     assert md.count("| mnist-") == 3 and "**not run**: dataset 'cifar10-gray' not found" in md
     # each experiment's command as it is after this call: the ones that ran resume (a fresh `run ... --out` of them
     # was refused: the folder exists), the one that did not start starts
-    commands = dict(re.findall(r"^- `(\S+)` \(.*\): `(fedmosaic run .*)`$", md, re.M))
+    commands = dict(re.findall(r"^- `(\S+)` \(.*\): `(fedmosaic run .*)`$", md, re.MULTILINE))
     assert commands["mnist"] == f"fedmosaic run --resume {out / 'mnist'}", commands
-    assert commands["cifar10"].startswith("fedmosaic run apfl-cifar10 --seeds 0 --set train.rounds=20 --set train.rounds=1")
+    assert commands["cifar10"].startswith(
+        "fedmosaic run apfl-cifar10 --seeds 0 --set train.rounds=20 --set train.rounds=1")  # (its cpu scale, then ours)
     metrics = sorted(out.rglob("metrics.jsonl"))
     before = [p.stat().st_mtime_ns for p in metrics]
     assert main([*shlex.split(commands["mnist"])[1:], "--data-dir", str(data), "--no-progress"]) == 0

@@ -713,7 +713,8 @@ def check_family(cfg: RunConfig, algo) -> None:
 
     name = algo.name
     # the robust stage, attack and privacy (the run's settings carry the same fields; the world checks them again)
-    robust.check(cfg, algo, cfg.data.tasks is not None, min(cfg.train.clients_per_round, trainable(cfg)))
+    robust.check(cfg, algo, cfg.data.tasks is not None, min(cfg.train.clients_per_round, trainable(cfg)),
+                 extra=False)
     if cfg.model.heterogeneous and (algo.global_model or algo.shares_weights):
         what = "one global model" if algo.global_model else "part of its clients' weights"
         raise ConfigError(f"model.heterogeneous: algorithm {name!r} averages {what}, so every client needs the same "

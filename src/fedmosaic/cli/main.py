@@ -197,6 +197,10 @@ def _check(cfg, args) -> None:
         check_out(Path(args.out), resume=False)
     if not (args.out or args.resume):  # where the run would make its folder
         refuse_runs_dir(Path(args.runs_dir or "runs"))
+    if cfg.privacy is not None:
+        from ..engine.robust import accountant
+
+        accountant()  # (what the run checks before reading data; a config alone does not need it)
     missing = missing_data(cfg)
     if missing:
         raise FedMosaicError(missing)
@@ -418,8 +422,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "folder); the verdicts count every method that has finished")
     rr.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="override every experiment's config, e.g. train.rounds=2")
-    rr.add_argument("--out", type=_path, help="its directory (default: runs/reproduce-PAPER-SCALE); the same command again "
-                    "resumes it")
+    rr.add_argument("--out", type=_path, help="its directory (default: runs/reproduce-PAPER-SCALE); the same command "
+                    "again resumes it")
     rr.add_argument("--list", action="store_true", help="name the claims, their experiments and costs; run nothing")
     rr.add_argument("--status", action="store_true", help="while it runs (or after it stopped): how far each "
                     "experiment has got and each claim's verdict on the seeds where its methods have finished; "
@@ -431,7 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "keys and the commands for a SuperLink and one SuperNode per client")
     dp.add_argument("config", help="YAML file or preset name")
     dp.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override, e.g. train.rounds=5")
-    dp.add_argument("--out", type=_path, required=True, help="a new directory for the deployment (must not exist yet)")
+    dp.add_argument("--out", type=_path, required=True,
+                    help="a new directory for the deployment (must not exist yet)")
     dp.add_argument("--host", default="127.0.0.1", help="the SuperLink's address as nodes reach it (default "
                     "127.0.0.1; a machine's address or DNS name for real devices)")
     dp.add_argument("--port", type=int, default=9093, help="the port nodes reach: the fleet gateway's (default "
@@ -458,9 +463,9 @@ def build_parser() -> argparse.ArgumentParser:
     rp = sub.add_parser("report", help="table (and learning curves) of existing run directories, finished or not")
     rp.add_argument("runs", nargs="+", metavar="RUN_DIR")
     rp.add_argument("--rounds", type=_at_least(1), help="compare over the first N rounds of each run")
-    rp.add_argument("--plot", type=_path, metavar="FILE", help="write the learning curves there (must not exist yet): .png, .pdf "
-                    "or .svg; FILE-tasks and FILE-diagnostics beside it (per task; the objective's parts and measures "
-                    "per round) where the runs have them")
+    rp.add_argument("--plot", type=_path, metavar="FILE", help="write the learning curves there (must not exist "
+                    "yet): .png, .pdf or .svg; FILE-tasks and FILE-diagnostics beside it (per task; the objective's "
+                    "parts and measures per round) where the runs have them")
     rp.add_argument("--title", help="title of the plot (with --plot)")
     rp.set_defaults(fn=_report)
 

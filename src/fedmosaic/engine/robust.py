@@ -46,9 +46,10 @@ def eligible(algo: type[Algorithm]) -> bool:
     return bool(algo.global_model) and algo.aggregate is Algorithm.aggregate
 
 
-def check(s: RoundSettings, algo: type[Algorithm], tasks: bool, cohort: int) -> None:
+def check(s: RoundSettings, algo: type[Algorithm], tasks: bool, cohort: int, extra: bool = True) -> None:
     """One line, before anything runs, when the stage or the attack does not apply to the algorithm or to the
-    ``cohort`` (the clients a round samples: ``train.clients_per_round``, or fewer where fewer train)."""
+    ``cohort`` (the clients a round samples: ``train.clients_per_round``, or fewer where fewer train); ``extra``:
+    and when privacy's accountant is not installed (a config read to report finished runs does not need it)."""
     agg, attack = s.aggregation, s.attack
     active = agg is not None and agg.rule != "mean"
     opt = agg is not None and agg.optimizer != "none"
@@ -72,7 +73,8 @@ def check(s: RoundSettings, algo: type[Algorithm], tasks: bool, cohort: int) -> 
             raise ConfigError(f"privacy: DP-FedAvg is its own aggregation (clipped updates, their mean, noise); "
                               f"aggregation.rule {agg.rule} cannot be combined with it (a server optimizer can, and "
                               "a rule can after privacy.mode: local)")
-        accountant()  # the extra, in one line, before anything runs
+        if extra:
+            accountant()  # the extra, in one line, before anything runs
     given = f"a round samples {cohort}" + ("" if cohort == s.train.clients_per_round else
                                              f" of train.clients_per_round {s.train.clients_per_round}: only "
                                              f"{cohort} clients train (participation.held_out)")

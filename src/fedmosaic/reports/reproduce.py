@@ -147,8 +147,6 @@ def missing_data(cfg) -> str | None:
 def finished(where: Path, cfg) -> bool:
     """Every seed of the experiment in ``where`` ran to its end with this very config (nothing to resume): its
     table written and each seed's every method ended (a seed's folder lost since is run again)."""
-    from .compare import diverged_first
-
     return (where / "comparison.json").is_file() and all_ended(where, cfg)
 
 
