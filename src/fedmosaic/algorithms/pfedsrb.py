@@ -73,7 +73,8 @@ class PFedSRB(Algorithm):
     def init_client(self, init_params):
         state = {"S": tmap(torch.zeros_like, init_params), "u": tmap(torch.zeros_like, init_params)}
         if self.cfg.personal == "local":  # w: the last local model; W + S until the client has trained once
-            state = {**state, "w": tmap(torch.zeros_like, init_params), "trained": torch.zeros(())}
+            state = {**state, "w": tmap(torch.zeros_like, init_params),
+                     "trained": next(iter(init_params.values())).new_zeros(())}
         return state
 
     def local_init(self, payload, state):
