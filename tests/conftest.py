@@ -23,7 +23,7 @@ NO_SHARED_DATA = (f"the project's offline dataset copies are not at {SHARED_DATA
 #: Debian packages that install a dataset into /usr/share/datasets
 DEBIAN_PACKAGES = {"fashion-mnist": "dataset-fashion-mnist"}
 # one CPU thread for every run a test makes, in this process and in the ones it starts, unless the caller says
-# otherwise: the default follows the machine's load at each run's start (engine.execution.cpu_threads), and tests
+# otherwise: the default follows the machine's load at each run's start (engine/client/threads.py: cpu_threads), and tests
 # that compare a run in one process with its resumption in another need the same count in both
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # the device the suite's runs take for `engine.device: auto`: the CPU (whose numbers the tests pin) unless

@@ -19,6 +19,7 @@ from torch import nn
 
 from fedmosaic.config import validate
 from fedmosaic.engine.client import execution as ex
+from fedmosaic.engine.client import threads as th
 from fedmosaic.engine.client.execution import ModelFacts, RunFacts, choose, step_profile
 from fedmosaic.errors import ConfigError
 from fedmosaic.runs.runner import run
@@ -134,29 +135,29 @@ def torch_threads():
 
 
 def test_thread_count_takes_the_runs_share_of_the_cores_less_those_kept_busy():
-    assert ex.thread_count(2) == 2
-    assert ex.thread_count(2, busy=1.0) == 1  # beside one busy core: one thread, not two waiting for one core
-    assert ex.thread_count(2, busy=0.4) == 2  # a core less than half busy counts free
-    assert ex.thread_count(2, busy=3.0) == 1  # at least one
-    assert ex.thread_count(16, runs=4) == 4 and ex.thread_count(16, runs=4, busy=14.0) == 2
-    assert ex.thread_count(2, runs=3) == 1
+    assert th.thread_count(2) == 2
+    assert th.thread_count(2, busy=1.0) == 1  # beside one busy core: one thread, not two waiting for one core
+    assert th.thread_count(2, busy=0.4) == 2  # a core less than half busy counts free
+    assert th.thread_count(2, busy=3.0) == 1  # at least one
+    assert th.thread_count(16, runs=4) == 4 and th.thread_count(16, runs=4, busy=14.0) == 2
+    assert th.thread_count(2, runs=3) == 1
 
 
 def test_the_default_threads_follow_the_free_cores_and_what_the_user_says(monkeypatch):
-    monkeypatch.setattr(ex, "usable_cores", lambda: 8)
-    monkeypatch.setattr(ex, "busy_cores", lambda: 3.0)
+    monkeypatch.setattr(th, "usable_cores", lambda: 8)
+    monkeypatch.setattr(th, "busy_cores", lambda: 3.0)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv(ex.PARALLEL_RUNS, raising=False)
-    assert ex.cpu_threads(None) == ex.Threads(5, "8 usable cores, 3.0 kept busy by other processes")
-    monkeypatch.setenv(ex.PARALLEL_RUNS, "4")
-    assert ex.cpu_threads(None).count == 2
-    assert ex.cpu_threads(6) == ex.Threads(6, "engine.threads")  # set: kept, whatever runs beside
+    monkeypatch.delenv(th.PARALLEL_RUNS, raising=False)
+    assert th.cpu_threads(None) == th.Threads(5, "8 usable cores, 3.0 kept busy by other processes")
+    monkeypatch.setenv(th.PARALLEL_RUNS, "4")
+    assert th.cpu_threads(None).count == 2
+    assert th.cpu_threads(6) == th.Threads(6, "engine.threads")  # set: kept, whatever runs beside
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
-    assert ex.cpu_threads(None) == ex.Threads(3, "OMP_NUM_THREADS")
+    assert th.cpu_threads(None) == th.Threads(3, "OMP_NUM_THREADS")
     monkeypatch.delenv("OMP_NUM_THREADS")
-    monkeypatch.setenv(ex.PARALLEL_RUNS, "two")
-    with pytest.raises(ConfigError, match=f"^{ex.PARALLEL_RUNS}: .*positive integer.*'two'"):
-        ex.cpu_threads(None)
+    monkeypatch.setenv(th.PARALLEL_RUNS, "two")
+    with pytest.raises(ConfigError, match=f"^{th.PARALLEL_RUNS}: .*positive integer.*'two'"):
+        th.cpu_threads(None)
 
 
 def test_usable_cores_honour_a_cgroup_quota(monkeypatch, tmp_path):
@@ -165,30 +166,30 @@ def test_usable_cores_honour_a_cgroup_quota(monkeypatch, tmp_path):
     (tmp_path / "none").write_text("max 100000\n")
     (tmp_path / "quota").write_text("-1\n")
     (tmp_path / "period").write_text("100000\n")
-    monkeypatch.setattr(ex, "CGROUP_QUOTA", ((tmp_path / "v2",),))
-    assert ex.usable_cores() == 1
-    monkeypatch.setattr(ex, "CGROUP_QUOTA", ((tmp_path / "none",), (tmp_path / "quota", tmp_path / "period"),
+    monkeypatch.setattr(th, "CGROUP_QUOTA", ((tmp_path / "v2",),))
+    assert th.usable_cores() == 1
+    monkeypatch.setattr(th, "CGROUP_QUOTA", ((tmp_path / "none",), (tmp_path / "quota", tmp_path / "period"),
                                              (tmp_path / "absent",)))
-    assert ex.usable_cores() == affinity
+    assert th.usable_cores() == affinity
     (tmp_path / "quota").write_text("100000\n")
-    assert ex.usable_cores() == 1
+    assert th.usable_cores() == 1
 
 
 def test_a_busy_process_beside_the_run_is_seen():
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)  # its interpreter started
-        assert ex.busy_cores.__wrapped__(0.5) >= 0.5
+        assert th.busy_cores.__wrapped__(0.5) >= 0.5
     finally:
         busy.kill()
         busy.wait()
 
 
 def test_a_run_takes_the_free_cores_prints_and_records_them(fd, tmp_path, capsys, monkeypatch, torch_threads):
-    monkeypatch.setattr(ex, "usable_cores", lambda: 2)
-    monkeypatch.setattr(ex, "busy_cores", lambda: 1.0)
+    monkeypatch.setattr(th, "usable_cores", lambda: 2)
+    monkeypatch.setattr(th, "busy_cores", lambda: 1.0)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv(ex.PARALLEL_RUNS, raising=False)
+    monkeypatch.delenv(th.PARALLEL_RUNS, raising=False)
     torch.set_num_threads(2)
     run(make_cfg(engine={"backend": "sequential"}), tmp_path / "r", progress=False, fd=fd)
     assert torch.get_num_threads() == 1  # evaluation too: not only training's tiny steps
@@ -200,13 +201,13 @@ def test_a_run_takes_the_free_cores_prints_and_records_them(fd, tmp_path, capsys
 
 def test_a_resumed_run_keeps_the_threads_it_started_with(fd, tmp_path, capsys, monkeypatch, torch_threads):
     """The thread count changes a sum's last bits: a run resumed on a quieter machine must not switch."""
-    monkeypatch.setattr(ex, "usable_cores", lambda: 2)
-    monkeypatch.setattr(ex, "busy_cores", lambda: 1.0)
+    monkeypatch.setattr(th, "usable_cores", lambda: 2)
+    monkeypatch.setattr(th, "busy_cores", lambda: 1.0)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.delenv(ex.PARALLEL_RUNS, raising=False)
+    monkeypatch.delenv(th.PARALLEL_RUNS, raising=False)
     cfg = make_cfg(engine={"backend": "sequential"}, train__rounds=3)
     run(cfg, tmp_path / "r", progress=False, fd=fd, stop_after=1)
-    monkeypatch.setattr(ex, "busy_cores", lambda: 0.0)  # the other process is gone: a new run would take 2
+    monkeypatch.setattr(th, "busy_cores", lambda: 0.0)  # the other process is gone: a new run would take 2
     capsys.readouterr()
     run(cfg, tmp_path / "r", resume=True, progress=False, fd=fd)
     assert torch.get_num_threads() == 1

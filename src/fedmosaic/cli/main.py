@@ -198,7 +198,7 @@ def _check(cfg, args) -> None:
     if not (args.out or args.resume):  # where the run would make its folder
         refuse_runs_dir(Path(args.runs_dir or "runs"))
     if cfg.privacy is not None:
-        from ..engine.robust import accountant
+        from ..engine.accounting import accountant
 
         accountant()  # (what the run checks before reading data; a config alone does not need it)
     missing = missing_data(cfg)

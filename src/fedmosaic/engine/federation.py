@@ -10,8 +10,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from . import accounting, evaluation, state
 from . import evaluate as ev
-from . import evaluation, robust, state
 from .group import Group
 from .messages import traffic
 from .tensors import ClientTensors
@@ -139,7 +139,7 @@ class Federation:
 
     def _spent(self, t: int) -> dict:
         """Client-level DP: the (epsilon, delta) of rounds 0..t (epsilon None: no noise, no guarantee)."""
-        eps = robust.epsilon(self.settings, self.srv.populations(t + 1))
+        eps = accounting.epsilon(self.settings, self.srv.populations(t + 1))
         return {"epsilon": eps if np.isfinite(eps) else None, "delta": self.settings.privacy.delta,
                 "clip": self.srv.dp_clip}  # (the next round's: adaptive clipping moves it)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..config import RunConfig, dump, yaml_scalar
 from ..data.federated import FederatedData
-from ..engine import robust
+from ..engine import accounting
 from ..engine.client.runtime import NonFiniteLoss
 from ..engine.federation import Federation
 from ..errors import ClientsLost, FedMosaicError, RunError
@@ -205,7 +205,7 @@ def _over_budget(cfg: RunConfig, fed: Federation, t: int) -> bool:
     p = cfg.privacy
     if p is None or p.max_epsilon is None:
         return False
-    eps = robust.epsilon(fed.settings, fed.srv.populations(t + 1))
+    eps = accounting.epsilon(fed.settings, fed.srv.populations(t + 1))
     if eps <= p.max_epsilon:
         return False
     warnings.warn(f"privacy: round {t} would bring epsilon to {eps:.4g} > max_epsilon {p.max_epsilon:g} (delta "

@@ -23,8 +23,9 @@ from ..engine import evaluate as ev
 from ..engine import robust
 from ..engine.client.augment import black
 from ..engine.client.compiled import CompileCache
-from ..engine.client.execution import Execution, ModelFacts, RunFacts, choose, cpu_threads, step_profile
+from ..engine.client.execution import Execution, ModelFacts, RunFacts, choose, step_profile
 from ..engine.client.runtime import ClientRuntime, Hosted
+from ..engine.client.threads import cpu_threads
 from ..engine.client.transforms import make_normalizer
 from ..engine.federation import Federation
 from ..engine.group import Group
@@ -70,7 +71,7 @@ POOLS = ("local", "wire", "ray", "none")
 def build_federation(cfg: RunConfig, fd: FederatedData | None = None, threads: int | None = None,
                      pool=None, warm: tuple[bool, ...] | None = None) -> Federation:
     """The run ``cfg`` ready for its first round: its world, the server runtime, the clients in a pool, and the
-    driver of rounds over them. ``threads``: the CPU threads a resumed run started with (``execution.cpu_threads``).
+    driver of rounds over them. ``threads``: the CPU threads a resumed run started with (``threads.cpu_threads``).
     ``pool`` (default ``engine.pool``): ``local``, every client in this process's one runtime; ``wire``, each client
     in a runtime of its own, every message through the codec (``pools.wire.WirePool``); ``ray``, shards of clients on
     Ray actors (``pools.ray.RayPool``); ``none``, no clients here (a process that hosts some itself:
@@ -138,7 +139,7 @@ class World:
         self.settings = settings = RoundSettings(
             cfg.seed, cfg.algorithm.name, cfg.train, cfg.eval, cfg.participation, cfg.attack, cfg.aggregation,
             cfg.privacy, cfg.exemplar_memory(), cfg.data.partition.get("scheme") in ("natural", "domains"))
-        #: torch's CPU threads for the whole run: never more than the cores free for it (``execution.cpu_threads``)
+        #: torch's CPU threads for the whole run: never more than the cores free for it (``threads.cpu_threads``)
         self.threads = cpu_threads(cfg.engine.threads, threads)
         torch.set_num_threads(self.threads.count)
         self.device = dev = resolve_device(cfg.engine.device)  # before any data is read
