@@ -68,7 +68,7 @@ def _gateway(args) -> None:
 
     from ..deploy.common import flower
     from ..deploy.gateway import node_keys, serve
-    from ..deploy.prepare import address, check_host
+    from ..deploy.prepare import check_host
 
     flower()
     for flag, given in (("--listen", args.listen), ("--superlink", args.superlink)):
@@ -76,7 +76,6 @@ def _gateway(args) -> None:
         if not port.isdigit() or not 1 <= int(port) <= 65535 or host.startswith("[") != host.endswith("]"):
             raise FedMosaicError(f"{flag}: {given[:80]!r} is not HOST:PORT (port 1-65535; IPv6 in brackets)")
         check_host(host.strip("[]"), flag)
-    host, _, port = args.listen.rpartition(":")
     for f in (args.certfile, args.keyfile, args.ca, *([args.node_keys] if args.node_keys else [])):
         if not Path(f).is_file():
             raise FedMosaicError(f"gateway: {f} is not a file")
@@ -86,8 +85,7 @@ def _gateway(args) -> None:
         except (ValueError, TypeError, AttributeError, UnsupportedAlgorithm) as e:
             raise FedMosaicError(f"gateway: --node-keys {args.node_keys}: not a JSON object of PEM public keys "
                                  f"({one_line(e, 120)})") from None
-    serve(address(host.strip("[]"), int(port)), args.superlink, args.certfile, args.keyfile, args.ca,
-          args.max_body_mb, args.node_keys)
+    serve(args.listen, args.superlink, args.certfile, args.keyfile, args.ca, args.max_body_mb, args.node_keys)
 
 
 def _run(args) -> None:

@@ -98,31 +98,28 @@ def unsigned(headers, keys: frozenset[bytes]) -> str | None:
     import binascii
     import datetime
 
-    from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.exceptions import UnsupportedAlgorithm
+    from cryptography.hazmat.primitives import serialization
     from flwr.common.constant import SYSTEM_TIME_TOLERANCE, TIMESTAMP_HEADER, TIMESTAMP_TOLERANCE
     from flwr.supercore.constant import FLEET_HTTP_PUBLIC_KEY_HEADER, FLEET_HTTP_SIGNATURE_HEADER
+    from flwr.supercore.primitives.asymmetric import bytes_to_public_key, verify_signature
 
     try:
-        key = serialization.load_pem_public_key(base64.b64decode(headers[FLEET_HTTP_PUBLIC_KEY_HEADER], validate=True))
+        key = bytes_to_public_key(base64.b64decode(headers[FLEET_HTTP_PUBLIC_KEY_HEADER], validate=True))
         signature = base64.b64decode(headers[FLEET_HTTP_SIGNATURE_HEADER], validate=True)
         stamp = headers[TIMESTAMP_HEADER]
         age = (datetime.datetime.now(datetime.UTC) - datetime.datetime.fromisoformat(stamp)).total_seconds()
     except (KeyError, ValueError, TypeError, binascii.Error, UnsupportedAlgorithm):
         return "no node's signature (Flower's node authentication headers)"
-    der = key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
-    if der not in keys:
-        return "the key is not one of this deployment's nodes"
+    if key.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo) not in keys:
+        return "the key is not one of this deployment's nodes"  # (so an EC key of ours: Flower's verify applies)
     if not -SYSTEM_TIME_TOLERANCE < age < TIMESTAMP_TOLERANCE + SYSTEM_TIME_TOLERANCE:
         return "the signed timestamp is not fresh"
     try:
-        if not isinstance(key, ec.EllipticCurvePublicKey):
-            raise InvalidSignature
-        key.verify(signature, stamp.encode("ascii"), ec.ECDSA(hashes.SHA256()))
-    except (InvalidSignature, UnicodeError, ValueError):
-        return "the signature does not verify"
-    return None
+        signed = verify_signature(key, stamp.encode("ascii"), signature)
+    except (UnicodeError, ValueError):
+        signed = False
+    return None if signed else "the signature does not verify"
 
 
 def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0, keys=None):

@@ -144,15 +144,10 @@ def missing_data(cfg) -> str | None:
     return None
 
 
-def finished(where: Path, cfg) -> bool:
-    """Every seed of the experiment in ``where`` ran to its end with this very config (nothing to resume): its
-    table written and each seed's every method ended (a seed's folder lost since is run again)."""
-    return (where / "comparison.json").is_file() and all_ended(where, cfg)
-
-
 def all_ended(where: Path, cfg) -> bool:
-    """Every seed's every method of the experiment in ``where`` ended, with this very config (its table may not be
-    written yet: a copy of the runs alone, which the command completes without training)."""
+    """Every seed's every method of the experiment in ``where`` ended, with this very config (a seed's folder lost
+    since is run again). Finished, nothing to resume, once its table is written too (``comparison.json``); without
+    it (a copy of the runs alone) the command writes it, training nothing."""
     from .compare import diverged_first
 
     saved, variants = where / "seeds.yaml", cfg.variants()
@@ -377,9 +372,10 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
             exp, cfg, where = spec.experiments[n], configs[n], out / n
             run: dict = {"cost": exp.cost.get(scale)}
             why = None
-            if finished(where, cfg):  # judged from its runs, also where its data or GPU is not (a copy elsewhere)
+            ended_all = all_ended(where, cfg)  # judged from its runs, also where its data or GPU is not
+            if ended_all and (where / "comparison.json").is_file():
                 run["finished"] = True
-            elif (status or n not in asked) and all_ended(where, cfg):  # (the command writes its table, no more)
+            elif ended_all and (status or n not in asked):  # (the command writes its table, no more)
                 run["ended"] = True
             else:
                 why = missing_data(cfg) or (f"the {scale} setting needs a GPU and none is here"
