@@ -124,3 +124,66 @@ def test_with_node_keys_only_a_signed_request_of_a_deployment_node_is_read(keyed
     assert client.post("/v1/fleet/activate-node", content=b"\0" * 100, headers=HEADERS).status_code == 502
     r = client.post("/v1/fleet/activate-node", content=b"\0" * (64 * 1024 + 1), headers=signed(pki / "node-1"))
     assert r.status_code == 413 and "an unsigned activation over 64 KiB" in r.text
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """The gateway as ``fedmosaic gateway`` serves it (uvicorn, TLS, its HTTP protocol), in a thread on 127.0.0.1,
+    with 1-second deadlines: a request head within 1 s, a body at 1 KiB/s after 1 s."""
+    import socket
+    import threading
+    import time
+
+    from fedmosaic.deploy.gateway import server
+
+    pki = tmp_path_factory.mktemp("gws") / "pki"
+    make_pki(pki, ["127.0.0.1"], 1)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    srv = server(f"127.0.0.1:{sock.getsockname()[1]}", "127.0.0.1:9", str(pki / "server.pem"),
+                 str(pki / "server.key"), str(pki / "ca.crt"), max_body_mb=1, head_s=1.0, grace_s=1.0, rate=1024)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
+        time.sleep(0.05)
+    yield sock.getsockname(), pki / "ca.crt"
+    srv.should_exit = True
+    thread.join(30)
+
+
+def _tls(served):
+    import socket
+    import ssl
+
+    address, ca = served
+    s = ssl.create_default_context(cafile=str(ca)).wrap_socket(socket.create_connection(address, timeout=30),
+                                                                server_hostname="127.0.0.1")
+    s.settimeout(30)  # the test's bound: the gateway's own deadlines are 1 s
+    return s
+
+
+def _answer(s) -> bytes:
+    """Everything the gateway sends until it closes the connection (b"" if it closes without a word)."""
+    out = b""
+    while chunk := s.recv(4096):
+        out += chunk
+    return out
+
+
+def test_a_connection_cannot_be_held_by_a_half_sent_head_or_a_trickling_body(served):
+    """uvicorn waits for a request head for ever: a caller with no key held a socket and a task by sending half a
+    head (observed: still open after 20 s). The gateway closes a connection whose head is not whole in time, and
+    answers 408 to a body slower than its rate, then closes; a whole request on the same server is still answered."""
+    with _tls(served) as s:
+        s.sendall(b"POST /v1/fleet/activate-node HTTP/1.1\r\nHost: gw\r\n")  # the head never ends
+        assert _answer(s) == b""
+    with _tls(served) as s:
+        s.sendall(b"POST /v1/fleet/push-object HTTP/1.1\r\nHost: gw\r\nContent-Length: 100000\r\n\r\n" + b"\0" * 10)
+        answer = _answer(s)
+        assert answer.startswith(b"HTTP/1.1 408") and answer.endswith(
+            b"refused by the fleet gateway: a body slower than 1 KiB/s after 1 s\n"), answer[-200:]
+    with _tls(served) as s:
+        s.sendall(b"POST /v1/fleet/get-run HTTP/1.1\r\nHost: gw\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc")
+        assert _answer(s).startswith(b"HTTP/1.1 502")  # forwarded (nothing listens behind it here)

@@ -11,7 +11,10 @@ node's own authentication (its registered key signs every Fleet request's header
 ``--node-keys`` (``commands.sh`` gives the app's ``node_keys.json``) the gateway checks it first, before it reads a
 byte of the body: a caller whose key is not the deployment's, whose signature of the timestamp does not verify or
 whose timestamp is stale gets 401 (its activation goes on to the SuperLink, body capped at 64 KiB, to be refused
-there in Flower's words), so only the deployment's nodes can make it hold a body larger than that.
+there in Flower's words), so only the deployment's nodes can make it hold a body larger than that. Nor can a caller
+hold a connection for free: its request head must be whole within ``HEAD_S`` seconds of connecting (or of the last
+answer on it), its body must keep coming at ``RATE`` bytes a second after a start of ``GRACE_S`` (uvicorn bounds
+neither: a half-sent head held a socket for ever).
 
 Run as ``fedmosaic gateway --listen HOST:PORT --superlink 127.0.0.1:PORT --certfile ... --keyfile ... --ca ...``
 (``commands.sh`` does).
@@ -38,6 +41,9 @@ PUSH = "/v1/fleet/push-messages"
 #: registered then hears the SuperLink's own refusal ("Failed to activate SuperNode"), not a 401 that Flower's
 #: SuperNode takes for a graceful end
 ACTIVATE, SMALL = "/v1/fleet/activate-node", 64 * 1024
+#: seconds a connection may take to send a whole request head; a body's deadline is GRACE_S + its bytes / RATE (16 KiB
+#: a second: a 128 kbit/s link; a 100 MB reply gets 1.7 h)
+HEAD_S, GRACE_S, RATE = 30.0, 30.0, 16 * 1024
 
 
 def check_push(body: bytes) -> str | None:
@@ -122,11 +128,15 @@ def unsigned(headers, keys: frozenset[bytes]) -> str | None:
     return None if signed else "the signature does not verify"
 
 
-def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0, keys=None):
+def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0, keys=None, grace_s: float = GRACE_S,
+             rate: float = RATE):
     """The gateway's ASGI app, forwarding to ``https://<superlink>`` verified against the CA file ``ca``. A body
-    over ``max_body_mb`` is refused whether it declares its length or streams in chunks (read up to the limit).
-    ``keys`` (:func:`node_keys`): only requests signed by one of these nodes are read (and unsigned activations,
-    up to 64 KiB: ``ACTIVATE``)."""
+    over ``max_body_mb`` is refused whether it declares its length or streams in chunks (read up to the limit), one
+    that does not arrive within ``grace_s + bytes / rate`` seconds too (408). ``keys`` (:func:`node_keys`): only
+    requests signed by one of these nodes are read (and unsigned activations, up to 64 KiB: ``ACTIVATE``)."""
+    import asyncio
+    import time
+
     import httpx
     from starlette.applications import Starlette
     from starlette.requests import Request
@@ -137,6 +147,7 @@ def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0, keys=None):
     limit = int(max_body_mb * 2**20)
     too_big = f"refused by the fleet gateway: a body over {max_body_mb:g} MB\n"
     too_big_unsigned = f"refused by the fleet gateway: an unsigned activation over {SMALL // 1024} KiB\n"
+    slow = f"refused by the fleet gateway: a body slower than {rate / 1024:g} KiB/s after {grace_s:g} s\n"
 
     async def forward(request: Request) -> Response:
         path = request.url.path
@@ -149,9 +160,15 @@ def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0, keys=None):
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > cap):
             return PlainTextResponse(big, 413)
-        body = bytearray()
-        async for chunk in request.stream():  # chunked bodies too: never more than the limit held
-            body += chunk
+        body, chunks, start = bytearray(), request.stream(), time.monotonic()
+        while True:  # chunked bodies too: never more than the limit held, nor for longer than its deadline
+            try:
+                left = start + grace_s + len(body) / rate - time.monotonic()
+                body += await asyncio.wait_for(anext(chunks), max(left, 0.0))
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                return PlainTextResponse(slow, 408)
             if len(body) > cap:
                 return PlainTextResponse(big, 413)
         body = bytes(body)
@@ -175,15 +192,57 @@ def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0, keys=None):
     return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
 
 
-def serve(listen: str, superlink: str, certfile: str, keyfile: str, ca: str, max_body_mb: float = 1024,
-          keys_file: str | None = None) -> None:
-    """Serve the gateway on ``listen`` (HOST:PORT, IPv6 in brackets) until stopped."""
+def server(listen: str, superlink: str, certfile: str, keyfile: str, ca: str, max_body_mb: float = 1024,
+           keys_file: str | None = None, head_s: float = HEAD_S, **app):
+    """The gateway's uvicorn server on ``listen`` (HOST:PORT, IPv6 in brackets); ``app``: :func:`make_app`'s
+    deadlines."""
     import uvicorn
 
     host, port = split_address(listen)
     keys = node_keys(keys_file) if keys_file else None
-    uvicorn.run(make_app(superlink, ca, max_body_mb, keys), host=host, port=port, ssl_certfile=certfile,
-                ssl_keyfile=keyfile, log_level="warning", workers=1)
+    return uvicorn.Server(uvicorn.Config(
+        make_app(superlink, ca, max_body_mb, keys, **app), host=host, port=port, ssl_certfile=certfile,
+        ssl_keyfile=keyfile, log_level="warning", workers=1, http=head_deadline(head_s)))
+
+
+def serve(*args, **kwargs) -> None:
+    """Serve the gateway (:func:`server`'s arguments) until stopped."""
+    server(*args, **kwargs).run()
+
+
+def head_deadline(head_s: float):
+    """uvicorn's HTTP/1.1 protocol, closing a connection on which no request is being answered ``head_s`` seconds
+    after it opened or after its last answer: a request head not whole by then, or a body still trickling in after
+    the answer (uvicorn waits for a head for ever and keeps reading a refused body)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadDeadline(H11Protocol):
+        deadline = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+            if not self.transport.is_closing():
+                self.deadline = self.loop.call_later(head_s, self._late)
+
+        def _late(self) -> None:
+            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadDeadline
 
 
 def split_address(address: str) -> tuple[str, int]:
