@@ -29,7 +29,7 @@ from fedmosaic.presets import preset_path
 def test_deploy_writes_the_app_the_pki_and_the_commands(tmp_path, capsys):
     out = tmp_path / "dep"
     assert main(["deploy", "deploy-quickstart", "--out", str(out), "--set", "train.rounds=2"]) == 0
-    printed = capsys.readouterr().out
+    printed, err = capsys.readouterr()
     assert printed == (out / "commands.sh").read_text()
     # the app: ServerApp and ClientApp of the resolved config, the run config keys a resume overrides
     assert load_config(out / "app" / "fedmosaic_app" / "run.yaml").train.rounds == 2
@@ -179,6 +179,12 @@ def test_deploy_never_writes_into_an_existing_directory(tmp_path, capsys):
     assert main(["deploy", "deploy-quickstart", "--out", str(tmp_path / "dep")]) == 2
     assert "already exists" in capsys.readouterr().err
     assert [p.name for p in (tmp_path / "dep").iterdir()] == ["mine.txt"]
+
+
+def test_deploy_with_a_robust_rule_does_not_warn(tmp_path, capsys):
+    assert main(["deploy", "deploy-quickstart", "--out", str(tmp_path / "dep"), "--set", "train.rounds=2",
+                 "--set", "aggregation={rule: norm_bound, clip: 1.0}"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 def test_the_quickstart_preset_is_deployable():

@@ -216,13 +216,17 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
     """Write the deployment of ``cfg`` into the new directory ``out``; the commands (also in ``commands.sh``).
     Every argument is checked first: a bad one is one line and nothing is written. ``check``: also build the run's
     server once (its data, model and algorithm)."""
+    import warnings
+
     import tomli_w
 
     from ..config import dump
+    from ..engine import robust
     from ..protocol.algorithm import registered
     from ..runs.dirs import check_out
 
-    check_deployable(cfg, registered()[cfg.algorithm.name])
+    algo = registered()[cfg.algorithm.name]
+    check_deployable(cfg, algo)
     out = Path(out).absolute()
     if any(ord(c) < 32 or ord(c) == 127 for c in str(out)):  # commands.sh names it in comments and commands
         raise FedMosaicError(f"--out: {str(out)!r} holds a control character (a newline?); choose a plain name")
@@ -236,6 +240,10 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
     check_ports(port, link_port, node_port, K)
     if check:
         check_model(cfg)
+    if robust.eligible(algo) and (cfg.aggregation is None or cfg.aggregation.rule == "mean"):
+        warnings.warn("aggregation: none - a node's finite update moves the global model as far as it likes (a "
+                      "x1000 model is averaged in); set aggregation.rule (norm_bound with a clip, median, "
+                      "trimmed_mean, krum) to bound what one node can move", stacklevel=2)
     data_dir = data_dir if data_dir is not None else os.environ.get("FEDMOSAIC_DATA", "")
     app, pki, home = out / "app", out / "pki", out / "flwr"
     app_pkg = app / "fedmosaic_app"
