@@ -13,11 +13,15 @@
 #   compare a comparison config ($COMPARE, e.g. configs/pfl-cifar10-compare.yaml) on $DEVICE for the seeds $SEEDS,
 #           bounded by T_COMPARE; every run it finished or started comes back without checkpoints in
 #           compare.tar.gz (the finished ones go to docs/runs/, as the CPU's do: docs/results.md)
+#   repro   fedmosaic reproduce $REPRO on $DEVICE for the seeds $REPRO_SEEDS, bounded by T_REPRO; its
+#           reproduction.md, --status and every run it finished or started, without checkpoints, in repro.tar.gz
 #
 # The defaults are what the next window needs, in the order of their value, and fit ONE call of ~9.5 minutes
 # (a window may give only one: the second window's next call was refused): re-run the tests after the second
-# window's fixes, FedNTD's CIFAR-10 LDA 0.1 at the paper's 200 rounds, then the compiled ResNet-10 row.
-# Usage there:  bash benchmarks/gpu/check.sh [SECTION ...]        (default: env tests paper speed)
+# window's fixes, then FedNTD's CIFAR-10 shards s = 2 claims at the paper's 200 rounds for seeds 1 and 2 (seed 0
+# ran on the first window: 85 + 123 s), which the CPU needs ~2.2 h a run for (issue 36). A second call, if the
+# window gives one: `paper` (CIFAR-10 LDA 0.1, 200 rounds), then `speed` (the compiled ResNet-10 row).
+# Usage there:  bash benchmarks/gpu/check.sh [SECTION ...]        (default: env tests repro)
 # Rehearsal here: DEVICE=cpu NPROC=2 T_TESTS=60 ROUNDS=2 MODELS=fedavg_cnn ROWS= DIFF_ROUNDS=1 PAPER_ROUNDS=1 \
 #                 OUT=/tmp/gpu-out bash benchmarks/gpu/check.sh env tests paper speed diff
 set -uo pipefail
@@ -28,6 +32,8 @@ MODELS=${MODELS:-resnet10} ROWS=${ROWS-fp32,fp16,fp32 compiled}
 T_TESTS=${T_TESTS:-110} T_SPEED=${T_SPEED:-165} T_DIFF=${T_DIFF:-100} T_PAPER=${T_PAPER:-145}
 PAPER=${PAPER:-fedntd-cifar10-lda0.1} PAPER_ROUNDS=${PAPER_ROUNDS:-200} ALGOS=${ALGOS:-fedavg fedntd}
 COMPARE=${COMPARE:-configs/pfl-cifar10-compare.yaml} SEEDS=${SEEDS:-1 2} T_COMPARE=${T_COMPARE:-300}
+REPRO=${REPRO:-fedntd --scale paper --claims cifar10-s2-value cifar10-s2-gain cifar10-s2-forgetting}
+REPRO_SEEDS=${REPRO_SEEDS:-1 2} T_REPRO=${T_REPRO:-420}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 FEDMOSAIC_CACHE=/tmp/fedmosaic-cache
 if [ -d .gpu/data ]; then export FEDMOSAIC_DATA=$PWD/.gpu/data FEDMOSAIC_TEST_DATA=$PWD/.gpu/data; fi
@@ -125,7 +131,19 @@ section_compare() {
   tar -czf "$OUT/compare.tar.gz" -C "$d" --exclude='checkpoints' --exclude='*.pt' . 2>/dev/null
 }
 
-for s in "${@:-env tests paper speed}"; do
+section_repro() {
+  local d=/tmp/gpu-repro-$$
+  # shellcheck disable=SC2086  # REPRO and REPRO_SEEDS are word lists
+  timeout -k 20 "$T_REPRO" "$BIN/fedmosaic" reproduce $REPRO --seeds $REPRO_SEEDS --set engine.device="$DEVICE" \
+    --out "$d" --no-progress >"$OUT/repro.log" 2>&1
+  say "reproduce $REPRO (seeds $REPRO_SEEDS) on $DEVICE: rc $?"
+  # shellcheck disable=SC2086
+  "$BIN/fedmosaic" reproduce $REPRO --seeds $REPRO_SEEDS --set engine.device="$DEVICE" --out "$d" --status \
+    2>&1 | tee -a "$OUT/repro.log" "$OUT/summary.txt" >/dev/null
+  tar -czf "$OUT/repro.tar.gz" -C "$d" --exclude='checkpoints' --exclude='*.pt' . 2>/dev/null
+}
+
+for s in "${@:-env tests repro}"; do
   for one in $s; do
     say "start $one"
     "section_$one"
