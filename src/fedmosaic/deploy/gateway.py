@@ -167,7 +167,7 @@ def make_app(superlink: str, ca: str, max_body_mb: float = 1024.0, keys=None, gr
                 body += await asyncio.wait_for(anext(chunks), max(left, 0.0))
             except StopAsyncIteration:
                 break
-            except TimeoutError:
+            except asyncio.TimeoutError:  # (TimeoutError from Python 3.11 on, not before)
                 return PlainTextResponse(slow, 408)
             if len(body) > cap:
                 return PlainTextResponse(big, 413)
