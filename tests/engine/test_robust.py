@@ -132,6 +132,83 @@ def test_an_algorithm_with_its_own_server_step_or_too_few_clients_for_krum_is_re
         assert not out.exists()
 
 
+AVERAGING = ["pfedsrb", "fedbn", "fedper", "fedrep", "lg_fedavg", "fedbabu"]
+
+
+def _round_zero(name: str, **over):
+    """The federation after round 0 of ``name`` and what its server step was given: (server state before,
+    uploads, weights, signals)."""
+    fed = build_federation(cfg(algorithm={"name": name}, **over))
+    seen, real = [], fed.algo.aggregate
+
+    def aggregate(server, uploads, weights, t, signals):
+        seen.append((server, uploads, weights, signals))
+        return real(server, uploads, weights, t, signals)
+
+    fed.algo.aggregate = aggregate
+    fed.round(0)
+    return fed, seen[0]
+
+
+@pytest.mark.parametrize("name", AVERAGING)
+def test_what_an_algorithm_declares_it_averages_is_a_mean_that_leaves_out_a_weight_of_zero(name):
+    """``Algorithm.averages`` lets a robust rule, an upload attack and a server optimizer act on an aggregate of the
+    algorithm's own (pFedSRB's plain mean, the shared part of FedBN and the split models): checked on each, since a
+    wrong declaration would let a robust rule's rows through unbounded. Rows all equal give that row; a client of
+    weight 0 (Krum's dropped ones) changes nothing; nor does anything else the clients send."""
+    fed, (server, up, w, signals) = _round_zero(name)
+    u, s = robust.averaged(type(fed.algo))
+    again = lambda uploads, weights: type(fed.algo).aggregate(fed.algo, server, uploads, weights, 0, signals)  # noqa: E731
+    same = {**up, u: {k: v[:1].expand_as(v).clone() for k, v in up[u].items()}}
+    out = again(same, w)
+    for k, v in up[u].items():
+        torch.testing.assert_close(out[s][k], v[0])
+    w0 = w.clone()
+    w0[0] = 0
+    moved = {**up, u: {k: v.clone().index_fill_(0, torch.tensor([0]), 1e3) for k, v in up[u].items()}}
+    others = {k: {n: t + 1.0 if t.is_floating_point() else t for n, t in v.items()} if isinstance(v, dict) else v
+              for k, v in up.items() if k != u}
+    for a, b in [(again(moved, w0), again(up, w0)), (again({**up, **others}, w), again(up, w))]:
+        assert a.keys() == b.keys() and all(torch.equal(x, y) for k in a for x, y in zip(
+            *(list(t.values()) if isinstance(t, dict) else [t] for t in (a[k], b[k])), strict=True))
+
+
+@pytest.mark.parametrize("name", ["pfedsrb", "fedbn"])
+def test_a_rule_bounds_what_x1000_clients_move_in_an_algorithms_own_mean(name):
+    """Two of ten clients upload 1000 x their update: the averaged part of pFedSRB (the paper's plain mean) and
+    FedBN (the shared weights) moves hundreds of times further than an honest round under the mean, and no further
+    than an honest client's under the median or Krum."""
+    def moved(**over):
+        fed, (server, *_) = _round_zero(name, **over)
+        _, s = robust.averaged(type(fed.algo))
+        return torch.cat([(fed.srv.state[s][k] - server[s][k]).flatten() for k in server[s]]).norm()
+
+    honest, attack = moved(), {"kind": "scale", "fraction": 0.2, "factor": 1000.0}
+    assert moved(attack=attack) > 100 * honest
+    for rule in ({"rule": "median"}, {"rule": "krum", "f": 2, "m": 6}):
+        assert moved(attack=attack, aggregation=rule) < 2 * honest, rule
+
+
+def test_an_aggregate_of_its_own_is_not_averaged_unless_it_says_so_where_it_is_defined():
+    from fedmosaic.algorithms.fedbn import FedBN
+    from fedmosaic.protocol.algorithm import registered
+
+    class Mine(FedBN):  # a plug-in's own server step below a declaring class: not taken for FedBN's mean
+        def aggregate(self, server, uploads, weights, round_idx, signals):
+            return server
+
+    class Declared(Mine):
+        averages = ("shared", "shared")
+
+    algos = registered()
+    assert robust.averaged(Mine) is None and robust.averaged(Declared) == ("shared", "shared")
+    assert robust.averaged(algos["fedavg"]) == ("model", "model")
+    for name in ("scaffold", "fednova", "fedavgm", "apfl_pd", "fedproto", "ahf", "local", "ifca"):
+        assert robust.averaged(algos[name]) is None, name
+    for name in AVERAGING:
+        assert robust.averaged(algos[name]) is not None and not robust.eligible(algos[name]), name
+
+
 def test_the_rules_bounds_hold_for_the_clients_that_train_and_a_cohort_larger_than_them_is_warned_of(capsys):
     """participation.held_out leaves fewer clients to sample than train.clients_per_round: Bulyan's bound was held
     to the configured 15 while each round sampled the 10 that train; and the smaller cohort went unsaid."""

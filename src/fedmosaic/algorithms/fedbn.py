@@ -20,6 +20,7 @@ class FedBN(Algorithm):
     personalized = True
     global_model = False  # (so every client keeps its own BatchNorm statistics, as it keeps its own weights)
     shares_weights = True  # every parameter but the BatchNorm layers' averaged: one architecture
+    averages = ("shared", "shared")
 
     def _part(self, tree: dict, norm: bool) -> dict:
         return split_keys(tree, self.setting.norm_keys)[norm]

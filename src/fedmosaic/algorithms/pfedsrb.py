@@ -7,9 +7,10 @@ persistent) and runs ``R`` ADMM iterations, each a phase of the round program:
     w ← approx. argmin f(w) + (rho/2) ||w − S − W^t + u||^2           (the phase's minibatch SGD steps)
     u ← u + w − S − W^t                                               (``after``)
 
-then uploads w; the server takes the paper's plain mean W^{t+1} = (1/M) Σ_m w_m (Algorithm 1; ``server_mean:
-samples`` weights the uploads by train size instead, as FedAvg). Global model accuracy uses W, the personal model is
-W + S_m. The paper gives no value for rho or R: rho = 1 and R = 5 are our defaults (METHODS.md §4), both options;
+then uploads w; the server takes the paper's plain mean W^{t+1} = (1/M) Σ_m w_m (Algorithm 1) over the cohort's
+clients of non-zero weight (one without training samples, or one a robust rule such as Krum drops, is not counted;
+``server_mean: samples`` weights the uploads by train size instead, as FedAvg). Global model accuracy uses W, the
+personal model is W + S_m. The paper gives no value for rho or R: rho = 1 and R = 5 are our defaults (METHODS.md §4), both options;
 u restarts at 0 every round (``reset_u``); each w-step is ``w_steps`` minibatch steps, or ``train.local_epochs``
 epochs when unset — so a round costs R times a FedAvg round of the same epochs.
 
@@ -65,9 +66,10 @@ class PFedSRB(Algorithm):
     name = "pfedsrb"
     Config = PFedSRBConfig
     personalized = True
+    averages = ("model", "model")  # (its plain mean leaves out a weight of 0, as a robust rule's Krum gives)
 
     def aggregate(self, server, uploads, weights, round_idx, signals):
-        w = torch.ones_like(weights) if self.cfg.server_mean == "plain" else weights
+        w = (weights > 0).to(weights) if self.cfg.server_mean == "plain" else weights  # (0: a client left out)
         return {**server, "model": weighted_mean(uploads["model"], w)}
 
     def init_client(self, init_params):

@@ -37,6 +37,7 @@ class SplitModel(Algorithm):
     global_model = False
     shares_weights = True  # the server averages one part of one architecture
     shared: ClassVar[str] = "body"
+    averages = ("body", "shared")  # (the upload: ``shared``)
 
     @property
     def own(self) -> str:
@@ -101,6 +102,7 @@ class LGFedAvg(SplitModel):
 
     name = "lg_fedavg"
     shared = "head"
+    averages = ("head", "shared")
 
 
 class FedBABUConfig(AlgoConfig):
@@ -119,6 +121,7 @@ class FedBABU(Algorithm):
     name = "fedbabu"
     Config = FedBABUConfig
     personalized = True
+    averages = ("body", "model")
 
     def local_init(self, payload, state):
         return dict(zip(BOTH, split_keys(payload["global"], self.setting.head_keys), strict=True))

@@ -240,7 +240,7 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
     check_ports(port, link_port, node_port, K)
     if check:
         check_model(cfg)
-    if robust.eligible(algo) and (cfg.aggregation is None or cfg.aggregation.rule == "mean"):
+    if robust.averaged(algo) is not None and (cfg.aggregation is None or cfg.aggregation.rule == "mean"):
         warnings.warn("aggregation: none - a node's finite update moves the global model as far as it likes (a "
                       "x1000 model is averaged in); set aggregation.rule (norm_bound with a clip, median, "
                       "trimmed_mean, krum) to bound what one node can move", stacklevel=2)

@@ -41,8 +41,19 @@ ATTACK, DP_NOISE, DP_LOCAL = 15, 16, 17  # seeding streams: the attackers' choic
 
 
 def eligible(algo: type[Algorithm]) -> bool:
-    """The algorithm's server step is the default weighted mean of uploaded models (the stage's precondition)."""
+    """The algorithm's server step is the default weighted mean of uploaded models (DP-FedAvg's precondition)."""
     return bool(algo.global_model) and algo.aggregate is Algorithm.aggregate
+
+
+def averaged(algo: type[Algorithm]) -> tuple[str, str] | None:
+    """(upload key, server-state key) of the weighted mean the algorithm's server step is (``Algorithm.averages``),
+    or None: what a rule, an upload attack and a server optimizer act on."""
+    if eligible(algo):
+        return "model", "model"
+
+    def owner(name: str) -> int:  # the most derived class that defines it, as its place in the MRO
+        return next(i for i, c in enumerate(algo.__mro__) if name in c.__dict__)
+    return algo.averages if owner("averages") <= owner("aggregate") else None  # (with its aggregate, or below)
 
 
 def check(s: RoundSettings, algo: type[Algorithm], tasks: bool, cohort: int, extra: bool = True) -> None:
@@ -57,13 +68,13 @@ def check(s: RoundSettings, algo: type[Algorithm], tasks: bool, cohort: int, ext
             raise ConfigError("attack: label_flip on a class-incremental stream would move samples out of their "
                               "task's classes; flip labels on a stream of one task, or choose another attack")
         attack = None  # (poisoned data, honest training: defined for every algorithm)
-    if (active or opt or attack is not None) and not eligible(algo):
+    if (active or opt or attack is not None) and averaged(algo) is None:
         what = f"aggregation: {agg.rule}" if active else f"aggregation.optimizer: {agg.optimizer}" if opt else \
             f"attack: {attack.kind}"
         raise ConfigError(f"{what}: algorithm {algo.name!r} does not average uploaded models (its server step is its "
                           "own), so neither a robust stage nor an upload attack is defined for it; algorithms it "
-                          "applies to: those with a global model and the default weighted mean (e.g. fedavg, fedprox, "
-                          "fedntd, moon, ditto)")
+                          "applies to: those whose server takes a weighted mean of (part of) the clients' models "
+                          "(e.g. fedavg, fedprox, fedntd, ditto, pfedsrb, fedbn, fedper)")
     if s.privacy is not None:
         if not eligible(algo):
             raise ConfigError(f"privacy: algorithm {algo.name!r} does not average uploaded models, so DP-FedAvg's "

@@ -160,10 +160,14 @@ class ServerRuntime:
             return
         signals = Signals(torch.as_tensor(cohort, device=self.device), loss,
                           torch.as_tensor(steps, dtype=torch.float32, device=self.device), lr)
-        s, ref = self.settings, self.state.get("model")  # (the broadcast model: updates are measured from it)
+        s = self.settings
         ruled = s.aggregation is not None and s.aggregation.rule != "mean"  # (then no one client sets anything)
-        if s.attack is not None or s.aggregation is not None or s.privacy is not None:
-            model = robust.attack(s, up["model"], ref, cohort, t, self.num_clients)  # the attackers' first
+        stepped = s.aggregation is not None and s.aggregation.optimizer != "none"
+        if ruled or stepped or s.privacy is not None or (s.attack is not None and s.attack.kind != "label_flip"):
+            # the averaged part (``Algorithm.averages``), updates measured from what the server broadcast of it
+            u_key, s_key = robust.averaged(type(self.algo))  # (setup refused the settings for any other algorithm)
+            ref = {k: self.state[s_key][k] for k in up[u_key]}
+            model = robust.attack(s, up[u_key], ref, cohort, t, self.num_clients)  # the attackers' first
             if s.privacy is not None and s.privacy.mode != "local":  # DP-FedAvg: clipped, averaged, noised
                 model, self.dp_clip = robust.private(s, model, ref, t, self.dp_clip)  # (setup refuses statistics)
             elif ruled:  # (after local DP too: post-processing)
@@ -175,7 +179,7 @@ class ServerRuntime:
                 stats = [(g, {**got, **{k: joint[_STAT + k] for k in floats}})] if g is not None else []
             if s.privacy is not None and s.privacy.mode == "local":  # clipped and noised by each client: DP-FedAvg's
                 weights = (weights > 0).to(weights) if ruled else torch.ones_like(weights)  # uniform mean
-            up = {**up, "model": model}
+            up = {**up, u_key: model}
         buffers = [(g, average_buffers(got, weights, "median" if ruled else "max")) for g, got in stats]
         state = self.algo.aggregate(self.state, up, weights, t, signals)
         changed = next(((b, a) for b, a in zip_longest(layout(self.state), layout(state)) if a != b), None)
@@ -184,9 +188,9 @@ class ServerRuntime:
                               f"({_shown(changed[1])} where the state had {_shown(changed[0])}); it must return the "
                               "state's keys with their shapes and dtypes")
         opt_state = self.opt_state
-        if s.aggregation is not None and s.aggregation.optimizer != "none":
-            model, opt_state = robust.server_step(s, self.opt_state, ref, state["model"], t)
-            state = {**state, "model": model}
+        if stepped:
+            model, opt_state = robust.server_step(s, self.opt_state, ref, {k: state[s_key][k] for k in ref}, t)
+            state = {**state, s_key: {**state[s_key], **model}}
         if not all_finite((state, opt_state, [b for _, b in buffers])):  # (finite uploads can overflow it, e.g.
             # a server optimizer's squared update: such a state is never kept, broadcast or saved)
             warnings.warn(f"round {t}: the aggregate of clients {cohort.tolist()[:10]} is not finite (their updates "
