@@ -6,12 +6,13 @@ import json
 import numpy as np
 import pytest
 import torch
+from torch.utils._pytree import tree_structure
 
 from fedmosaic.cli.main import main
 from fedmosaic.config import validate
 from fedmosaic.engine import accounting, robust
 from fedmosaic.errors import ConfigError
-from fedmosaic.protocol.tree import weighted_mean
+from fedmosaic.protocol.tree import leaves, tmap, weighted_mean
 from fedmosaic.runs.records import read_metrics
 from fedmosaic.runs.runner import run
 from fedmosaic.setup.world import build_federation
@@ -158,19 +159,22 @@ def test_what_an_algorithm_declares_it_averages_is_a_mean_that_leaves_out_a_weig
     weight 0 (Krum's dropped ones) changes nothing; nor does anything else the clients send."""
     fed, (server, up, w, signals) = _round_zero(name)
     u, s = robust.averaged(type(fed.algo))
-    again = lambda uploads, weights: type(fed.algo).aggregate(fed.algo, server, uploads, weights, 0, signals)  # noqa: E731
-    same = {**up, u: {k: v[:1].expand_as(v).clone() for k, v in up[u].items()}}
-    out = again(same, w)
+
+    def again(uploads, weights):  # the algorithm's own server step (not the capturing wrapper)
+        return type(fed.algo).aggregate(fed.algo, server, uploads, weights, 0, signals)
+
+    def same(a, b):
+        return tree_structure(a) == tree_structure(b) and all(map(torch.equal, leaves(a), leaves(b)))
+
+    out = again({**up, u: tmap(lambda v: v[:1].expand_as(v).clone(), up[u])}, w)
     for k, v in up[u].items():
         torch.testing.assert_close(out[s][k], v[0])
     w0 = w.clone()
     w0[0] = 0
-    moved = {**up, u: {k: v.clone().index_fill_(0, torch.tensor([0]), 1e3) for k, v in up[u].items()}}
-    others = {k: {n: t + 1.0 if t.is_floating_point() else t for n, t in v.items()} if isinstance(v, dict) else v
-              for k, v in up.items() if k != u}
-    for a, b in [(again(moved, w0), again(up, w0)), (again({**up, **others}, w), again(up, w))]:
-        assert a.keys() == b.keys() and all(torch.equal(x, y) for k in a for x, y in zip(
-            *(list(t.values()) if isinstance(t, dict) else [t] for t in (a[k], b[k])), strict=True))
+    moved = {**up, u: tmap(lambda v: v.clone().index_fill_(0, torch.tensor([0]), 1e3), up[u])}
+    others = {k: tmap(lambda t: t + 1.0 if t.is_floating_point() else t, v) for k, v in up.items() if k != u}
+    assert same(again(moved, w0), again(up, w0))
+    assert same(again({**up, **others}, w), again(up, w))
 
 
 @pytest.mark.parametrize("name", ["pfedsrb", "fedbn"])
@@ -409,7 +413,7 @@ def test_server_optimizers_equal_flowers_strategies_on_identical_tensors(name, s
     state, ours = None, dict(current)
     for t in range(3):
         n_ex = [5, 2, 7]
-        clients = [{k: ours[k] + 0.3 * torch.randn(v.shape, generator=gen, dtype=torch.float64)
+        clients = [{k: v + 0.3 * torch.randn(v.shape, generator=gen, dtype=torch.float64)
                     for k, v in ours.items()} for _ in n_ex]
         results = [(None, FitRes(Status(Code.OK, ""), ndarrays_to_parameters([m["a"].numpy(), m["b"].numpy()]),
                                  n, {})) for m, n in zip(clients, n_ex, strict=True)]
