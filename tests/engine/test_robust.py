@@ -13,6 +13,7 @@ from fedmosaic.config import validate
 from fedmosaic.engine import accounting, robust
 from fedmosaic.errors import ConfigError
 from fedmosaic.protocol.tree import leaves, tmap, weighted_mean
+from fedmosaic.reports import catalog
 from fedmosaic.runs.records import read_metrics
 from fedmosaic.runs.runner import run
 from fedmosaic.setup.world import build_federation
@@ -211,6 +212,10 @@ def test_an_aggregate_of_its_own_is_not_averaged_unless_it_says_so_where_it_is_d
         assert robust.averaged(algos[name]) is None, name
     for name in AVERAGING:
         assert robust.averaged(algos[name]) is not None and not robust.eligible(algos[name]), name
+    # and `fedmosaic list algorithms` says which sections each takes
+    heads = {line.split()[0]: line for line in catalog.algorithms() if not line.startswith(" ")}
+    assert "; takes aggregation:, attack:, privacy:." in heads["fedavg"]
+    assert "; takes aggregation:, attack:." in heads["fedbn"] and "takes" not in heads["scaffold"]
 
 
 def test_the_rules_bounds_hold_for_the_clients_that_train_and_a_cohort_larger_than_them_is_warned_of(capsys):

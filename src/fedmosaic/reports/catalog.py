@@ -48,6 +48,7 @@ def field_lines(model) -> list[str]:
 
 def algorithms() -> list[str]:
     from ..algorithms import ALGORITHMS
+    from ..engine import robust
 
     out = []
     for name in sorted(ALGORITHMS):
@@ -58,6 +59,8 @@ def algorithms() -> list[str]:
                 "no global model (part of the weights averaged: one architecture)" if algo.shares_weights else
                 "no global model (architectures may differ)")
         kind += ", personalized" if algo.personalized else ""
+        kind += ("; takes aggregation:, attack:, privacy:" if robust.eligible(algo) else  # (its robust stages)
+                 "; takes aggregation:, attack:" if robust.averaged(algo) else "")
         out.append(f"{name:10s} {kind}. {doc}")
         out += [f"    {line}" for line in field_lines(algo.Config)] or ["    (no hyper-parameters)"]
     return out
