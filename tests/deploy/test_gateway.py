@@ -148,18 +148,22 @@ def served(tmp_path_factory):
     while not srv.started:
         assert thread.is_alive() and time.monotonic() < deadline, "the gateway did not start"
         time.sleep(0.05)
-    yield sock.getsockname(), pki / "ca.crt"
+    yield sock.getsockname(), pki / "ca.crt", srv
     srv.should_exit = True
     thread.join(30)
 
 
-def _tls(served):
+def _tls(served, rcvbuf: int | None = None):
     import socket
     import ssl
 
-    address, ca = served
-    s = ssl.create_default_context(cafile=str(ca)).wrap_socket(socket.create_connection(address, timeout=30),
-                                                                server_hostname="127.0.0.1")
+    address, ca, _ = served
+    raw = socket.socket()
+    if rcvbuf:
+        raw.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    raw.settimeout(30)
+    raw.connect(address)
+    s = ssl.create_default_context(cafile=str(ca)).wrap_socket(raw, server_hostname="127.0.0.1")
     s.settimeout(30)  # the test's bound: the gateway's own deadlines are 1 s
     return s
 
@@ -187,3 +191,33 @@ def test_a_connection_cannot_be_held_by_a_half_sent_head_or_a_trickling_body(ser
     with _tls(served) as s:
         s.sendall(b"POST /v1/fleet/get-run HTTP/1.1\r\nHost: gw\r\nContent-Length: 3\r\nConnection: close\r\n\r\nabc")
         assert _answer(s).startswith(b"HTTP/1.1 502")  # forwarded (nothing listens behind it here)
+
+
+def test_a_caller_that_never_reads_its_answers_is_dropped(served):
+    """Pipelined requests whose answers are never read left the gateway mid-answer, its writes paused, for ever
+    (found by review: one connection held past 90 s with 1 s deadlines, no key needed since a GET is answered 403).
+    An answer unread for the head deadline now ends the connection."""
+    import threading
+    import time
+
+    _, _, srv = served
+    s = _tls(served, rcvbuf=4096)
+
+    def feed():
+        try:
+            while True:
+                s.sendall(b"GET /x HTTP/1.1\r\nHost: gw\r\n\r\n" * 500)
+        except OSError:  # (the gateway dropped it; or the test closed it)
+            pass
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    try:
+        deadline = time.monotonic() + 60
+        while srv.server_state.connections or srv.server_state.total_requests == 0:
+            assert time.monotonic() < deadline, "a caller that never reads still holds its connection after 60 s"
+            time.sleep(0.2)
+        assert srv.server_state.total_requests > 100  # (it was answering, its writes then paused)
+    finally:
+        s.close()
+        feeder.join(30)

@@ -58,6 +58,8 @@ def test_deploy_writes_the_app_the_pki_and_the_commands(tmp_path, capsys):
                  "partition-id=2", "flwr run", "resume=true"):
         assert flag in printed
     assert "--insecure" not in printed
+    # FedAvg without a robust rule: a node's finite x1000 model would be averaged in - said in one line, on stderr
+    assert err.count("\n") == 1 and "no aggregation.rule: a node's finite update moves the global model" in err, err
     # the control plane: the SuperLink and the operator's CLI on loopback, the nodes at the gateway
     home = (out / "flwr" / "config.toml").read_text()
     assert 'address = "127.0.0.1:9092"' in home and 'root-certificates = "' in home
@@ -181,10 +183,12 @@ def test_deploy_never_writes_into_an_existing_directory(tmp_path, capsys):
     assert [p.name for p in (tmp_path / "dep").iterdir()] == ["mine.txt"]
 
 
-def test_deploy_with_a_robust_rule_does_not_warn(tmp_path, capsys):
+@pytest.mark.parametrize("setting", ["aggregation={rule: norm_bound, clip: 1.0}", "privacy={noise: 1.0, clip: 1.0}"])
+def test_deploy_with_a_robust_rule_or_central_dp_does_not_warn(setting, tmp_path, capsys):
+    """DP-FedAvg clips every update itself (and refuses a rule beside it): no advice to set one."""
     assert main(["deploy", "deploy-quickstart", "--out", str(tmp_path / "dep"), "--set", "train.rounds=2",
-                 "--set", "aggregation={rule: norm_bound, clip: 1.0}"]) == 0
-    assert capsys.readouterr().err == ""
+                 "--set", setting]) == 0
+    assert "aggregation.rule" not in capsys.readouterr().err
 
 
 def test_the_quickstart_preset_is_deployable():

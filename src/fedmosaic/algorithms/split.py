@@ -37,7 +37,12 @@ class SplitModel(Algorithm):
     global_model = False
     shares_weights = True  # the server averages one part of one architecture
     shared: ClassVar[str] = "body"
-    averages = ("body", "shared")  # (the upload: ``shared``)
+    averages = ("body", "shared")
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "aggregate" not in cls.__dict__:  # (its mean is of the part it shares: LG-FedAvg's head)
+            cls.averages = (cls.shared, "shared")
 
     @property
     def own(self) -> str:
@@ -102,7 +107,6 @@ class LGFedAvg(SplitModel):
 
     name = "lg_fedavg"
     shared = "head"
-    averages = ("head", "shared")
 
 
 class FedBABUConfig(AlgoConfig):

@@ -12,9 +12,10 @@ node's own authentication (its registered key signs every Fleet request's header
 byte of the body: a caller whose key is not the deployment's, whose signature of the timestamp does not verify or
 whose timestamp is stale gets 401 (its activation goes on to the SuperLink, body capped at 64 KiB, to be refused
 there in Flower's words), so only the deployment's nodes can make it hold a body larger than that. Nor can a caller
-hold a connection for free: its request head must be whole within ``HEAD_S`` seconds of connecting (or of the last
-answer on it), its body must keep coming at ``RATE`` bytes a second after a start of ``GRACE_S`` (uvicorn bounds
-neither: a half-sent head held a socket for ever).
+hold a connection for free (uvicorn bounds none of this: a half-sent head held a socket for ever): its request head
+must be whole ``HEAD_S`` seconds after its TLS handshake (which asyncio bounds at 60 s) or after the last answer on
+it, its body must keep coming at ``RATE`` bytes a second after a start of ``GRACE_S``, and an answer it does not read
+for ``HEAD_S`` seconds (pipelined requests, never read) ends the connection.
 
 Run as ``fedmosaic gateway --listen HOST:PORT --superlink 127.0.0.1:PORT --certfile ... --keyfile ... --ca ...``
 (``commands.sh`` does).
@@ -211,13 +212,22 @@ def serve(*args, **kwargs) -> None:
 
 
 def head_deadline(head_s: float):
-    """uvicorn's HTTP/1.1 protocol, closing a connection on which no request is being answered ``head_s`` seconds
-    after it opened or after its last answer: a request head not whole by then, or a body still trickling in after
-    the answer (uvicorn waits for a head for ever and keeps reading a refused body)."""
+    """uvicorn's HTTP/1.1 protocol, dropping a connection on which no request is being answered ``head_s`` seconds
+    after it opened or after its last answer (a request head not whole by then, or a body still trickling in after
+    the answer: uvicorn waits for a head for ever and keeps reading a refused body), or whose answer the caller has
+    not read for ``head_s`` seconds (its writes paused all that time)."""
     from uvicorn.protocols.http.h11_impl import H11Protocol
 
     class HeadDeadline(H11Protocol):
-        deadline = None
+        deadline = paused_at = None
+
+        def pause_writing(self) -> None:
+            self.paused_at = self.loop.time()
+            super().pause_writing()
+
+        def resume_writing(self) -> None:
+            self.paused_at = None
+            super().resume_writing()
 
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
@@ -239,8 +249,13 @@ def head_deadline(head_s: float):
                 self.deadline = self.loop.call_later(head_s, self._late)
 
         def _late(self) -> None:
-            if (self.cycle is None or self.cycle.response_complete) and not self.transport.is_closing():
-                self.transport.close()
+            if self.transport.is_closing():
+                return
+            answering = self.cycle is not None and not self.cycle.response_complete
+            if answering and (self.paused_at is None or self.loop.time() - self.paused_at < head_s):
+                self._arm()  # (a request being answered, its answer read: looked at again later)
+            else:  # (abort: a close would wait for a TLS goodbye the caller need not send)
+                self.transport.abort()
 
     return HeadDeadline
 

@@ -240,10 +240,11 @@ def prepare(cfg, out: Path, *, host: str = "127.0.0.1", port: int = 9093, link_p
     check_ports(port, link_port, node_port, K)
     if check:
         check_model(cfg)
-    if robust.averaged(algo) is not None and (cfg.aggregation is None or cfg.aggregation.rule == "mean"):
-        warnings.warn("aggregation: none - a node's finite update moves the global model as far as it likes (a "
-                      "x1000 model is averaged in); set aggregation.rule (norm_bound with a clip, median, "
-                      "trimmed_mean, krum) to bound what one node can move", stacklevel=2)
+    central_dp = cfg.privacy is not None and cfg.privacy.mode != "local"  # (DP-FedAvg clips every update itself)
+    if robust.averaged(algo) and not central_dp and (cfg.aggregation is None or cfg.aggregation.rule == "mean"):
+        warnings.warn("no aggregation.rule: a node's finite update moves the global model as far as it likes (a "
+                      "x1000 model is averaged in); set one (norm_bound with a clip, median, trimmed_mean, krum) to "
+                      "bound what one node can move", stacklevel=2)
     data_dir = data_dir if data_dir is not None else os.environ.get("FEDMOSAIC_DATA", "")
     app, pki, home = out / "app", out / "pki", out / "flwr"
     app_pkg = app / "fedmosaic_app"

@@ -61,11 +61,11 @@ class Algorithm:
     #: How the exemplar memory of a task stream picks the samples it keeps (``data.tasks.memory.select: auto``).
     memory_select: ClassVar[str] = "herding"
     #: (upload key, server-state key) for an :meth:`aggregate` of its own that sets the entries of
-    #: ``server[state key]`` to the weighted mean of ``uploads[upload key]`` under the weights it is given (a client
-    #: of weight 0 left out) and combines nothing else the clients send: the part a robust rule, an upload attack
-    #: and a server optimizer act on (``engine/robust.py``; the default aggregate's is ("model", "model")). Read
-    #: only where declared on the class of the aggregate or below it: a subclass with an aggregate of its own says
-    #: it again. None: the server step is the algorithm's own.
+    #: ``server[state key]`` to a mean of the rows of ``uploads[upload key]`` — weighted as it is given, or equally
+    #: (pFedSRB's plain mean), a client given weight 0 left out either way — and combines nothing else the clients
+    #: send: the part a robust rule, an upload attack and a server optimizer act on (``engine/robust.py``; the
+    #: default aggregate's is ("model", "model")). Read only where declared on the class of the aggregate or below
+    #: it: a subclass with an aggregate of its own says it again. None: the server step is the algorithm's own.
     averages: ClassVar[tuple[str, str] | None] = None
 
     def __init__(self, cfg: AlgoConfig | None = None, setting: Setting | None = None):
