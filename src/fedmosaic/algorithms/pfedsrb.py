@@ -10,9 +10,9 @@ persistent) and runs ``R`` ADMM iterations, each a phase of the round program:
 then uploads w; the server takes the paper's plain mean W^{t+1} = (1/M) Σ_m w_m (Algorithm 1) over the cohort's
 clients of non-zero weight (one without training samples, or one a robust rule such as Krum drops, is not counted;
 ``server_mean: samples`` weights the uploads by train size instead, as FedAvg). Global model accuracy uses W, the
-personal model is W + S_m. The paper gives no value for rho or R: rho = 1 and R = 5 are our defaults (METHODS.md §4), both options;
-u restarts at 0 every round (``reset_u``); each w-step is ``w_steps`` minibatch steps, or ``train.local_epochs``
-epochs when unset — so a round costs R times a FedAvg round of the same epochs.
+personal model is W + S_m. The paper gives no value for rho or R: rho = 1 and R = 5 are our defaults (METHODS.md
+§4), both options; u restarts at 0 every round (``reset_u``); each w-step is ``w_steps`` minibatch steps, or
+``train.local_epochs`` epochs when unset — so a round costs R times a FedAvg round of the same epochs.
 
 ``personal: local`` evaluates each client's last local model w_m (its upload, dense) instead of W + S_m: a reading of
 the paper's personalized accuracy that its text does not rule out (its §3 names S_m the personal model), tried as

@@ -37,11 +37,10 @@ class SplitModel(Algorithm):
     global_model = False
     shares_weights = True  # the server averages one part of one architecture
     shared: ClassVar[str] = "body"
-    averages = ("body", "shared")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        if "aggregate" not in cls.__dict__:  # (its mean is of the part it shares: LG-FedAvg's head)
+        if "aggregate" not in cls.__dict__:  # its server step: the mean of the part it shares (``Algorithm.averages``)
             cls.averages = (cls.shared, "shared")
 
     @property
