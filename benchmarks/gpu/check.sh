@@ -19,9 +19,9 @@
 # The defaults are what the next window needs, in the order of their value, and fit ONE call of ~9.5 minutes
 # (a window may give only one: the second window's next call was refused): re-run the tests after the second
 # window's fixes (they took 74 s), then FedNTD's CIFAR-10 shards s = 2 claims at the paper's 200 rounds for seeds 1
-# and 2 (seed 0 ran on the first window: 85 + 123 s, so ~420 s and the runs' starts; a run the bound cuts comes back
-# with its rounds so far but no checkpoint, to run again), which the CPU needs ~2.2 h a run for (issue 36). A second call, if the
-# window gives one: `paper` (CIFAR-10 LDA 0.1, 200 rounds), then `speed` (the compiled ResNet-10 row).
+# and 2 (issue 36; the CPU needs ~2.2 h a run): seed 0 ran on the first window in 85 + 123 s, so ~420 s and the runs'
+# starts; a run the bound cuts comes back with its rounds so far but no checkpoint, to run again. A second call, if
+# the window gives one: `paper` (CIFAR-10 LDA 0.1, 200 rounds), then `speed` (the compiled ResNet-10 row).
 # Usage there:  bash benchmarks/gpu/check.sh [SECTION ...]        (default: env tests repro)
 # Rehearsal here: DEVICE=cpu NPROC=2 T_TESTS=60 ROUNDS=2 MODELS=fedavg_cnn ROWS= DIFF_ROUNDS=1 PAPER_ROUNDS=1 \
 #                 OUT=/tmp/gpu-out bash benchmarks/gpu/check.sh env tests paper speed diff
