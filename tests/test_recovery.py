@@ -212,6 +212,22 @@ def _cut(tmp_path, after: int) -> Path:
     return out
 
 
+def test_meta_names_the_hardware_of_the_start_and_of_each_resume(tmp_path, reference, monkeypatch):
+    """Runs that span machines (a session's background job resumed on the next one) name each machine."""
+    from fedmosaic.runs import dirs
+
+    out = _cut(tmp_path, 2)
+    first = json.loads((out / "meta.json").read_text())["hardware"]
+    assert first["cpu"] == dirs.cpu_name() and first["cpu"] and first["cores"] == os.cpu_count() and first["gpu"] is None
+    monkeypatch.setattr(dirs, "cpu_name", lambda: "Another CPU")
+    assert cli("run", "--no-progress", "--resume", str(out))[0] == 0
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["hardware"] == first  # (where it started)
+    [resumed] = meta["resumed"]
+    assert resumed["from_round"] == 3 and resumed["hardware"]["cpu"] == "Another CPU"
+    assert metrics(out) == reference
+
+
 def test_truncated_last_metrics_line_is_recomputed(tmp_path, reference):
     out = _cut(tmp_path, 2)
     text = (out / "metrics.jsonl").read_text()

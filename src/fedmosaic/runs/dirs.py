@@ -50,6 +50,24 @@ def new_run_dir(root: str | Path, name: str) -> Path:
         raise FedMosaicError(f"cannot create a run directory in {root}: {e.strerror or e}") from None
 
 
+def cpu_name() -> str:
+    """The CPU's model ("AMD EPYC", "Intel(R) Xeon(R) ..."): /proc/cpuinfo's on Linux, where
+    ``platform.processor()`` is empty; else platform's, else the architecture."""
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine()
+
+
+def hardware(device: torch.device | str) -> dict:
+    """What a run's rounds run on, named: the CPU, its cores and, on a GPU, the GPU's name."""
+    device = torch.device(device)
+    return {"cpu": cpu_name(), "cores": os.cpu_count(),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
+
+
 def run_meta(cfg: RunConfig, fed: Federation) -> dict:
     return {
         "fedmosaic": __version__,
@@ -57,6 +75,7 @@ def run_meta(cfg: RunConfig, fed: Federation) -> dict:
         "numpy": np.__version__,
         "python": sys.version.split()[0],
         "platform": platform.platform(),
+        "hardware": hardware(fed.device),  # a resume on another machine adds a "resumed" entry
         "seed": cfg.seed,
         "data_hash": fed.fd.hash,
         "num_clients": fed.num_clients,
@@ -261,6 +280,16 @@ def record_amendment(out: Path, cfg: RunConfig, changes: dict, start: int, fed: 
     meta["config"] = cfg.model_dump(mode="json")
     atomic_write(out / "meta.json", json.dumps(meta, indent=2).encode())
     atomic_write(out / "config.yaml", dump(cfg).encode())
+
+
+def note_resume(out: Path, start: int, fed: Federation) -> None:
+    """``meta.json`` records each resume (its first round, when, on what), so that a run whose rounds ran on
+    several machines names each of them."""
+    meta = read_meta(out)
+    if meta is not None:
+        meta.setdefault("resumed", []).append({"from_round": start, "hardware": hardware(fed.device),
+                                               "time": datetime.now(timezone.utc).isoformat(timespec="seconds")})
+        atomic_write(out / "meta.json", json.dumps(meta, indent=2).encode())
 
 
 def note_divergence(out: Path, t: int) -> None:

@@ -37,6 +37,7 @@ from .dirs import (
     holding,
     not_a_run,
     note_divergence,
+    note_resume,
     record_amendment,
     recorded_config,
     remove_made,
@@ -104,6 +105,8 @@ def _run(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, s
             if cfg.train.rounds < start:
                 raise FedMosaicError(f"--amend: train.rounds must be >= the {start} rounds already finished in {out} "
                                      f"(got {cfg.train.rounds})")
+            if 0 < start < cfg.train.rounds:
+                note_resume(out, start, fed)
             if changes:
                 record_amendment(out, cfg, changes, start, fed)
         else:
