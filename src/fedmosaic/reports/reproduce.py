@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import platform
 import shlex
 import time
@@ -259,18 +258,29 @@ def mean_std(values: list[float]) -> tuple[float, float | None]:
 def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
     """The claim's verdict on the seeds' summaries (one list per seed of the experiment): ours (mean, std over the
     seeds where every method the claim names has a result, paired per seed), the difference to the paper's
-    number, the verdict and a note."""
+    number, the verdict, a note, and on how many of those seeds the claim holds by itself (a mean can hold where
+    most seeds do not). A seed left out because a method diverged in its first round or has no finite value is
+    named (``left_out``); one whose methods have not all finished only counts as not judged yet."""
     names = [m for m in [claim.method, claim.baseline, *claim.methods] if m]
     have = [{m: metric(find(s, m), claim) for m in names} for s in seeds]
     used = [s for s, h in zip(seeds, have, strict=True) if None not in h.values()]
     have = [h for h in have if None not in h.values()]
+    # a method that ended in a seed without a value: diverged in its first round, or its metric is missing / NaN
+    broke_first = {m: sum(1 for s in seeds if (find(s, m) or {}).get("diverged_round") is not None
+                          and metric(find(s, m), claim) is None) for m in names}
+    no_value = {m: sum(1 for s in seeds if find(s, m) is not None and find(s, m).get("diverged_round") is None
+                       and metric(find(s, m), claim) is None) for m in names}
+    lost = "; ".join([f"{m} diverged in its first round in {k} of {len(seeds)} seeds" for m, k in broke_first.items()
+                      if k] + [f"{m} has no finite {' / '.join(claim.metric)} in {k} of {len(seeds)} seeds"
+                               for m, k in no_value.items() if k])
     if not have:
-        absent = [m for m in names if all(metric(find(s, m), claim) is None for s in seeds)]
-        broke = sorted({m for s in seeds for m in absent if (find(s, m) or {}).get("diverged_round") is not None})
-        return {"verdict": "not run", "why": f"no seed has a {' / '.join(claim.metric)} of "
-                f"{', '.join(absent or names)}" + ("" if absent else " together")
-                + (f" ({', '.join(broke)} diverged in its first round)" if broke else "")}
+        unfinished = [m for m in names if all(find(s, m) is None for s in seeds)]
+        why = "; ".join(x for x in (f"{', '.join(unfinished)} not finished in any seed yet" if unfinished else "",
+                                    lost) if x)
+        return {"verdict": "not run", "why": why or f"{', '.join(names)} have not finished in the same seed yet"}
     of = {"seeds": len(have), "of": len(seeds)}
+    if lost:
+        of["left_out"] = lost + " (those seeds left out)"
     broke = {m: [find(s, m)["diverged_round"] for s in used if find(s, m).get("diverged_round") is not None]
              for m in names}
     if any(broke.values()):  # its rounds before count as its result, and the claim says so
@@ -280,6 +290,9 @@ def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
     def values(method):
         return [h[method] for h in have]
 
+    def per_seed_count(holds: list[bool], what: str) -> dict:
+        return {"per_seed": f"{what} on {sum(holds)} of {len(holds)} seeds"} if len(holds) > 1 else {}
+
     sign = -1 if claim.lower else 1
     if claim.kind in ("value", "gain"):
         ours = values(claim.method)
@@ -287,6 +300,9 @@ def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
             ours = [a - b for a, b in zip(ours, values(claim.baseline), strict=True)]
         mean, std = mean_std(ours)
         out = {"ours": mean, "std": std, **of}
+        if claim.kind == "gain":  # the direction claimed: the paper's sign, else better than the baseline
+            want = math.copysign(1, claim.paper) if claim.paper else sign
+            out |= per_seed_count([want * g > 0 for g in ours], "in the claimed direction")
         if claim.paper is None:
             return {**out, "verdict": "holds" if sign * mean > 0 else "contradicted"}
         diff = mean - claim.paper
@@ -301,20 +317,24 @@ def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
     if claim.kind == "best":
         above = [m for m in claim.methods if sign * means[m][0] >= sign * means[claim.method][0]]
         runner = max(claim.methods, key=lambda m: sign * means[m][0])
+        margins = [sign * h[claim.method] - max(sign * h[m] for m in claim.methods) for h in have]
         out = {"ours": means[claim.method][0], "std": means[claim.method][1], **of,
                "difference": means[claim.method][0] - means[runner][0],
+               **per_seed_count([x > 0 for x in margins], "the best"),
                "note": f"next: {runner} {means[runner][0]:.2f}"}
         if above:
-            return {**out, "verdict": "contradicted", "note": f"not above {', '.join(above)}"}
+            return {**out, "verdict": "contradicted", "note": f"not above {', '.join(above)}; {out['note']}"}
         return {**out, "verdict": "holds"}
     order = claim.methods
     flipped = next(((a, b) for a, b in pairwise(order) if sign * means[a][0] <= sign * means[b][0]), None)
+    seeds_hold = per_seed_count([all(sign * h[a] > sign * h[b] for a, b in pairwise(order)) for h in have],
+                                "the order holds")
     note = " > ".join(f"{m} {means[m][0]:.2f}" for m in order) if not claim.lower else \
         " < ".join(f"{m} {means[m][0]:.2f}" for m in order)
     if flipped:  # (the claimed order with our values: not written with '>', which they contradict)
-        return {"verdict": "contradicted", **of, "note": f"{flipped[0]} is not above {flipped[1]}; ours, in the "
-                "claimed order: " + ", ".join(f"{m} {means[m][0]:.2f}" for m in order)}
-    return {"verdict": "holds", **of, "note": note}
+        return {"verdict": "contradicted", **of, **seeds_hold, "note": f"{flipped[0]} is not above {flipped[1]}; "
+                "ours, in the claimed order: " + ", ".join(f"{m} {means[m][0]:.2f}" for m in order)}
+    return {"verdict": "holds", **of, **seeds_hold, "note": note}
 
 
 # ---- the command ----------------------------------------------------------------------------------------------------
@@ -463,8 +483,9 @@ def saved_request(out: Path, paper: str, scale: str, sets: list[str], seeds: lis
 def machine() -> dict:
     import torch
 
-    return {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-            "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    from ..runs.dirs import hardware
+
+    return {"host": platform.node(), **hardware("cuda" if torch.cuda.is_available() else "cpu"),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")}
 
 
@@ -504,7 +525,8 @@ def markdown(report: dict) -> str:
              "| claim | where | paper | ours (mean ± std over seeds) | difference | verdict |",
              "|---|---|---|---|---|---|"]
     for c in report["claims"]:
-        detail = "; ".join(x for x in (c.get("why") or c.get("note"), c.get("diverged")) if x)
+        detail = "; ".join(x for x in (c.get("why") or c.get("note"), c.get("per_seed"), c.get("diverged"),
+                                       c.get("left_out")) if x)
         lines.append(f"| {c['id']}: {c['text']} | {c['source']} | {_num(c['paper'])} | "
                      f"{_num(c.get('ours'), c.get('std'))}{seeds_judged(c)}"
                      f" | {_num(c.get('difference'))} | **{c['verdict']}**{': ' + detail if detail else ''} |")
