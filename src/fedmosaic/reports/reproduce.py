@@ -24,6 +24,7 @@ import platform
 import shlex
 import time
 import warnings
+from collections import Counter
 from itertools import pairwise
 from pathlib import Path
 from typing import Literal
@@ -35,7 +36,7 @@ from pydantic import Field, ValidationError, model_validator
 from ..config import dir_name, dump, load_config, validate
 from ..errors import ConfigError, FedMosaicError, RunError, Stopped, one_line
 from ..files import atomic_write
-from ..runs.dirs import check_out, claim, ended, holding, variant_dir
+from ..runs.dirs import check_out, claim, ended, hardware, holding, variant_dir
 from ..runs.records import rounds_recorded
 from ..schema import Schema
 
@@ -262,19 +263,18 @@ def judge(claim: ClaimSpec, seeds: list[list[dict]]) -> dict:
     most seeds do not). A seed left out because a method diverged in its first round or has no finite value is
     named (``left_out``); one whose methods have not all finished only counts as not judged yet."""
     names = [m for m in [claim.method, claim.baseline, *claim.methods] if m]
-    have = [{m: metric(find(s, m), claim) for m in names} for s in seeds]
-    used = [s for s, h in zip(seeds, have, strict=True) if None not in h.values()]
-    have = [h for h in have if None not in h.values()]
+    found = [{m: find(s, m) for m in names} for s in seeds]
+    values_of = [{m: metric(f, claim) for m, f in row.items()} for row in found]
+    used = [s for s, h in zip(seeds, values_of, strict=True) if None not in h.values()]
+    have = [h for h in values_of if None not in h.values()]
     # a method that ended in a seed without a value: diverged in its first round, or its metric is missing / NaN
-    broke_first = {m: sum(1 for s in seeds if (find(s, m) or {}).get("diverged_round") is not None
-                          and metric(find(s, m), claim) is None) for m in names}
-    no_value = {m: sum(1 for s in seeds if find(s, m) is not None and find(s, m).get("diverged_round") is None
-                       and metric(find(s, m), claim) is None) for m in names}
-    lost = "; ".join([f"{m} diverged in its first round in {k} of {len(seeds)} seeds" for m, k in broke_first.items()
-                      if k] + [f"{m} has no finite {' / '.join(claim.metric)} in {k} of {len(seeds)} seeds"
-                               for m, k in no_value.items() if k])
+    lost_in = Counter((m, "diverged in its first round" if f.get("diverged_round") is not None
+                       else f"has no finite {' / '.join(claim.metric)}")
+                      for row, h in zip(found, values_of, strict=True) for m, f in row.items()
+                      if f is not None and h[m] is None)
+    lost = "; ".join(f"{m} {what} in {k} of {len(seeds)} seeds" for (m, what), k in lost_in.items())
     if not have:
-        unfinished = [m for m in names if all(find(s, m) is None for s in seeds)]
+        unfinished = [m for m in names if all(row[m] is None for row in found)]
         why = "; ".join(x for x in (f"{', '.join(unfinished)} not finished in any seed yet" if unfinished else "",
                                     lost) if x)
         return {"verdict": "not run", "why": why or f"{', '.join(names)} have not finished in the same seed yet"}
@@ -482,8 +482,6 @@ def saved_request(out: Path, paper: str, scale: str, sets: list[str], seeds: lis
 
 def machine() -> dict:
     import torch
-
-    from ..runs.dirs import hardware
 
     return {"host": platform.node(), **hardware("cuda" if torch.cuda.is_available() else "cpu"),
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M")}
