@@ -40,6 +40,7 @@ POISONS = {
     "wrong_round": lambda rec, a: {**rec, "round": rec["round"] + 1},
     "wrong_client": lambda rec, a: {**rec, "client": (rec["client"] + 1) % 3},
     "samples": lambda rec, a: _body(rec, a, lambda b: {**b, "n": b["n"] * 1000}),
+    "one_sample_more": lambda rec, a: _body(rec, a, lambda b: {**b, "n": b["n"] + 1}),  # (its weight, a little)
     "no_body": lambda rec, a: {k: v for k, v in rec.items() if k != "body"},
     "odd_types": lambda rec, a: {**rec, "round": str(rec["round"]), "body": [1, 2]},
     "terms_shape": lambda rec, a: _body(rec, a, lambda b: {**b, "terms": {n: v.repeat(5) for n, v in b["terms"].items()}

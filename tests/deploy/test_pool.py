@@ -5,6 +5,7 @@ belong, resume from the nodes' state files. (test_flower.py runs the same agains
 from __future__ import annotations
 
 import pytest
+import torch
 
 pytest.importorskip("flwr")
 
@@ -142,6 +143,37 @@ def test_an_evaluation_that_counts_more_than_its_client_has_is_rejected(tmp_path
     assert "personal" in got[0]["deploy_eval"]["evaluate"]["client_reported"]  # what nodes say of themselves
     assert got[0]["personal"]["clients"] == 2
     assert same_metrics(got, silent, tol=0) == []
+
+
+@pytest.mark.parametrize("memory", [None, {"per_class": 2}])
+def test_a_task_stream_node_claiming_its_whole_split_is_rejected(memory, tmp_path):
+    """In a task stream an honest node counts its current task (and its exemplar memory): a node claiming its
+    whole train split — within the split, and so once accepted — would multiply its weight in every weighted rule.
+    The server knows each task's count and bounds the memory by its budget: the claim is rejected in one line."""
+    from hostile import _body
+
+    cfg = config("protofcl", train={"rounds": 2}, deploy={"min_clients": 2},
+                 data={"tasks": {"memory": memory}}, algorithm={"name": "fedavg"})
+    whole = {}
+
+    def claim_all(k, action, rec):
+        if (k, action) == (2, "train") and "body" in rec and rec["round"] == 1:
+            return _body(rec, action, lambda b: {**b, "n": torch.full_like(b["n"], float(whole[2]))})
+        return rec
+
+    (tmp_path / "run.yaml").write_text(dump(cfg))
+    grid = LoopGrid(tmp_path / "run.yaml", 3, tmp_path / "nodes", tamper=claim_all)
+
+    def pool(fed):
+        whole.update(enumerate(int(s) for s in fed.split["train"].sizes))
+        return FlowerPool(grid, fed, "t0k3n", "RESUME")
+
+    with pytest.warns(UserWarning, match="reply of client 2 .* rejected"):
+        run(cfg, tmp_path / "r", progress=False, pool=pool)
+    got = read_metrics(tmp_path / "r")
+    assert got[0]["deploy"]["train"] == {"asked": 3, "answered": 3}  # honest counts, memory or not, pass
+    why = got[1]["deploy"]["train"]["rejected"]["2"]
+    assert f"sample count {whole[2]}" in why and "not in [" in why, why
 
 
 def test_too_few_answers_stop_the_run_in_one_line_with_a_resume_command(tmp_path):

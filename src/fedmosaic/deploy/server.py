@@ -8,7 +8,7 @@ accepts a node for client k only if its registered public key is the one ``fedmo
 skipped with a line, not waited for. Every request carries a fresh nonce, and every reply passes the same checks
 before any of it is used — the nonce of its request, the right client and round, a size below
 ``deploy.max_reply_mb``, a well-formed message, the layout (keys, shapes, dtypes) the server's own runtime of that
-architecture produces for the same request, finite numbers, counts within the client's split — and a reply that
+architecture produces for the same request, finite numbers, the sample count the server expects (``_sample_bounds``) — and a reply that
 fails one is logged and left out, like a node that did not answer in time. A round goes on with the clients that
 answered when at least ``deploy.min_clients`` did (``deploy`` in the round's metrics says who), else the run stops
 in one line that says how to resume it.
@@ -354,11 +354,13 @@ class FlowerPool:
             (part,) = rt.train(header, broadcast, self._own(first))
             return self._unpacked(upload_of(rt.algo, part, 0))
 
-        sizes = self.fed.split["train"].sizes
+        low, high = self._sample_bounds(t)
 
         def check(k, body):
-            if not 0 <= float(body["n"].sum()) <= sizes[k] or bool((body["steps"] < 0).any()):
-                raise Rejected("its sample count or steps are out of range")
+            n = float(body["n"].sum())
+            if not (low[k] <= n <= high[k] and n.is_integer()) or bool((body["steps"] < 0).any()):
+                raise Rejected(f"its sample count {short_repr(n)} is not in [{low[k]}, {high[k]}] "
+                               "or its steps are negative")
 
         got = self._ask("train", t, bodies, lambda k: self._reference(("train", header["stage"]), k, make), check)
         for k in got:
@@ -369,6 +371,19 @@ class FlowerPool:
             mine = [got[k]["terms"] for k in sorted(got) if got[k].get("arch") == p.get("arch")]
             p["terms"] = {n: torch.cat([m[n] for m in mine if n in m]) for n in dict.fromkeys(n for m in mine for n in m)}
         return parts
+
+    def _sample_bounds(self, t: int) -> tuple[np.ndarray, np.ndarray]:
+        """Per client the sample counts an honest node can report in round ``t``: exactly its split (or its current
+        task's part of it, which the server computes too), plus at most its exemplar memory's budget, whose samples
+        only the node knows. A count is a client's weight in every weighted rule, so a node must not inflate it."""
+        every = np.arange(self.num_clients)
+        low = self.fed.train_split(t, memory=False).counts(every)
+        mem = self.fed.cfg.exemplar_memory()
+        if mem is None:
+            return low, low
+        met = (np.asarray(self.fed.label_counts) > 0).sum(1)
+        room = np.full_like(low, mem.total) if mem.total is not None else mem.per_class * met
+        return low, np.minimum(low + room, self.fed.split["train"].sizes)
 
     def _unpacked(self, msg: dict) -> dict:
         return {**msg, "upload": self.algo.unpack_upload(msg["upload"])}
