@@ -54,8 +54,9 @@ def test_median_and_trimmed_mean_by_hand_and_their_reductions():
     torch.testing.assert_close(med, torch.tensor([1.75, 1.25, 0.75]))  # the two middle values' mean
     trimmed, _ = agg(ROWS, rule="trimmed_mean", trim=0.25)  # one cut at each end of every coordinate
     torch.testing.assert_close(trimmed, torch.tensor([1.75, 1.25, 0.75]))
-    plain, _ = agg(ROWS, rule="trimmed_mean", trim=0.0)  # trim 0 = the mean (equal weights: FedAvg's)
-    torch.testing.assert_close(plain, flat(weighted_mean(uploads(ROWS), torch.ones(4))))
+    for trim in (0.0, 0.09):  # a trim that cuts nothing of the 10 a round samples would be a plain mean: refused
+        with pytest.raises(ConfigError, match=r"cuts floor\(trim x 10\) = 0 updates .* set trim >= 0.1"):
+            cfg(aggregation={"rule": "trimmed_mean", "trim": trim})
 
 
 def test_every_clipped_update_is_within_the_bound_and_a_loose_bound_is_fedavg_exactly():
@@ -125,12 +126,13 @@ def test_an_algorithm_with_its_own_server_step_or_too_few_clients_for_krum_is_re
     for over in (["--set", "algorithm={name: scaffold}", "--set", "aggregation={rule: median}"],
                  ["--set", "algorithm={name: fedavgm}", "--set", "attack={kind: scale}"],
                  ["--set", "aggregation={rule: krum, f: 4}"], ["--set", "aggregation={rule: bulyan, f: 2}"],
+                 ["--set", "aggregation={rule: trimmed_mean, trim: 0.05}"],
                  ["--set", "privacy={noise: 1.0, clip: 1.0}", "--set", "aggregation={rule: median}"]):
         out = tmp_path / "r"
         assert main(["run", "quickstart", "--set", "compare=null", "--out", str(out), "--no-progress", *over]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and any(m in err[0] for m in ("does not average uploaded models", "2f + 2", "4f + 3",
-                                                            "cannot be combined")), err
+                                                            "cannot be combined", "cuts floor")), err
         assert not out.exists()
 
 
@@ -290,16 +292,19 @@ def test_one_clients_batchnorm_statistics_cannot_move_a_robust_aggregate(rule):
             assert bool((v >= honest[k].min(0).values - 1e-6).all() & (v <= honest[k].max(0).values + 1e-6).all()), k
 
 
-def test_a_round_with_fewer_updates_than_bulyan_or_krum_needs_is_skipped_not_aggregated():
+def test_a_round_with_fewer_updates_than_bulyan_krum_or_the_trimmed_mean_needs_is_skipped_not_aggregated():
     """check() holds the configured cohort to the rule's bounds; clients that drop out (or withhold their replies
     in a deployment) leave fewer: Bulyan's trimmed mean over n <= 4f values was NaN, which was then kept, broadcast
-    and checkpointed. Now such a round is skipped with one warning and the server keeps its state."""
-    for rule in ({"rule": "bulyan", "f": 1}, {"rule": "krum", "f": 2, "m": 1}):
+    and checkpointed, and a trimmed mean of 6 at trim 0.15 cut nothing (a plain mean, one x1000 update taking the
+    model). Now such a round is skipped with one warning and the server keeps its state."""
+    for rule, why in (({"rule": "bulyan", "f": 1}, "bulyan with f = 1 needs"),
+                      ({"rule": "krum", "f": 2, "m": 1}, "krum with f = 2 needs"),
+                      ({"rule": "trimmed_mean", "trim": 0.15}, "trimmed_mean with trim = 0.15 cuts nothing")):
         fed = build_federation(cfg(aggregation=rule, participation={"dropout": 0.2},
                                    train={"rounds": 4, "clients_per_round": 7, "batch_size": 16}))
         t = next(t for t in range(100) if len(fed.srv.cohort(t)) < 7)  # a round with dropouts: too few for the rule
         before = {k: v.clone() for k, v in fed.srv.state["model"].items()}
-        with pytest.warns(UserWarning, match=rf"round {t}: aggregation: {rule['rule']} with f = {rule['f']} needs"):
+        with pytest.warns(UserWarning, match=rf"round {t}: aggregation: {why}"):
             fed.round(t)
         assert all(torch.equal(before[k], v) for k, v in fed.srv.state["model"].items())
         full = next(t for t in range(100) if len(fed.srv.cohort(t)) == 7)

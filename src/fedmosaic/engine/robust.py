@@ -94,23 +94,34 @@ def check(s: RoundSettings, algo: type[Algorithm], tasks: bool, cohort: int, ext
     if active and agg.rule == "bulyan" and cohort < 4 * agg.f + 3:
         raise ConfigError(f"aggregation: bulyan with f = {agg.f} needs at least 4f + 3 = {4 * agg.f + 3} clients a "
                           f"round ({given})")
+    if active and agg.rule == "trimmed_mean" and trimmed(agg.trim, cohort) < 1:
+        raise ConfigError(f"aggregation: trimmed_mean with trim = {agg.trim:g} cuts floor(trim x {cohort}) = 0 "
+                          f"updates at each end ({given}): a plain mean, which one update moves as far as it likes; "
+                          f"set trim >= {1 / cohort:.3g}, or rule: median")
     if active and agg.rule == "krum" and agg.m > cohort - agg.f:
         raise ConfigError(f"aggregation: krum keeps m = {agg.m} updates, more than the n - f = {cohort - agg.f} it "
                           f"can trust ({given})")
 
 
 def short(s: RoundSettings, n: int) -> str | None:
-    """Why the rule cannot judge the ``n`` updates that arrived (fewer than it needs for its ``f``: clients that
-    dropped out or withheld their replies), or None. ``check`` holds the configured cohort to the same bounds; this
-    holds the round's actual one, since Krum's and Bulyan's guarantees need them of the updates they see (with
-    n <= 4f Bulyan's trimmed mean is over no value at all)."""
+    """Why the rule cannot judge the ``n`` updates that arrived (fewer than it needs for its ``f``, or too few for
+    the trimmed mean to cut one: clients that dropped out or withheld their replies), or None. ``check`` holds the
+    configured cohort to the same bounds; this holds the round's actual one, since the rules' guarantees need them
+    of the updates they see (with n <= 4f Bulyan's trimmed mean is over no value at all)."""
     agg = s.aggregation
     rule = None if agg is None else agg.rule
     if rule == "krum" and n <= 2 * agg.f + 2:
         return f"krum with f = {agg.f} needs more than 2f + 2 = {2 * agg.f + 2} updates, {n} arrived"
     if rule == "bulyan" and n < 4 * agg.f + 3:
         return f"bulyan with f = {agg.f} needs at least 4f + 3 = {4 * agg.f + 3} updates, {n} arrived"
+    if rule == "trimmed_mean" and trimmed(agg.trim, n) < 1:
+        return f"trimmed_mean with trim = {agg.trim:g} cuts nothing of {n} updates (a plain mean)"
     return None
+
+
+def trimmed(trim: float, n: int) -> int:
+    """How many of ``n`` values the trimmed mean cuts at each end."""
+    return int(trim * n)
 
 
 def attackers(num_clients: int, fraction: float, seed: int) -> np.ndarray:
@@ -202,7 +213,7 @@ def aggregate(s: RoundSettings, stacked: dict, reference: dict, weights: torch.T
         if agg.rule == "median":
             row = (s[(n - 1) // 2] + s[n // 2]) / 2
         else:
-            cut = int(agg.trim * n)
+            cut = trimmed(agg.trim, n)
             row = s[cut : n - cut].mean(0)
         return _put(stacked, reference, keys, torch.arange(n, device=delta.device), row.expand(n, -1)), weights
     dist = torch.cdist(delta.double(), delta.double()).pow(2)
