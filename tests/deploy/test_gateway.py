@@ -2,7 +2,7 @@
 
 A node pushes replies only. Flower 1.42's SuperLink stores a pushed message without ``reply_to`` as an instruction
 for the node it names, checking only that its source claims to be the SuperLink, so the gateway reads every
-push-messages body itself: a forged instruction, a reply in another node's name or to another node is refused
+push-messages body itself: a forged instruction, a reply in another node's name or to another node, or an object tree other than a reply's is refused
 before it reaches the SuperLink; a body over the limit is refused however it is sent (declared or chunked)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ pytest.importorskip("flwr")
 
 from flwr.common.constant import SUPERLINK_NODE_ID
 from flwr.proto.fleet_pb2 import PushMessagesRequest
-from flwr.proto.message_pb2 import Message, Metadata
+from flwr.proto.message_pb2 import Message, Metadata, ObjectTree
 from flwr.proto.node_pb2 import Node
 from starlette.testclient import TestClient
 
@@ -33,10 +33,19 @@ def gateway(tmp_path_factory):
         yield client
 
 
-def push(reply_to: str = "m-1", src: int = NODE, dst: int = SUPERLINK_NODE_ID, node: int = NODE) -> bytes:
+def tree(*widths: int) -> ObjectTree:
+    """An object tree whose level i has ``widths[i]`` children per node; a reply's is ``tree(1, 1)``: its message,
+    RecordDict and ConfigRecord."""
+    return ObjectTree(object_id="ab" * 32, children=[tree(*widths[1:]) for _ in range(widths[0])] if widths else [])
+
+
+def push(reply_to: str = "m-1", src: int = NODE, dst: int = SUPERLINK_NODE_ID, node: int = NODE,
+         trees: list | None = None, copies: int = 1) -> bytes:
     meta = Metadata(run_id=5, message_id="m-2", src_node_id=src, dst_node_id=dst, reply_to_message_id=reply_to,
                     message_type="train", group_id="0", ttl=600.0)
-    return PushMessagesRequest(node=Node(node_id=node), messages_list=[Message(metadata=meta)]).SerializeToString()
+    return PushMessagesRequest(node=Node(node_id=node), messages_list=[Message(metadata=meta)] * copies,
+                               message_object_trees=[tree(1, 1)] * copies if trees is None else trees
+                               ).SerializeToString()
 
 
 HEADERS = {"content-type": "application/protobuf"}
@@ -48,15 +57,23 @@ HEADERS = {"content-type": "application/protobuf"}
     (push(dst=OTHER), f"a reply addressed to node {OTHER}, not to the SuperLink"),
     (PushMessagesRequest(node=Node(node_id=NODE)).SerializeToString(), "push-messages without a message"),
     (b"\xff\xff\xff not protobuf", "not a PushMessagesRequest"),
-], ids=["instruction", "another-nodes-name", "to-another-node", "empty", "garbage"])
+    # what the SuperLink would pre-register and then take a push-object of each: bounded to a reply's three objects
+    (push(trees=[tree(5000)]), "a reply's object tree is not a message, its RecordDict and one ConfigRecord"),
+    (push(trees=[tree(1, 1, 1)]), "a reply's object tree is not a message, its RecordDict and one ConfigRecord"),
+    (push(trees=[tree(1, 2)]), "a reply's object tree is not a message, its RecordDict and one ConfigRecord"),
+    (push(trees=[]), "other than one message and its object tree"),
+    (push(copies=2), "other than one message and its object tree"),
+], ids=["instruction", "another-nodes-name", "to-another-node", "empty", "garbage", "wide-tree", "deep-tree",
+        "two-records", "no-tree", "two-messages"])
 def test_a_push_that_is_not_the_callers_reply_is_refused_before_the_superlink(gateway, body, reason):
     r = gateway.post(PATH, content=body, headers=HEADERS)
     assert r.status_code == 403 and r.text.startswith("refused by the fleet gateway: ") and reason in r.text
     assert r.text.count("\n") == 1
 
 
-def test_a_nodes_own_reply_passes_to_the_superlink(gateway):
-    r = gateway.post(PATH, content=push(), headers=HEADERS)
+@pytest.mark.parametrize("trees", [None, [tree()]], ids=["reply", "error-reply"])
+def test_a_nodes_own_reply_passes_to_the_superlink(gateway, trees):
+    r = gateway.post(PATH, content=push(trees=trees), headers=HEADERS)
     assert r.status_code == 502 and "did not answer" in r.text  # forwarded (nothing listens behind it here)
 
 

@@ -52,7 +52,8 @@ def check_push(body: bytes) -> str | None:
     SuperLink stores a pushed message without ``reply_to`` as an *instruction* for the node it names, checking only
     that its source claims to be the SuperLink (which the sender writes itself), so one registered node could make
     another run a forged request. Each message must answer an instruction (``reply_to``), come from the calling node
-    (the one its signature authenticates) and go to the SuperLink."""
+    (the one its signature authenticates) and go to the SuperLink; and its object tree must be a reply's
+    (:func:`_odd_tree`)."""
     from flwr.common.constant import SUPERLINK_NODE_ID
     from flwr.proto.fleet_pb2 import PushMessagesRequest
     from google.protobuf.message import DecodeError
@@ -63,6 +64,10 @@ def check_push(body: bytes) -> str | None:
         return "push-messages: the body is not a PushMessagesRequest"
     if not req.messages_list:
         return "push-messages without a message"
+    if len(req.messages_list) != 1 or len(req.message_object_trees) != 1:
+        return "push-messages with other than one message and its object tree"  # (Flower stores the first alone)
+    if (why := _odd_tree(req.message_object_trees[0])) is not None:
+        return why
     for m in req.messages_list:
         meta = m.metadata
         if not meta.reply_to_message_id:
@@ -71,6 +76,20 @@ def check_push(body: bytes) -> str | None:
             return f"a reply from node {meta.src_node_id} pushed by node {req.node.node_id}"
         if meta.dst_node_id != SUPERLINK_NODE_ID:
             return f"a reply addressed to node {meta.dst_node_id}, not to the SuperLink"
+    return None
+
+
+def _odd_tree(tree) -> str | None:
+    """Why a reply's object tree is not a fedmosaic reply's, or None. The SuperLink pre-registers every object a
+    pushed tree names, with no bound on their count, then takes one push-object of each (each under the body cap), and
+    the ServerApp pulls the whole tree before it can judge the reply: a node naming thousands of objects could make
+    both hold as many bodies. A reply is a message, its RecordDict and the one ConfigRecord ``common.RECORD`` (a
+    ConfigRecord is one object, its bytes never chunked), or an error message alone: a chain of at most 3."""
+    depth = 0
+    while tree.children:
+        if len(tree.children) > 1 or depth == 2:
+            return "a reply's object tree is not a message, its RecordDict and one ConfigRecord"
+        tree, depth = tree.children[0], depth + 1
     return None
 
 
