@@ -2,8 +2,9 @@
 
 A node pushes replies only. Flower 1.42's SuperLink stores a pushed message without ``reply_to`` as an instruction
 for the node it names, checking only that its source claims to be the SuperLink, so the gateway reads every
-push-messages body itself: a forged instruction, a reply in another node's name or to another node, or an object tree other than a reply's is refused
-before it reaches the SuperLink; a body over the limit is refused however it is sent (declared or chunked)."""
+push-messages body itself: a forged instruction, a reply in another node's name or to another node, or an object
+tree other than a reply's is refused before it reaches the SuperLink; a body over the limit is refused however it is
+sent (declared or chunked)."""
 
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ accepts a node for client k only if its registered public key is the one ``fedmo
 skipped with a line, not waited for. Every request carries a fresh nonce, and every reply passes the same checks
 before any of it is used — the nonce of its request, the right client and round, a size below
 ``deploy.max_reply_mb``, a well-formed message, the layout (keys, shapes, dtypes) the server's own runtime of that
-architecture produces for the same request, finite numbers, the sample count the server expects (``_sample_bounds``) — and a reply that
-fails one is logged and left out, like a node that did not answer in time. A round goes on with the clients that
-answered when at least ``deploy.min_clients`` did (``deploy`` in the round's metrics says who), else the run stops
-in one line that says how to resume it.
+architecture produces for the same request, finite numbers, the sample count the server expects
+(``_sample_bounds``) — and a reply that fails one is logged and left out, like a node that did not answer in time.
+A round goes on with the clients that answered when at least ``deploy.min_clients`` did (``deploy`` in the round's
+metrics says who), else the run stops in one line that says how to resume it.
 
 What the server can verify, and what not: who a node is (its key), that a reply answers this request (a replayed
 or re-stamped reply carries another nonce), its shape, finiteness and sample counts. It cannot verify that a node
