@@ -452,6 +452,36 @@ def test_a_hand_edited_config_yaml_is_a_change_like_a_set(tmp_path, reference):
     assert metrics(old) == reference
 
 
+def test_an_amended_run_without_the_checkpoints_after_its_amendment_is_not_recomputed_from_before_it(tmp_path):
+    """A finished run's checkpoints may be deleted to save disk; extending it then started again from round 0 with
+    the amended config (here lr 0.01 from round 2), recomputing rounds 0-1 over their recorded metrics with the
+    later learning rate, and meta.json still said the change began at round 2. Now refused in one line, nothing
+    touched."""
+    import shutil
+
+    out = _cut(tmp_path, 1)
+    assert cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "train.optimizer.lr=0.01")[0] == 0
+    shutil.rmtree(out / "checkpoints")
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    rc, err = cli("run", "--no-progress", "--resume", str(out), "--amend", "--set", "train.rounds=6")
+    line = error_line(err)
+    assert rc == 2 and "amended from round 2" in line and "rounds 0-1 would be recomputed" in line, line
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+def test_a_damaged_meta_json_does_not_let_an_edited_config_through(tmp_path):
+    """meta.json holds the config a resume checks config.yaml against: damaged, an edit (lr 0.05 -> 0.5) went
+    unnoticed. Now a plain resume is refused in one line; --amend takes config.yaml as it is (below)."""
+    out = _cut(tmp_path, 1)
+    (out / "meta.json").write_text("garbage")
+    (out / "config.yaml").write_text((out / "config.yaml").read_text().replace("lr: 0.05", "lr: 0.5"))
+    before = {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    line = error_line(err)
+    assert rc == 2 and "meta.json is damaged" in line and "--amend" in line, line
+    assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
 def test_amend_with_a_damaged_meta_json_and_report_of_it(tmp_path):
     out = _cut(tmp_path, 1)
     (out / "meta.json").write_text('{"truncated": ')

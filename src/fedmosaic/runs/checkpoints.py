@@ -17,6 +17,7 @@ from ..config import RunConfig
 from ..engine.federation import Federation
 from ..errors import FedMosaicError
 from ..files import atomic_write, remove_temp_files, set_aside
+from .dirs import read_meta
 from ..protocol.tree import layout
 from .records import (
     read_metrics,
@@ -153,6 +154,13 @@ def restore(out: Path, fed: Federation) -> tuple[int, list[dict]]:
                                  "--out")
         if records:
             warnings.warn(f"{out}: no usable checkpoint; starting again from round 0", stacklevel=2)
+    amended = [a.get("from_round") for a in (read_meta(out) or {}).get("amendments", []) if isinstance(a, dict)]
+    later = min((r for r in amended if isinstance(r, int) and r > start), default=None)
+    if later is not None:  # (the config now is the amended one: it would recompute rounds that ran before it)
+        raise FedMosaicError(f"{out}: cannot resume from round {start}: its config was amended from round {later} "
+                             f"on (meta.json), so rounds {start}-{later - 1} would be recomputed with the amended "
+                             f"config over their recorded metrics; restore a checkpoint of round {later - 1} or "
+                             "later, or start a new run with another --out")
     for ck, e in unusable:
         aside = set_aside(ck, ".corrupt")
         warnings.warn(f"{ck}: {e}; set aside as {aside.name}, resuming from an older checkpoint", stacklevel=2)

@@ -38,6 +38,7 @@ from .dirs import (
     not_a_run,
     note_divergence,
     note_resume,
+    read_meta,
     record_amendment,
     recorded_config,
     remove_made,
@@ -85,6 +86,10 @@ def _run(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, s
             raise FedMosaicError(f"--resume: {out} holds a config.yaml but no meta.json, beside "
                                  f"{', '.join(others[:4])}{' ...' if len(others) > 4 else ''}: not a run fedmosaic "
                                  "started, so nothing there is resumed or overwritten; choose another folder")
+        if (out / "meta.json").exists() and read_meta(out) is None and not amend:
+            raise FedMosaicError(f"--resume: {out / 'meta.json'} is damaged, so the config the run recorded cannot "
+                                 "be checked against its config.yaml (an edit would go unnoticed); restore it, or "
+                                 "resume with --amend to take config.yaml as it is (the damaged file is kept aside)")
         recorded, where = recorded_config(out)
         changes = config_changes(recorded, cfg, where, amend)
     trackers.check(trackers.wanted(cfg))
