@@ -117,6 +117,11 @@ def test_batch_larger_than_every_client_is_the_full_batch(tmp_path):
     (b"train: {rounds: 2, batch_size: 8}\nmodel: {name: mlp}\ntrain:\n  rounds: 5\n",
      "bad.yaml: 'train' is given twice (lines 1 and 3); keep one"),
     (b"train:\n  rounds: 2\n  rounds: 5\n", "'rounds' is given twice (lines 2 and 3)"),
+    # YAML 1.1 numbers that read as other than they look: seed 8, 60 rounds, 3 rounds, lr 90.0
+    (b"seed: 010\n", "'010' (line 1) is an octal number in YAML 1.1 (8)"),
+    (b"train:\n  rounds: 1:00\n", "'1:00' (line 2) is a base-60 number in YAML 1.1 (60)"),
+    (b"train: {rounds: 0b11}\n", "'0b11' (line 1) is a binary number in YAML 1.1 (3)"),
+    (b"train: {optimizer: {lr: 1:30.0}}\n", "'1:30.0' (line 1) is a base-60 number"),
 ])
 def test_unreadable_config_files(content, needle, tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
@@ -136,6 +141,10 @@ def test_a_key_that_overrides_a_merged_one_is_no_repeat(tmp_path, capsys):
     assert read_yaml(merged)["train"] == {"rounds": 5, "batch_size": 8}
     assert main(["run", "--check", "--set", "train={rounds: 1, rounds: 2}"]) == 2
     assert "--set value '{rounds: 1, rounds: 2}': 'rounds' is given twice (line 1)" in capsys.readouterr().err
+    assert main(["run", "--check", "--set", "seed=010"]) == 2
+    assert "--set value '010': '010' (line 1) is an octal number" in capsys.readouterr().err
+    for plain in ("seed=10", "seed=0", "train.rounds=0x3", "train.rounds=1_0", "name=010x"):  # read as they look
+        assert main(["run", "--check", "--set", plain]) == 0, plain
 
 
 def test_yaml_file_errors(tmp_path, capsys):

@@ -742,7 +742,7 @@ def parse_value(text: str) -> Any:
     """A ``--set`` value read as YAML, so ``0.1``, ``true``, ``[1, 2]`` and ``{scheme: iid}`` get their types."""
     try:
         return yaml.load(text, _StrictLoader)  # (a SafeLoader)
-    except _DuplicateKey as e:
+    except _Refused as e:
         raise ConfigError(f"--set value {short_repr(text)}: {e}") from None
     except yaml.YAMLError:
         return text
@@ -768,7 +768,11 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-class _DuplicateKey(Exception):
+class _Refused(Exception):
+    """YAML that PyYAML reads but a config must not (the message: what and where, without the file)."""
+
+
+class _DuplicateKey(_Refused):
     def __init__(self, key, first: int, second: int):
         where = f"lines {first} and {second}" if first != second else f"line {first}"
         super().__init__(f"{short_repr(key)} is given twice ({where}); keep one")
@@ -793,6 +797,27 @@ class _StrictLoader(yaml.SafeLoader):
                 pass
         return super().construct_mapping(node, deep)
 
+    def construct_yaml_int(self, node):
+        """YAML 1.1's integers that read as other than they look: ``010`` is 8 (octal), ``1:00`` is 60 (base 60),
+        ``0b11`` is 3 — refused, so ``seed: 010`` is not silently seed 8."""
+        value = super().construct_yaml_int(node)
+        body = str(node.value).replace("_", "").lstrip("+-")
+        if ":" in body or body.startswith("0b") or (len(body) > 1 and body[0] == "0" and body[1:].isdigit()):
+            kind = "a base-60" if ":" in body else "a binary" if body.startswith("0b") else "an octal"
+            raise _Refused(f"{short_repr(node.value)} (line {node.start_mark.line + 1}) is {kind} number in "
+                           f"YAML 1.1 ({value}); write the decimal number you mean, or quote it for a string")
+        return value
+
+    def construct_yaml_float(self, node):
+        if ":" in str(node.value):  # (1:30.0 is 90.0)
+            raise _Refused(f"{short_repr(node.value)} (line {node.start_mark.line + 1}) is a base-60 number in "
+                           "YAML 1.1; write the decimal number you mean, or quote it for a string")
+        return super().construct_yaml_float(node)
+
+
+_StrictLoader.add_constructor("tag:yaml.org,2002:int", _StrictLoader.construct_yaml_int)
+_StrictLoader.add_constructor("tag:yaml.org,2002:float", _StrictLoader.construct_yaml_float)
+
 
 def read_yaml(path: Path) -> Any:
     """A YAML file's content; every way it can be unreadable is one line naming the file."""
@@ -809,7 +834,7 @@ def read_yaml(path: Path) -> Any:
         raise ConfigError(f"{path}: not UTF-8 text (byte {data[e.start]:#04x} at offset {e.start})") from None
     try:
         return yaml.load(text, _StrictLoader)  # (a SafeLoader)
-    except _DuplicateKey as e:
+    except _Refused as e:
         raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         line = getattr(getattr(e, "problem_mark", None), "line", None)
