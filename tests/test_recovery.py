@@ -482,6 +482,17 @@ def test_a_damaged_meta_json_does_not_let_an_edited_config_through(tmp_path):
     assert {p.relative_to(out): p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
 
 
+def test_check_on_a_resume_refuses_what_the_resume_would(tmp_path):
+    """``--check`` said ok for resumes the run then refused: a change without --amend, one --amend cannot make."""
+    out = _cut(tmp_path, 1)
+    for extra, needle in ((["--set", "train.optimizer.lr=0.9"], "add --amend"),
+                          (["--amend", "--set", "seed=4"], "cannot change in the middle of a run")):
+        rc, err = cli("run", "--resume", str(out), "--check", *extra)
+        assert rc == 2 and needle in error_line(err), err
+    assert cli("run", "--resume", str(out), "--check", "--amend", "--set", "train.optimizer.lr=0.9")[0] == 0
+    assert json.loads((out / "meta.json").read_text()).get("amendments") is None  # (a check writes nothing)
+
+
 def test_amend_with_a_damaged_meta_json_and_report_of_it(tmp_path):
     out = _cut(tmp_path, 1)
     (out / "meta.json").write_text('{"truncated": ')

@@ -193,6 +193,17 @@ def _check(cfg, args) -> None:
 
     if args.out and not args.resume:
         check_out(Path(args.out), resume=False)
+    if args.resume:  # what the resume itself refuses (a changed config without --amend, one --amend cannot change)
+        from ..config import load_config
+        from ..runs.checkpoints import config_changes
+        from ..runs.runner import resume_changes
+
+        out = Path(args.resume)
+        saved = next(f for f in ("seeds.yaml", "comparison.yaml", "config.yaml") if (out / f).is_file())
+        if saved == "config.yaml":
+            resume_changes(out, cfg, args.amend)
+        else:
+            config_changes(load_config(out / saved), cfg, out / saved, args.amend)
     if not (args.out or args.resume):  # where the run would make its folder
         refuse_runs_dir(Path(args.runs_dir or "runs"))
     if cfg.privacy is not None:

@@ -70,6 +70,24 @@ def run(cfg: RunConfig, out: str | Path, *, resume: bool = False, amend: bool = 
         return _run(cfg, out, resume, amend, progress, stop_after, fd, pool, hold)
 
 
+def resume_changes(out: Path, cfg: RunConfig, amend: bool) -> dict[str, list]:
+    """What resuming the run in ``out`` with ``cfg`` changes (``config_changes``), or one line why it cannot be
+    resumed with it; reads only (``--check`` asks the same)."""
+    if not (out / "config.yaml").is_file():
+        raise FedMosaicError(not_a_run(out))
+    others = sorted(p.name for p in out.iterdir() if p.name != "config.yaml" and not is_temp(p))
+    if not (out / "meta.json").exists() and others:  # (a run stopped before meta.json holds nothing else)
+        raise FedMosaicError(f"--resume: {out} holds a config.yaml but no meta.json, beside "
+                             f"{', '.join(others[:4])}{' ...' if len(others) > 4 else ''}: not a run fedmosaic "
+                             "started, so nothing there is resumed or overwritten; choose another folder")
+    if (out / "meta.json").exists() and read_meta(out) is None and not amend:
+        raise FedMosaicError(f"--resume: {out / 'meta.json'} is damaged, so the config the run recorded cannot "
+                             "be checked against its config.yaml (an edit would go unnoticed); restore it, or "
+                             "resume with --amend to take config.yaml as it is (the damaged file is kept aside)")
+    recorded, where = recorded_config(out)
+    return config_changes(recorded, cfg, where, amend)
+
+
 def _run(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, stop_after: int | None,
          fd: FederatedData | None, pool, hold) -> dict:
     check_out(out, resume)
@@ -79,19 +97,7 @@ def _run(cfg: RunConfig, out: Path, resume: bool, amend: bool, progress: bool, s
     if (out / "checkpoints").exists() and not (out / "checkpoints").is_dir():
         raise FedMosaicError(f"{out / 'checkpoints'} is not a directory; move it aside")
     if resume:
-        if not (out / "config.yaml").is_file():
-            raise FedMosaicError(not_a_run(out))
-        others = sorted(p.name for p in out.iterdir() if p.name != "config.yaml" and not is_temp(p))
-        if not (out / "meta.json").exists() and others:  # (a run stopped before meta.json holds nothing else)
-            raise FedMosaicError(f"--resume: {out} holds a config.yaml but no meta.json, beside "
-                                 f"{', '.join(others[:4])}{' ...' if len(others) > 4 else ''}: not a run fedmosaic "
-                                 "started, so nothing there is resumed or overwritten; choose another folder")
-        if (out / "meta.json").exists() and read_meta(out) is None and not amend:
-            raise FedMosaicError(f"--resume: {out / 'meta.json'} is damaged, so the config the run recorded cannot "
-                                 "be checked against its config.yaml (an edit would go unnoticed); restore it, or "
-                                 "resume with --amend to take config.yaml as it is (the damaged file is kept aside)")
-        recorded, where = recorded_config(out)
-        changes = config_changes(recorded, cfg, where, amend)
+        changes = resume_changes(out, cfg, amend)
     trackers.check(trackers.wanted(cfg))
     # before creating anything: a config or data error leaves no empty run directory
     fed = build_federation(cfg, fd, started_threads(out) if resume else None, pool,
