@@ -36,6 +36,18 @@ def test_list_into_a_reader_that_went_away_ends_quietly():
     assert head.returncode in (0, 128 + signal.SIGPIPE)  # 0 if every line fitted in the pipe before head left
 
 
+@pytest.mark.parametrize("value", ["100000", "abc"])
+def test_an_omp_thread_count_that_is_none_is_one_line_before_openmp_reads_it(value, tmp_path):
+    """OMP_NUM_THREADS=100000 crashed the run (SIGSEGV, no word); =abc printed OpenMP's own line and was ignored.
+    The CLI now refuses it in one line (exit 2) before torch is imported, nothing written."""
+    run = [sys.executable, "-m", "fedmosaic.cli.main", "run", "--set", "train.rounds=1", "--out", str(tmp_path / "r")]
+    got = subprocess.run(run, capture_output=True, text=True, timeout=HANG_S,
+                         env={**os.environ, "OMP_NUM_THREADS": value})
+    assert got.returncode == 2 and got.stderr == (f"fedmosaic: error: OMP_NUM_THREADS: a thread count in [1, 1024] "
+                                                  f"(got '{value}'); unset it to let fedmosaic choose\n"), got.stderr
+    assert not (tmp_path / "r").exists()
+
+
 @pytest.mark.parametrize("argv, typo, near", [
     (["run", "--set", "data.partition.scheme={}"], "dirichlt", "dirichlet"),
     (["partition", "--dataset", "digits", "--clients", "5", "--scheme", "{}"], "Shards", "shards"),

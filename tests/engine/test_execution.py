@@ -154,6 +154,12 @@ def test_the_default_threads_follow_the_free_cores_and_what_the_user_says(monkey
     assert th.cpu_threads(6) == th.Threads(6, "engine.threads")  # set: kept, whatever runs beside
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert th.cpu_threads(None) == th.Threads(3, "OMP_NUM_THREADS")
+    with pytest.warns(UserWarning, match="OMP_NUM_THREADS=3, where the run started with 1 thread: "):
+        assert th.cpu_threads(None, recorded=1).count == 3  # (the user's word, said to change the last bits)
+    for bad in ("0", "-1", "abc", "100000"):  # OpenMP ignores the first three with a line of its own; the last
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)  # crashed the process without a word
+        with pytest.raises(ConfigError, match=rf"^OMP_NUM_THREADS: a thread count in \[1, 1024\] \(got '{bad}'\)"):
+            th.cpu_threads(None)
     monkeypatch.delenv("OMP_NUM_THREADS")
     monkeypatch.setenv(th.PARALLEL_RUNS, "two")
     with pytest.raises(ConfigError, match=f"^{th.PARALLEL_RUNS}: .*positive integer.*'two'"):

@@ -578,6 +578,9 @@ def main(argv: list[str] | None = None) -> int:
         warnings.showwarning = _show_warning
         try:
             with _sigterm_unwinds():
+                from ..engine.client.threads import omp_threads
+
+                omp_threads()  # (before torch is imported: OpenMP reads it then)
                 _load_plugins(args)
                 status = args.fn(args)
                 sys.stdout.flush()  # a reader that went away shows here, not in Python's flush at exit

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -24,6 +25,9 @@ PARALLEL_RUNS = "FEDMOSAIC_PARALLEL_RUNS"
 BUSY_SAMPLE_S = 0.25
 #: a cgroup's CPU quota and period: cgroup v2 (one file), v1 (two)
 CGROUP_QUOTA = (("/sys/fs/cgroup/cpu.max",), ("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", "/sys/fs/cgroup/cpu/cpu.cfs_period_us"))
+
+#: the most torch threads a run takes (engine.threads' bound, and OMP_NUM_THREADS')
+MAX_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,19 @@ def busy_cores(seconds: float = BUSY_SAMPLE_S) -> float:
     return len(cpus) * (b1 - b0) / (t1 - t0) if t1 > t0 else 0.0
 
 
+def omp_threads() -> int | None:
+    """``OMP_NUM_THREADS`` as a thread count, None where it is unset; one line where it is not one (OpenMP ignores
+    0 or text with a line of its own, and a count like 100000 crashed the process without a word). The CLI asks
+    before torch is imported."""
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not omp:
+        return None
+    if not (omp.isdigit() and 0 < int(omp) <= MAX_THREADS):
+        raise ConfigError(f"OMP_NUM_THREADS: a thread count in [1, {MAX_THREADS}] (got {omp[:20]!r}); unset it to "
+                          "let fedmosaic choose")
+    return int(omp)
+
+
 def cpu_threads(configured: int | None, recorded: int | None = None) -> Threads:
     """The process's torch threads: ``engine.threads`` if set, else ``OMP_NUM_THREADS`` if set (both kept as they
     are), else those a resumed run ``recorded`` when it started (the thread count changes a sum's last bits, so a
@@ -93,9 +110,13 @@ def cpu_threads(configured: int | None, recorded: int | None = None) -> Threads:
     busy now."""
     if configured:
         return Threads(configured, "engine.threads")
-    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) > 0:
-        return Threads(int(omp), "OMP_NUM_THREADS")
+    omp = omp_threads()
+    if omp is not None:
+        if recorded and omp != recorded:
+            warnings.warn(f"OMP_NUM_THREADS={omp}, where the run started with {recorded} thread"
+                          f"{'s' if recorded > 1 else ''}: a sum's last bits, and so the rest of the run, may differ "
+                          "from an uninterrupted run's; unset it to keep the recorded count", stacklevel=2)
+        return Threads(omp, "OMP_NUM_THREADS")
     if recorded:
         return Threads(recorded, "as when the run started")
     text = os.environ.get(PARALLEL_RUNS, "1").strip() or "1"
