@@ -95,3 +95,49 @@ def test_a_tracker_whose_package_is_missing_is_one_line_before_anything_is_writt
     err = capsys.readouterr().err.strip()
     assert "pip install 'fedmosaic[mlflow]'" in err and "\n" not in err
     assert not out.exists()
+
+
+def test_a_wandb_mode_wandb_would_refuse_is_one_line_before_anything_is_written(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "bogus")
+    out = tmp_path / "run"
+    assert main(["run", "--no-progress", "--out", str(out), "--set", "compare=null",
+                 "--set", "eval.trackers=[wandb]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedmosaic: error: WANDB_MODE: one of online, offline") and "\n" not in err, err
+    assert not out.exists()
+
+
+def test_a_tracking_uri_mlflow_has_no_store_for_is_one_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "bogus://x")
+    assert main(["run", "--no-progress", "--out", str(tmp_path / "run"), "--set", "compare=null",
+                 "--set", "train.rounds=1", "--set", "eval.trackers=[mlflow]"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("fedmosaic: error: eval.trackers: mlflow could not start: ") and "\n" not in err, err
+
+
+def test_a_resume_whose_tracker_runs_are_gone_or_whose_ids_are_damaged_goes_on_in_new_tracker_runs(tmp_path,
+                                                                                                 monkeypatch):
+    """trackers.json damaged, or the MLflow store it points into gone (deleted, or another MLFLOW_TRACKING_URI): the
+    resume stopped with an internal error. Now a warning, and the run finishes with its metrics unchanged."""
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = with_overrides(merged(BLOBS6, {"train": {"rounds": 3}, "checkpoint_every": 1,
+                                         "eval": {"trackers": ["mlflow"]}}))
+    full = tmp_path / "full"
+    run(cfg, full, progress=False)
+    for i, (damage, warned) in enumerate((("{bad", "trackers.json is damaged"), ("[1]", "trackers.json is damaged"),
+                                          (None, "MLflow has no run"))):
+        out = tmp_path / f"r{i}"
+        run(cfg, out, progress=False, stop_after=1)
+        if damage is None:  # (a deleted store in another process is the same: MLflow caches its engine here)
+            monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path / 'elsewhere.db'}")
+        else:
+            (out / "trackers.json").write_text(damage)
+        with pytest.warns(UserWarning, match=warned):
+            run(cfg, out, progress=False, resume=True)
+        assert [r["global"] for r in read_metrics(out)] == [r["global"] for r in read_metrics(full)]
+        ids = json.loads((out / "trackers.json").read_text())
+        client = MlflowClient(f"sqlite:///{tmp_path / 'elsewhere.db' if damage is None else out / 'mlflow.db'}")
+        assert client.get_run(ids["mlflow"]).info.status == "FINISHED"
+        assert damage is None or (out / "trackers.json.corrupt").read_text() == damage

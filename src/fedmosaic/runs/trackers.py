@@ -15,19 +15,30 @@ are logged again at their steps (W&B keeps the first value of a step).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import time
+import warnings
 from pathlib import Path
 
-from ..errors import FedMosaicError
-from ..files import atomic_write
+from ..errors import FedMosaicError, one_line
+from ..files import atomic_write, set_aside
 
 EXTRAS = {"tensorboard": "tensorboard", "mlflow": "mlflow", "wandb": "wandb"}
 
 
+#: what ``$WANDB_MODE`` may be (W&B 0.31's settings)
+WANDB_MODES = ("online", "offline", "shared", "disabled", "dryrun", "run")
+
+
 def check(names: list[str]) -> None:
-    """One line naming what to install for each tracker whose package is missing."""
+    """One line naming what to install for each tracker whose package is missing, or a ``$WANDB_MODE`` W&B would
+    refuse (both before anything is written)."""
+    mode = os.environ.get("WANDB_MODE")
+    if "wandb" in names and mode is not None and mode not in WANDB_MODES:
+        raise FedMosaicError(f"WANDB_MODE: one of {', '.join(WANDB_MODES)} (got {mode[:40]!r}); unset it for "
+                             "offline")
     for name in names:
         try:
             if name == "tensorboard":
@@ -52,9 +63,13 @@ class Trackers:
     def __init__(self, cfg, out: Path, start: int, config: dict):
         self.out, self.open = Path(out), []
         ids_file = self.out / "trackers.json"
-        ids = json.loads(ids_file.read_text()) if start > 0 and ids_file.is_file() else {}
+        ids = _ids(ids_file) if start > 0 and ids_file.is_file() else {}
         for name in wanted(cfg):
-            self.open.append(_OPENERS[name](cfg, self.out, start, config, ids))
+            try:
+                self.open.append(_OPENERS[name](cfg, self.out, start, config, ids))
+            except Exception as e:  # the libraries raise their own kinds (a URI MLflow has no store for, ...)
+                self.close(None)
+                raise FedMosaicError(f"eval.trackers: {name} could not start: {one_line(e, 200)}") from None
         if cfg.eval.trackers:
             atomic_write(ids_file, json.dumps(ids).encode())
 
@@ -67,6 +82,21 @@ class Trackers:
         """The run's summary (None: it stopped unfinished)."""
         for tracker in self.open:
             tracker.close(summary)
+
+
+def _ids(path: Path) -> dict:
+    """The tracker run ids a run saved (``trackers.json``); a damaged file is set aside with a warning, and the
+    trackers start new runs of their own."""
+    try:
+        ids = json.loads(path.read_text())
+        if isinstance(ids, dict) and all(isinstance(v, str) for v in ids.values()):
+            return ids
+    except (OSError, ValueError):
+        pass
+    aside = set_aside(path, ".corrupt")
+    warnings.warn(f"{path} is damaged (set aside as {aside.name}); the trackers continue in new runs of their own",
+                  stacklevel=3)
+    return {}
 
 
 class _TensorBoard:
@@ -89,12 +119,20 @@ class _MLflow:
     def __init__(self, cfg, out, start, config, ids):
         from mlflow.tracking import MlflowClient
 
+        from mlflow.exceptions import MlflowException
+
+        logging.getLogger("mlflow").setLevel(logging.WARNING)  # (its INFO lines on stderr: not the user's concern)
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out / 'mlflow.db').resolve()}"
         self.client = MlflowClient(uri)
         if ids.get("mlflow"):
-            self.run_id = ids["mlflow"]
-            self.client.update_run(self.run_id, status="RUNNING")
-        else:
+            try:
+                self.client.update_run(ids["mlflow"], status="RUNNING")
+                self.run_id = ids["mlflow"]
+            except MlflowException:  # another tracking URI now, or its store deleted
+                warnings.warn(f"MLflow has no run {ids['mlflow']} at {uri}; the run continues in a new MLflow run "
+                              f"from round {start}", stacklevel=3)
+                del ids["mlflow"]
+        if not ids.get("mlflow"):
             exp = self.client.get_experiment_by_name(cfg.name)
             exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(cfg.name)
             self.run_id = ids["mlflow"] = self.client.create_run(exp_id, run_name=out.name).info.run_id
