@@ -131,6 +131,32 @@ def test_the_gateway_refuses_a_node_keys_file_that_is_not_one_in_one_line(tmp_pa
     assert "--node-keys" in err and "not a JSON object of PEM public keys" in err and err.count("\n") == 1, err
 
 
+def test_the_gateway_refuses_a_bad_certificate_key_ca_or_a_busy_address_in_one_line(tmp_path, capsys):
+    """uvicorn's own failures were a log line and exit 1 (a port in use), or an SSL error naming no file."""
+    import socket
+
+    from fedmosaic.deploy.prepare import make_pki
+
+    make_pki(tmp_path / "pki", ["127.0.0.1"], 1)
+    (tmp_path / "junk.pem").write_text("not a certificate\n")
+    pki = {f: str(tmp_path / "pki" / n) for f, n in (("--certfile", "server.pem"), ("--keyfile", "server.key"),
+                                                     ("--ca", "ca.crt"))}
+    busy = socket.create_server(("127.0.0.1", 0))
+    try:
+        port = busy.getsockname()[1]
+        for over, needle in (({"--keyfile": str(tmp_path / "pki" / "ca.crt")}, "do not load as a PEM certificate"),
+                             ({"--certfile": str(tmp_path / "junk.pem")}, "junk.pem and --keyfile"),
+                             ({"--ca": str(tmp_path / "junk.pem")}, "--ca " + str(tmp_path / "junk.pem")),
+                             ({}, f"cannot listen on 127.0.0.1:{port}: Address already in use")):
+            given = {**pki, **over}
+            assert main(["gateway", "--listen", f"127.0.0.1:{port}", "--superlink", "127.0.0.1:2",
+                         *[a for kv in given.items() for a in kv]]) == 2
+            err = capsys.readouterr().err
+            assert err.startswith("fedmosaic: error: gateway: ") and needle in err and err.count("\n") == 1, err
+    finally:
+        busy.close()
+
+
 @pytest.mark.parametrize("host, listen, node", [("::1", "'[::1]:9093'", "[::1]:9093"),
                                                 ("node-7.example.org", "node-7.example.org:9093",
                                                  "node-7.example.org:9093")])

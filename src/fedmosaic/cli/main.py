@@ -67,7 +67,7 @@ def _gateway(args) -> None:
     from cryptography.exceptions import UnsupportedAlgorithm
 
     from ..deploy.common import flower
-    from ..deploy.gateway import node_keys, serve
+    from ..deploy.gateway import check_listening, node_keys, serve
     from ..deploy.prepare import check_host
 
     flower()
@@ -85,6 +85,7 @@ def _gateway(args) -> None:
         except (ValueError, TypeError, AttributeError, UnsupportedAlgorithm) as e:
             raise FedMosaicError(f"gateway: --node-keys {args.node_keys}: not a JSON object of PEM public keys "
                                  f"({one_line(e, 120)})") from None
+    check_listening(args.listen, args.certfile, args.keyfile, args.ca)
     serve(args.listen, args.superlink, args.certfile, args.keyfile, args.ca, args.max_body_mb, args.node_keys)
 
 

@@ -27,6 +27,8 @@ import contextlib
 import json
 from pathlib import Path
 
+from ..errors import FedMosaicError
+
 #: the Fleet API's calls a registered node makes (flwr 1.42, ``superlink/routers/fleet/router.py``); node
 #: self-registration is not among them (the SuperLink refuses it under --enable-supernode-auth anyway)
 FLEET = frozenset(f"/v1/fleet/{op}" for op in (
@@ -223,6 +225,30 @@ def server(listen: str, superlink: str, certfile: str, keyfile: str, ca: str, ma
     return uvicorn.Server(uvicorn.Config(
         make_app(superlink, ca, max_body_mb, keys, **app), host=host, port=port, ssl_certfile=certfile,
         ssl_keyfile=keyfile, log_level="warning", workers=1, http=head_deadline(head_s)))
+
+
+def check_listening(listen: str, certfile: str, keyfile: str, ca: str) -> None:
+    """One line (before uvicorn, whose own failures are a log line and exit 1) where the gateway could not serve:
+    a certificate and key that do not load as a pair, a CA file that is no certificate, an address in use."""
+    import socket
+    import ssl
+
+    try:
+        ssl.create_default_context(ssl.Purpose.CLIENT_AUTH).load_cert_chain(certfile, keyfile)
+    except (ssl.SSLError, ValueError) as e:
+        raise FedMosaicError(f"gateway: --certfile {certfile} and --keyfile {keyfile} do not load as a PEM "
+                             f"certificate and its private key ({getattr(e, 'reason', None) or e})") from None
+    try:
+        ssl.create_default_context(cafile=ca)
+    except (ssl.SSLError, ValueError) as e:
+        raise FedMosaicError(f"gateway: --ca {ca} is not a PEM certificate ({getattr(e, 'reason', None) or e})") \
+            from None
+    host, port = split_address(listen)
+    try:
+        with socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET):
+            pass
+    except OSError as e:
+        raise FedMosaicError(f"gateway: cannot listen on {listen}: {e.strerror or e}") from None
 
 
 def serve(*args, **kwargs) -> None:
