@@ -280,6 +280,10 @@ def test_a_started_reproduction_resumes_as_it_started_one_command_at_a_time(tmp_
             "--out", str(out), "--no-progress"]
     assert main(argv) == 0
     capsys.readouterr()
+    # the claims of the experiment that ran, asked or not: the same report as after a stop and a resume (below)
+    ids = lambda: [c["id"] for c in json.loads((out / "reproduction.json").read_text())["claims"]]  # noqa: E731
+    vehicle = [c.id for c in load_paper("apfl-pd").claims if c.experiment == "vehicle"]
+    assert ids() == vehicle and len(vehicle) > 1
     state = lambda: {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}  # noqa: E731
     before = state()
 
@@ -322,6 +326,7 @@ def test_a_started_reproduction_resumes_as_it_started_one_command_at_a_time(tmp_
     assert len(list((out / "vehicle" / "seed_1").glob("*/summary.json"))) == \
         len(list((out / "vehicle" / "seed_0").glob("*/summary.json")))
     assert "vehicle-gain       " in capsys.readouterr().out
+    assert ids() == vehicle
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")

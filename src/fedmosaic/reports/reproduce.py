@@ -371,8 +371,10 @@ def reproduce(paper: str, out: Path, *, scale: str = "cpu", claims: list[str] | 
                 from None
     request = {"paper": paper, "scale": scale, "set": list(sets), "seeds": seeds}
     asked = {c.experiment for c in spec.claims if not claims or c.id in claims}
-    # the report covers the claims asked for and every claim whose experiment is in the folder (asked before)
-    chosen = [c for c in spec.claims if not claims or c.id in claims or (out / c.experiment).is_dir()]
+    # the report covers the claims asked for and every claim whose experiment runs now or is in the folder (asked
+    # before): the same claims whether the command ran through or was stopped and resumed
+    chosen = [c for c in spec.claims
+              if not claims or c.id in claims or c.experiment in asked or (out / c.experiment).is_dir()]
     names = list(dict.fromkeys(c.experiment for c in chosen))
     # every config is built before anything runs or is written: a bad --set is refused in one line first
     configs = {n: experiment_config(spec.experiments[n], scale, list(sets), seeds) for n in names}
