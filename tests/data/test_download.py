@@ -63,7 +63,7 @@ def test_hash_mismatch_leaves_nothing(remote, tmp_path):
     msg = str(err.value)
     assert str(tmp_path / "dest" / "a.bin") in msg and "0" * 64 in msg and "\n" not in msg
     assert hashlib.sha256(b"tampered").hexdigest() in msg
-    assert list((tmp_path / "dest").iterdir()) == []
+    assert not (tmp_path / "dest").exists()  # (nor the folder made for it: no empty dataset folder left)
 
 
 def test_missing_source_is_data_not_found(remote, tmp_path):
@@ -71,7 +71,12 @@ def test_missing_source_is_data_not_found(remote, tmp_path):
     with pytest.raises(DataNotFoundError) as err:
         download_file(src, tmp_path / "dest")
     assert src.url in str(err.value) and "\n" not in str(err.value)
-    assert list((tmp_path / "dest").iterdir()) == []
+    assert not (tmp_path / "dest").exists()
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "keep.txt").write_text("x")
+    with pytest.raises(DataNotFoundError):  # a folder that was there stays, with what it holds
+        download_file(src, tmp_path / "mine" / "sub")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == ["keep.txt"]
 
 
 def fake_spec(downloads: tuple[Source, ...], files: tuple[str, ...]) -> DatasetSpec:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import http.client
 import logging
@@ -42,11 +43,24 @@ def download_file(src: Source, dest_dir: Path) -> Path:
                 "discarded it"
             )
 
+    made = next((p for p in reversed(target.parents) if not p.exists()), None)  # the first folder made for it
+
+    def unmake() -> None:  # a failed download leaves no empty dataset folder to be taken for a broken one
+        with contextlib.suppress(OSError):
+            for d in [] if made is None else [target.parent, *target.parent.parents]:
+                d.rmdir()  # (empty only: refuses otherwise)
+                if d == made:
+                    break
+
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         return atomic_write(target, fetch, suffix=".part")
     except (OSError, http.client.HTTPException) as exc:  # URLError and socket timeouts are OSErrors
+        unmake()
         raise DataNotFoundError(f"cannot download {src.url} to {target}: {one_line(exc)}") from exc
+    except BaseException:  # (a hash mismatch, a signal)
+        unmake()
+        raise
 
 
 def download_dataset(spec: DatasetSpec) -> Path:
