@@ -93,6 +93,43 @@ def test_save_never_replaces_a_different_partition(tmp_path):
     a.save(tmp_path / "p")  # the identical partition is fine
 
 
+def test_two_saves_into_one_new_folder_at_once_keep_one_partition_and_refuse_the_other(tmp_path):
+    """Two `partition` commands to one new --out both said saved, the folder holding one's manifest and data and the
+    other's plot. save() now holds the folder: the second waits, then finds the first's partition and is refused.
+    (The first here: its files copied in while the test holds the folder, as another process would write them.)"""
+    import fcntl
+    import os
+    import shutil
+    import threading
+
+    a = build(PartitionSpec("digits", 10, {"scheme": "iid"}, seed=0))
+    b = build(PartitionSpec("digits", 10, {"scheme": "iid"}, seed=1))
+    a.save(tmp_path / "a")
+    d = tmp_path / "p"
+    d.mkdir()
+    lock = os.open(d, os.O_RDONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    got: list = []
+    second = threading.Thread(target=lambda: got.append(_raised(lambda: b.save(d))))
+    second.start()
+    try:
+        for f in ("partition.npz", "manifest.json"):
+            shutil.copy(tmp_path / "a" / f, d / f)
+    finally:
+        os.close(lock)
+    second.join(timeout=60)
+    assert not second.is_alive() and isinstance(got[0], FedMosaicError) and "different partition" in str(got[0])
+    assert (d / "partition.npz").read_bytes() == (tmp_path / "a" / "partition.npz").read_bytes()
+
+
+def _raised(fn):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 (what the thread raised, for the test to judge)
+        return e
+    return None
+
+
 def test_views_not_copies_and_client_ranges():
     fd = build(PartitionSpec("digits", 10, {"scheme": "dirichlet", "alpha": 0.5}, client_test=0.25, seed=0))
     x, y = fd.client(3)

@@ -9,8 +9,10 @@ any machine, and any difference in data, scheme, parameters or seed gives anothe
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -134,20 +136,26 @@ class FederatedData:
         """
         d = Path(directory)
         manifest = d / "manifest.json"
-        existing = check_partition_dir(d)
-        if manifest.exists() and existing != self.hash:
-            raise FedMosaicError(
-                f"{d} already holds a different partition (hash {str(existing)[:12]}); choose another --out"
-            )
+        check_partition_dir(d)  # (before a folder is made)
         d.mkdir(parents=True, exist_ok=True)
-        remove_temp_files(d)
-        arrays = {f"src_{s}": self.src[s] for s in SPLITS} | {f"ptr_{s}": self.ptr[s] for s in SPLITS}
-        if self.global_src is not None:
-            arrays["global_src"] = self.global_src
-        if not (d / "partition.npz").exists():
-            atomic_write(d / "partition.npz", lambda f: np.savez(f, **arrays))
-        if not manifest.exists():
-            atomic_write(manifest, json.dumps(self.manifest(), indent=2).encode())
+        lock = os.open(d, os.O_RDONLY)
+        try:  # two commands saving to one new folder at once: the second waits, then finds the first's partition
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            existing = check_partition_dir(d)
+            if manifest.exists() and existing != self.hash:
+                raise FedMosaicError(
+                    f"{d} already holds a different partition (hash {str(existing)[:12]}); choose another --out"
+                )
+            remove_temp_files(d)
+            arrays = {f"src_{s}": self.src[s] for s in SPLITS} | {f"ptr_{s}": self.ptr[s] for s in SPLITS}
+            if self.global_src is not None:
+                arrays["global_src"] = self.global_src
+            if not (d / "partition.npz").exists():
+                atomic_write(d / "partition.npz", lambda f: np.savez(f, **arrays))
+            if not manifest.exists():
+                atomic_write(manifest, json.dumps(self.manifest(), indent=2).encode())
+        finally:
+            os.close(lock)
         return d
 
     @classmethod
