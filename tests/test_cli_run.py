@@ -223,6 +223,13 @@ def test_report_compares_existing_runs_at_a_common_round(tmp_path, capsys):
     assert "ending in .png, .pdf, .svg" in capsys.readouterr().err and not (tmp_path / "c.jpg").exists()
     assert main(["report", *runs, "--plot", str(tmp_path / "c.pdf")]) == 0  # for a paper: vector, as named
     assert (tmp_path / "c.pdf").read_bytes()[:5] == b"%PDF-"
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "gone").symlink_to(tmp_path / "nothing")
+    capsys.readouterr()
+    for above in ("afile", "gone"):  # a file or a link to nothing where the plot's folder must be: said first
+        assert main(["report", *runs, "--plot", str(tmp_path / above / "p.png")]) == 2
+        out, err = capsys.readouterr()
+        assert f"{above} is not a folder" in err and err.count("\n") == 1 and out == "", err
     from fedmosaic.reports import compare
     from_runs = compare.from_runs
 

@@ -244,12 +244,18 @@ def _report(args) -> None:
     for path in (plot, tasks, parts):
         if path is not None and (path.exists() or path.is_symlink()):
             raise FedMosaicError(f"--plot: {path} already exists; choose another file")
+    above = next((d for d in (plot.parents if plot is not None else ()) if d.exists() or d.is_symlink()), None)
+    if above is not None and not above.is_dir():  # (a file, or a link to nothing, where a folder must be)
+        raise FedMosaicError(f"--plot {plot}: {above} is not a folder; choose another file")
     summaries, curves, notes = from_runs([Path(d) for d in args.runs], args.rounds)
     for n in notes:
         print(f"fedmosaic: warning: {n}", file=sys.stderr)
     _print_tables(summaries)
     if plot is not None:
-        plot.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            plot.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise FedMosaicError(f"--plot {plot}: cannot make its folder ({e.strerror or e})") from None
         try:  # exclusive: a file that appeared since the check above is kept, not replaced
             stopped = diverged(summaries)
             learning_curves(curves, plot, title=args.title or "", exclusive=True, stopped=stopped)
