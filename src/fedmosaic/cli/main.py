@@ -195,8 +195,7 @@ def _check(cfg, args) -> None:
     if args.out and not args.resume:
         check_out(Path(args.out), resume=False)
     if args.resume:  # what the resume itself refuses (a changed config without --amend, one --amend cannot change)
-        from ..config import load_config
-        from ..runs.checkpoints import config_changes
+        from ..reports.compare import comparison_changes
         from ..runs.runner import resume_changes
 
         out = Path(args.resume)
@@ -204,7 +203,7 @@ def _check(cfg, args) -> None:
         if saved == "config.yaml":
             resume_changes(out, cfg, args.amend)
         else:
-            config_changes(load_config(out / saved), cfg, out / saved, args.amend)
+            comparison_changes(out, saved, cfg, args.amend)
     if not (args.out or args.resume):  # where the run would make its folder
         refuse_runs_dir(Path(args.runs_dir or "runs"))
     if cfg.privacy is not None:

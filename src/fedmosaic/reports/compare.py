@@ -165,6 +165,20 @@ def _run_seeds(cfg: RunConfig, out: Path, *, resume: bool, amend: bool, progress
     return ran
 
 
+def comparison_changes(out: Path, saved: str, cfg: RunConfig, amend: bool) -> dict[str, list]:
+    """What resuming the comparison or seeds directory ``out`` (its config in ``saved``) with ``cfg`` changes
+    (``config_changes``), or one line why it cannot; seeds taken out that have runs there are said (their runs stay,
+    the table leaves them out)."""
+    changes = config_changes(load_config(out / saved), cfg, out / saved, amend)
+    kept = [s for s in (changes.get("seeds") or [None])[0] or []
+            if s not in (cfg.seeds or []) and (out / f"seed_{s}").is_dir()]
+    if kept:
+        warnings.warn(f"--amend: seeds {cfg.seeds} takes out seed{'s' if len(kept) > 1 else ''} "
+                      f"{', '.join(map(str, kept))}: {'their' if len(kept) > 1 else 'its'} runs stay in {out}, the "
+                      "table leaves them out (list them again to bring them back)", stacklevel=2)
+    return changes
+
+
 def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend: bool, hold,
                       partition: bool = True):
     """Claim (or, resuming, check and amend) a directory that holds several runs under the config file ``saved``,
@@ -178,7 +192,7 @@ def _claim_comparison(cfg: RunConfig, out: Path, saved: str, resume: bool, amend
             raise FedMosaicError(not_a_run(out, saved))
         if out.is_dir():
             hold()
-        changes = config_changes(load_config(out / saved), cfg, out / saved, amend)
+        changes = comparison_changes(out, saved, cfg, amend)
         if "train.rounds" in changes:  # before the saved config changes: each run refuses fewer rounds than it has
             done = max(((rounds_recorded(m.parent), m.parent) for m in out.glob("**/metrics.jsonl")),
                        default=(0, out), key=lambda x: x[0])
