@@ -91,6 +91,10 @@ def test_save_never_replaces_a_different_partition(tmp_path):
         b.save(tmp_path / "p")
     assert (tmp_path / "p" / "partition.npz").read_bytes() == before
     a.save(tmp_path / "p")  # the identical partition is fine
+    (tmp_path / "p" / "partition.npz").write_bytes(before[:100])  # damaged: it said saved over it, unread
+    a.save(tmp_path / "p")
+    assert (tmp_path / "p" / "partition.npz").read_bytes() == before  # written anew, the damaged one kept aside
+    assert (tmp_path / "p" / "partition.npz.corrupt").read_bytes() == before[:100]
 
 
 def test_two_saves_into_one_new_folder_at_once_keep_one_partition_and_refuse_the_other(tmp_path):

@@ -13,13 +13,14 @@ import fcntl
 import hashlib
 import json
 import os
+import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from ..errors import ConfigError, FedMosaicError
-from ..files import atomic_write, is_temp, refuse_dangling, remove_temp_files
+from ..files import atomic_write, is_temp, refuse_dangling, remove_temp_files, set_aside
 from ..paths import partition_cache_dir
 from .base import ArrayDataset, select_classes
 from .partition import Natural, client_split, parse_partition, summary
@@ -150,6 +151,8 @@ class FederatedData:
             arrays = {f"src_{s}": self.src[s] for s in SPLITS} | {f"ptr_{s}": self.ptr[s] for s in SPLITS}
             if self.global_src is not None:
                 arrays["global_src"] = self.global_src
+            if (d / "partition.npz").exists() and not _holds(d / "partition.npz", arrays):
+                set_aside(d / "partition.npz", ".corrupt")  # (damaged: this partition's arrays are written anew)
             if not (d / "partition.npz").exists():
                 atomic_write(d / "partition.npz", lambda f: np.savez(f, **arrays))
             if not manifest.exists():
@@ -178,6 +181,15 @@ class FederatedData:
         if fd.hash != manifest["hash"]:
             raise FedMosaicError(f"{d}: content hash mismatch; the partition files were modified")
         return fd
+
+
+def _holds(path: Path, arrays: dict) -> bool:
+    """``path`` (a partition.npz) reads whole and holds exactly ``arrays``."""
+    try:
+        with np.load(path) as z:
+            return set(z.files) == set(arrays) and all(np.array_equal(z[k], v) for k, v in arrays.items())
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile):
+        return False
 
 
 def check_partition_dir(d: Path) -> str | None:
