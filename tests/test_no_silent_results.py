@@ -106,6 +106,22 @@ def test_a_comparison_resumes_a_variant_that_lost_or_never_wrote_its_config(dama
     assert not list(out.rglob(".*.tmp"))  # 9: no temporary file is left behind
 
 
+def test_a_variant_that_lost_its_config_and_its_meta_is_refused_with_nothing_written(tmp_path):
+    """Its config.yaml was restored from the comparison's, and then the run refused it for want of a meta.json:
+    the restored file stayed behind. Now it is refused in one line first."""
+    from fedmosaic.reports.compare import run_all
+
+    out = tmp_path / "cmp"
+    run_all(load_config(_comparison(tmp_path)), out, progress=False)
+    second = out / "fedprox_mu=0.5"
+    (second / "config.yaml").unlink()
+    (second / "meta.json").unlink()
+    before = sorted(p.name for p in second.iterdir())
+    rc, err = cli("run", "--no-progress", "--resume", str(out))
+    assert rc == 2 and "holds neither config.yaml nor meta.json" in err and err.count("\n") == 1, err
+    assert sorted(p.name for p in second.iterdir()) == before
+
+
 def test_report_names_the_variants_of_a_comparison_that_have_no_run(tmp_path, capsys):
     out = tmp_path / "cmp"
     cfg = load_config(_comparison(tmp_path))

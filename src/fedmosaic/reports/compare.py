@@ -248,6 +248,10 @@ def _variant_started(sub: Path, v: RunConfig, saved: str = "config.yaml") -> boo
         return True
     if not sub.is_dir() or unclaimed(sub) or not any(sub.iterdir()):
         return False
+    if saved == "config.yaml" and not (sub / "meta.json").is_file():  # (the run would refuse it: write nothing)
+        raise FedMosaicError(f"{sub} holds neither config.yaml nor meta.json beside "
+                             f"{', '.join(sorted(p.name for p in sub.iterdir())[:3])}: not a run fedmosaic "
+                             "started, so nothing there is resumed or overwritten; move it aside")
     warnings.warn(f"{sub}: {saved} is missing; restored from the comparison's config", stacklevel=3)
     claim(sub / saved, dump(v))
     return True
