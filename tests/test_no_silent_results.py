@@ -133,6 +133,9 @@ def test_report_names_the_variants_of_a_comparison_that_have_no_run(tmp_path, ca
     run(first, out / dir_name(first.name), progress=False)
     rc, err = cli("report", str(out))
     assert rc == 0 and "1 of its 2 variants have no run yet" in err and "fedprox_mu=0.5" in err
+    (out / "comparison.yaml").write_text("{")  # damaged: it stopped the report; the runs are whole
+    rc, err = cli("report", str(out))
+    assert rc == 0 and "comparison.yaml: invalid YAML" in err and "the table shows the runs found in" in err, err
 
 
 # ---- 4: every part of a metrics record is checked on read -----------------------------------------------------

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..config import RunConfig, dir_name, dump, load_config
 from ..data.federated import build
-from ..errors import ConfigError, FedMosaicError, RunError
+from ..errors import ConfigError, FedMosaicError, RunError, one_line
 from ..files import atomic_write, remove_temp_files
 from ..runs.checkpoints import config_changes, config_hash
 from ..runs.dirs import (
@@ -274,7 +274,11 @@ def _variant_dirs(d: Path, notes: list[str]) -> list[Path]:
     if not (d / "comparison.yaml").is_file() or (d / "config.yaml").is_file():
         return [d]
     found = sorted(p.parent for p in d.glob("*/config.yaml"))
-    variants = load_config(d / "comparison.yaml").variants()
+    try:
+        variants = load_config(d / "comparison.yaml").variants()
+    except FedMosaicError as e:  # the runs are whole: the table goes on with them, in their folders' order
+        notes.append(f"{one_line(e)}; the table shows the runs found in {d}, in their folders' order")
+        return found
     expected = [d / dir_name(v.name) for v in variants]
     first = diverged_first(d)
     broke = [dir_name(v.name) for v in variants if v.name in first and d / dir_name(v.name) not in found]
