@@ -107,18 +107,20 @@ def _run(args) -> None:
         if args.out or args.config:
             raise FedMosaicError("--resume: the run directory has its config; give no config file or --out with it")
         out = Path(args.resume)
-        saved = [out / f for f in ("seeds.yaml", "comparison.yaml", "config.yaml") if (out / f).is_file()]
-        if not saved:
+        saved = next((out / f for f in ("seeds.yaml", "comparison.yaml", "config.yaml") if (out / f).is_file()),
+                     None)
+        if saved is None:
             raise FedMosaicError(not_a_run(out, "config.yaml, comparison.yaml or seeds.yaml"))
-        cfg = load_config(saved[0], args.set, updates)
+        cfg = load_config(saved, args.set, updates)
     else:
+        saved = None
         cfg = load_config(config_path(args.config or "quickstart"), args.set, updates)
         if args.command == "compare" and not cfg.compare:
             raise FedMosaicError("compare: name the algorithms (--algorithms fedavg fedprox:mu=0.1) or give a config "
                                  "with a compare: list")
         advise(cfg, compare_given="compare" in updates)
     if args.check:
-        _check(cfg, args)
+        _check(cfg, args, saved)
         return
     # a new directory is created (reserved) right away, so that runs started together never share one
     reserved = not (args.resume or args.out)
@@ -187,23 +189,22 @@ def _reproduce(args) -> None:
     print(f"\nreproduction: {out / 'reproduction.md'}")
 
 
-def _check(cfg, args) -> None:
-    """``--check``: what the command would run, once its config is valid, its --out free and its data found."""
+def _check(cfg, args, saved: Path | None) -> None:
+    """``--check``: what the command would run, once its config is valid, its --out free and its data found;
+    ``saved``: with --resume, the run directory's config file (a run's, a comparison's or a seeds directory's)."""
     from ..reports.reproduce import missing_data
     from ..runs.dirs import check_out, refuse_runs_dir
 
     if args.out and not args.resume:
         check_out(Path(args.out), resume=False)
-    if args.resume:  # what the resume itself refuses (a changed config without --amend, one --amend cannot change)
+    if saved is not None:  # what the resume itself refuses (a changed config without --amend, one --amend cannot make)
         from ..reports.compare import comparison_changes
         from ..runs.runner import resume_changes
 
-        out = Path(args.resume)
-        saved = next(f for f in ("seeds.yaml", "comparison.yaml", "config.yaml") if (out / f).is_file())
-        if saved == "config.yaml":
-            resume_changes(out, cfg, args.amend)
+        if saved.name == "config.yaml":
+            resume_changes(saved.parent, cfg, args.amend)
         else:
-            comparison_changes(out, saved, cfg, args.amend)
+            comparison_changes(saved.parent, saved.name, cfg, args.amend)
     if not (args.out or args.resume):  # where the run would make its folder
         refuse_runs_dir(Path(args.runs_dir or "runs"))
     if cfg.privacy is not None:

@@ -46,8 +46,10 @@ def download_file(src: Source, dest_dir: Path) -> Path:
     made = next((p for p in reversed(target.parents) if not p.exists()), None)  # the first folder made for it
 
     def unmake() -> None:  # a failed download leaves no empty dataset folder to be taken for a broken one
+        if made is None:
+            return
         with contextlib.suppress(OSError):
-            for d in [] if made is None else [target.parent, *target.parent.parents]:
+            for d in [target.parent, *target.parent.parents]:
                 d.rmdir()  # (empty only: refuses otherwise)
                 if d == made:
                     break

@@ -17,8 +17,8 @@ from ..config import RunConfig
 from ..engine.federation import Federation
 from ..errors import FedMosaicError
 from ..files import atomic_write, remove_temp_files, set_aside
-from .dirs import read_meta
 from ..protocol.tree import layout
+from .dirs import read_meta
 from .records import (
     read_metrics,
 )

@@ -117,9 +117,8 @@ class _TensorBoard:
 
 class _MLflow:
     def __init__(self, cfg, out, start, config, ids):
-        from mlflow.tracking import MlflowClient
-
         from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # (its INFO lines on stderr: not the user's concern)
         uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{(out / 'mlflow.db').resolve()}"
