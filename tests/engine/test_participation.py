@@ -170,3 +170,30 @@ def test_a_straggler_runs_the_first_share_of_its_steps_and_the_others_all(blob_d
                                 fed.assign(clients[k:k + 1]), clients[k:k + 1])})
     for name, v in some.uploads["model"].items():
         assert torch.equal(v[k], alone.uploads["model"][name][0])
+
+
+
+@pytest.mark.parametrize("algo", ["fedrod", "ifca", "fedpac", "apfl_pd", "fedcurv"])
+def test_a_stragglers_probes_measure_its_whole_data_not_only_the_steps_it_trained(blob_data, algo):
+    """A probe over one pass of a client's samples (FedRoD's class counts, IFCA's cluster losses, FedPAC's and
+    APFL-PD's statistics) or over its first batches (FedCurv's Fisher) is a measurement: a straggler that trained on
+    a share of its batches still measures the same samples as when it trains them all (the cut plan once crashed
+    the probe: 9 steps against 10)."""
+    fd = blobs6_partition(blob_data)
+
+    def measured(**over):
+        fed = build_federation(cfg_of(BLOBS6, algorithm={"name": algo}, train={"local_epochs": 1}, **over), fd)
+        trainer, seen = fed.groups[0].trainer, []
+        batches = trainer._probe_batches
+
+        def spy(data, rows, masks):
+            seen.append(masks.sum(-1).sum(0).cpu())  # the samples each client's probe passes over
+            return batches(data, rows, masks)
+
+        trainer._probe_batches = spy
+        rounds(fed, 3)
+        return seen
+
+    plain, slow = measured(), measured(participation={"stragglers": 0.9})
+    assert plain and len(slow) == len(plain)
+    assert all(torch.equal(a, b) for a, b in zip(plain, slow, strict=True))

@@ -75,7 +75,10 @@ def plan_phase(data: ClientTensors, clients: np.ndarray, phase: Phase, p: int, s
         steps = np.where((work < 1) & (steps > 0), np.maximum(1, np.ceil(work * steps)), steps).astype(np.int64)
         S = int(steps.max(initial=0))
         live = torch.as_tensor(np.arange(S)[:, None] < steps[None, :], device=dev)[..., None]
+        # (a probe measures the client's data as the phase defines it, however early its training stopped)
+        uncut = {"rows": plan["rows"], "mask": plan["mask"]}
         plan = {k: v[:S] * live if k.startswith("mask") else v[:S] for k, v in plan.items()}
+        plan["uncut"] = uncut
     # (``clients`` and ``forward``: what seeds the random draws of a model's forward pass, per client: FORWARD)
     plan.update(steps=steps, per_epoch=per_epoch, batch=batch, clients=np.asarray(clients),
                 forward=(seed, round_idx, keys))
