@@ -373,6 +373,27 @@ def test_protofcl_paper_predicts_with_the_nearest_own_prototype():
     assert pred.tolist() == [0, 1, 1]  # class 2 (no own prototype) is never chosen, the server's never used
 
 
+@pytest.mark.filterwarnings("ignore:model ResNet has buffers")
+@pytest.mark.parametrize("new_classes", ["batch", "start"])
+def test_protofcl_prototypes_are_the_class_means_of_the_features_it_predicts_with_batchnorm_at_running_stats(
+        new_classes):
+    # a BatchNorm model: a prototype at the batch's statistics (training's) lies far from the features prediction
+    # compares with it (running statistics): after one round 7.2 apart at a norm of 7.3
+    model = {"name": "resnet10", "options": {"norm": "batch", "width": 0.125}}
+    fed = train(make_cfg(model=model, train__clients_per_round=4,
+                         algorithm={"name": "protofcl", "new_classes": new_classes}), None, rounds=1)
+    g, tr = fed.groups[0], fed.split["train"]
+    g.module.eval()
+    for k in range(4):
+        _, classes, task = fed.tasks[k][0]
+        rows = torch.as_tensor(tr.ptr[k] + task)
+        with torch.no_grad():
+            z = g.trainer.apply({n: v[k] for n, v in g.store["model"].items()}, fed.transform(tr.x[rows]),
+                                {n: v[k].clone() for n, v in g.buffers.items()})[0]
+        for c in classes.tolist():
+            torch.testing.assert_close(g.store["protos"][k][c], z[tr.y[rows] == c].mean(0), atol=1e-5, rtol=1e-5)
+
+
 def test_protofcl_class_means_and_the_pull_of_a_batch_with_a_repeated_and_an_absent_class():
     """Two samples of class 1, one of class 0, none of class 2 (which has a global prototype): L_C's new class is
     the MEAN of its two features, L_R pulls that mean (not each sample) and only for classes in the batch; the

@@ -211,9 +211,10 @@ class ProtoFCL(KeepsTeacher, PrototypeServer, Algorithm):
         return loss
 
     def probes(self, round_idx, payload):
-        start = [Probe("start", at="received", kind="sums", objective=self._class_sums)] \
+        # prototypes are the features the client predicts with: BatchNorm at its running statistics
+        start = [Probe("start", at="received", kind="sums", objective=self._class_sums, batchnorm="running")] \
             if self.cfg.new_classes == "start" else []
-        return [*start, Probe("protos", kind="sums", objective=self._class_sums)]
+        return [*start, Probe("protos", kind="sums", objective=self._class_sums, batchnorm="running")]
 
     def _class_sums(self, ctx):
         return class_sums(ctx, self.num_classes, unit=self.cfg.distance == "cosine")

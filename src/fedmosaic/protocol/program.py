@@ -116,7 +116,9 @@ class Probe:
     mean loss over the samples, ``sums`` no gradient: the sums over the samples of ``objective(ctx)`` — a dict of
     per-batch sums, default the algorithm's ``accumulate`` — (features per class, logits, counts: FedPAC's
     statistics, prototypes at the final model). ``samples``: the client's first batches of the round holding that
-    many samples, or None for one pass over all of its samples."""
+    many samples, or None for one pass over all of its samples. ``batchnorm``: BatchNorm layers at the batch's
+    statistics, as training has them, or at their running statistics, as prediction has them (features a client
+    predicts with: ProtoFCL's prototypes)."""
 
     name: str
     at: Literal["received", "final"] = "final"
@@ -124,6 +126,7 @@ class Probe:
     samples: int | None = None
     objective: Callable | None = None
     slots: tuple[str, ...] | None = None
+    batchnorm: Literal["batch", "running"] = "batch"
 
 
 @dataclass(frozen=True)

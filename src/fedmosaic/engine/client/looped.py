@@ -125,11 +125,13 @@ class LoopedSteps:
             yield
 
     @contextlib.contextmanager
-    def _dropout_off(self):
+    def _dropout_off(self, running_stats: bool = False):
         """Measurements of a model — probes (a Fisher, a gradient, sums), logits on the public stream — with its
         dropout layers off (as an evaluation has them), whatever mode the rest is in: they draw nothing, so they
-        are the same on every run, pool and resume; BatchNorm keeps the mode it was given."""
-        layers = [m for m in self.module.modules() if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.training]
+        are the same on every run, pool and resume. BatchNorm keeps the mode it was given, or with
+        ``running_stats`` normalises by its running statistics, as evaluation and prediction do."""
+        kinds = (torch.nn.modules.dropout._DropoutNd,) + ((torch.nn.modules.batchnorm._BatchNorm,) * running_stats)
+        layers = [m for m in self.module.modules() if isinstance(m, kinds) and m.training]
         for m in layers:
             m.training = False
         try:
