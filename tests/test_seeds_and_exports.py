@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -60,6 +61,28 @@ def test_report_groups_runs_that_differ_only_in_the_seed(seeded, tmp_path):
     assert rc == 0 and "different partitions" not in out
     rows = [ln for ln in out.splitlines() if ln.startswith(("fedavg ", "fedprox(mu=0.5) ")) and " ± " in ln]
     assert len(rows) == 2 and all(" 2 " in ln for ln in rows)  # one row per method, over 2 seeds
+
+
+def test_every_round_records_its_cohort_and_report_names_runs_of_one_seed_that_trained_other_clients(
+        seeded, tmp_path):
+    """A fair comparison trains every method on the same clients each round: the runs show it (``cohort``), and
+    ``report`` says from which round two runs of one seed did not (here a hand-edited cohort)."""
+    a, b = (read_metrics(seeded / "seed_0" / m) for m in ("fedavg", "fedprox_mu=0.5"))
+    assert [r["cohort"] for r in a] == [r["cohort"] for r in b]
+    assert all(len(r["cohort"]) == r["clients"] for r in a)
+    assert [r["cohort"] for r in a] != [r["cohort"] for r in read_metrics(seeded / "seed_1" / "fedavg")]
+    header = (seeded / "seed_0" / "fedavg" / "metrics.csv").read_text().splitlines()[0].split(",")
+    assert "clients" in header and not [c for c in header if c.startswith("cohort")]  # ids are not a column
+    rc, out = _report(seeded / "seed_0")
+    assert rc == 0 and "different clients" not in out
+    other = tmp_path / "other"
+    shutil.copytree(seeded / "seed_0" / "fedprox_mu=0.5", other)
+    lines = (other / "metrics.jsonl").read_text().splitlines()
+    rec = json.loads(lines[1])
+    rec["cohort"] = rec["cohort"][::-1][:1] + [max(rec["cohort"]) + 100]
+    (other / "metrics.jsonl").write_text("\n".join([lines[0], json.dumps(rec), *lines[2:]]) + "\n")
+    rc, out = _report(seeded / "seed_0" / "fedavg", other)
+    assert rc == 0 and "the runs of seed 0 trained different clients from round 1 on" in " ".join(out.split())
 
 
 def test_runs_that_differ_in_their_learning_rate_are_not_seeds_of_one_method(seeded, tmp_path):

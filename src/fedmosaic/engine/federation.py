@@ -129,6 +129,7 @@ class Federation:
             "train_loss": float(loss.mean()),
             **self._terms([p["terms"] for p in parts]),
             "clients": len(cohort),
+            "cohort": np.asarray(cohort).tolist(),  # (who trained: comparisons can show they shared every cohort)
             **({"dropped": np.setdiff1d(srv.chosen(t), cohort).tolist()} if self.settings.participation
                and self.settings.participation.dropout else {}),
             "local_steps_max": int(steps.max(initial=0)),

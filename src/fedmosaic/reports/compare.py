@@ -349,6 +349,7 @@ def from_runs(dirs: list[Path], upto: int | None = None
     groups: dict[str, list[tuple[int, dict, list[dict]]]] = {}  # per method: (seed, summary, records)
     names: dict[str, str] = {}  # per method its name in the table
     partitions: dict[int, dict[str, str | None]] = {}  # per seed: per method its partition's hash
+    cohorts: dict[int, dict[str, list]] = {}  # per seed: per method who trained each round (None: not recorded)
     for d, cfg, records in found:
         records = records[:upto]
         key = cfg.name + "\0" + seed_group(cfg)
@@ -366,10 +367,16 @@ def from_runs(dirs: list[Path], upto: int | None = None
             data_hash = None
             notes.append(f"{d}/meta.json is missing or damaged: cannot tell which partition the run used")
         partitions.setdefault(cfg.seed, {})[names[key]] = data_hash
+        cohorts.setdefault(cfg.seed, {})[names[key]] = [r.get("cohort") for r in records]
     for seed, hashes in partitions.items():
         if len(set(hashes.values())) > 1:
             notes.append(f"the runs of seed {seed} use different partitions (data hashes differ): " +
                          ", ".join(f"{n} {str(h)[:10]}" for n, h in hashes.items()))
+        t = _first_other_cohort(cohorts[seed])
+        if t is not None:
+            notes.append(f"the runs of seed {seed} trained different clients from round {t} on (their cohorts "
+                         "differ: " + ", ".join(f"{n} {c[t]}" for n, c in cohorts[seed].items()
+                                                 if len(c) > t and c[t] is not None) + ")")
     summaries, curves = [], {}
     for key, runs in groups.items():
         name = names[key]
@@ -380,6 +387,15 @@ def from_runs(dirs: list[Path], upto: int | None = None
             summaries += over_seeds({name: [s for _, s, _ in runs]})
             curves[name] = [r for _, _, r in runs]
     return summaries, curves, notes
+
+
+def _first_other_cohort(runs: dict[str, list]) -> int | None:
+    """The first round in which two of ``runs`` (per method, its cohort each round, None where a run recorded
+    none) trained different clients, or None."""
+    for t in range(max(map(len, runs.values()), default=0)):
+        if len({tuple(c[t]) for c in runs.values() if len(c) > t and isinstance(c[t], list)}) > 1:
+            return t
+    return None
 
 
 def over_seeds(groups: dict[str, list[dict]]) -> list[dict]:

@@ -109,6 +109,7 @@ def _well_formed(rec, before: list[dict]) -> bool:
                 and _numbers(g.get("class_acc"), None if first is None else len(first["class_acc"]), none=True)):
             return False
     return (all(_table(rec[k]) for k in ("terms", "report") if k in rec)
+            and all(_numbers(rec[k]) for k in ("cohort", "dropped") if k in rec)
             and ("cross" not in rec or _cross(rec["cross"]))
             and ("continual" not in rec or _continual(rec["continual"], before))
             and ("privacy" not in rec or (isinstance(rec["privacy"], dict) and _number(rec["privacy"].get("delta"))
@@ -200,12 +201,13 @@ def forgetting(class_acc_history: list[list[float | None]]) -> float | None:
 
 def scalars(rec: dict, sep: str = ".", at: str = "") -> dict[str, float]:
     """The numbers of a metrics record by their path (``global.acc``, ``continual.tasks.0``, ``terms.kd``); the
-    per-class accuracies and the cross-client matrix are left out (too wide for one row)."""
+    per-class accuracies, the cross-client matrix and the lists of client ids are left out (too wide for one row,
+    and ids are not measurements)."""
     out: dict[str, float] = {}
     items = rec.items() if isinstance(rec, dict) else enumerate(rec)
     for k, v in items:
         key = f"{at}{sep}{k}" if at else str(k)
-        if k in ("class_acc", "matrix", "names", "intra", "inter"):
+        if k in ("class_acc", "matrix", "names", "intra", "inter", "cohort", "dropped"):
             continue
         if isinstance(v, (dict, list)):
             out.update(scalars(v, sep, key))
