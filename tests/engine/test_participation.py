@@ -4,6 +4,7 @@ evaluated apart — each drawn from (seed, round, client), so every algorithm an
 from __future__ import annotations
 
 import copy
+import sys
 
 import numpy as np
 import pytest
@@ -197,3 +198,32 @@ def test_a_stragglers_probes_measure_its_whole_data_not_only_the_steps_it_traine
     plain, slow = measured(), measured(participation={"stragglers": 0.9})
     assert plain and len(slow) == len(plain)
     assert all(torch.equal(a, b) for a, b in zip(plain, slow, strict=True))
+
+
+def test_no_two_kinds_of_random_draw_share_a_generator(monkeypatch):
+    """Every draw of a run — cohorts, dropouts, held-out clients, stragglers, the attackers and their noise, local
+    DP noise — comes from a generator keyed by (seed, stream, ...): two kinds of draw with one key would be the same
+    random numbers (the attack noise of round 1 once was round c's dropout draws for client c)."""
+    from fedmosaic.engine import robust, seeding
+
+    used: dict[tuple, set] = {}
+    real = seeding.rng
+
+    def spy(seed, stream, *keys):
+        f = sys._getframe(1)
+        while f.f_code.co_name.startswith("<"):  # (a comprehension: the function it is in)
+            f = f.f_back
+        used.setdefault((seed, stream, *keys), set()).add(f.f_code.co_name)
+        return real(seed, stream, *keys)
+
+    monkeypatch.setattr(seeding, "rng", spy)
+    monkeypatch.setattr(robust, "rng", spy)
+    for extra in ({"attack": {"kind": "noise", "fraction": 0.4, "sigma": 1.0}},
+                  {"privacy": {"mode": "local", "noise": 0.5, "clip": 1.0}}):
+        fed = build_federation(cfg_of(TWENTY, **extra, train={"rounds": 20}, participation={
+            "dropout": 0.3, "held_out": 0.2, "stragglers": 0.5}))
+        for t in range(20):  # (as many rounds as clients: every client id is also a round's)
+            fed.round(t)
+    kinds = set().union(*used.values())
+    assert {"drop_out", "held_out", "work_shares", "attackers", "_client_noise"} <= kinds
+    assert not {k: v for k, v in used.items() if len(v) > 1}

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from .settings import RoundSettings
 
 ATTACK, DP_NOISE, DP_LOCAL = 15, 16, 17  # seeding streams: the attackers' choice and their noise; privacy noise
+NOISE = 4  # the attack noise's key under ATTACK, which shares PARTICIPATION's number (sub-keys 1-3: seeding.py)
 
 
 def eligible(algo: type[Algorithm]) -> bool:
@@ -155,10 +156,10 @@ def _clip(delta: torch.Tensor, norm: torch.Tensor, c: float) -> torch.Tensor:
     return delta * torch.clamp(c / norm.clamp(min=1e-30), max=1.0)
 
 
-def _client_noise(seed: int, stream: int, round_idx: int, clients, like: torch.Tensor) -> torch.Tensor:
-    """Standard normal rows [len(clients), like's width], each seeded by (seed, stream, round, client): a client's
+def _client_noise(seed: int, stream: tuple, round_idx: int, clients, like: torch.Tensor) -> torch.Tensor:
+    """Standard normal rows [len(clients), like's width], each seeded by (seed, *stream, round, client): a client's
     noise is its own, whoever else is in the cohort and on whichever pool or node it is drawn."""
-    return torch.stack([torch.as_tensor(rng(seed, stream, round_idx, int(c)).standard_normal(like.shape[1]),
+    return torch.stack([torch.as_tensor(rng(seed, *stream, round_idx, int(c)).standard_normal(like.shape[1]),
                                         dtype=like.dtype) for c in clients]).to(like.device)
 
 
@@ -191,7 +192,7 @@ def attack(s: RoundSettings, stacked: dict, reference: dict, cohort: np.ndarray,
     elif a.kind == "sign_flip":
         d = -a.factor * d
     elif a.kind == "noise":
-        d = d + a.sigma * _client_noise(s.seed, ATTACK, round_idx, cohort[bad], delta)
+        d = d + a.sigma * _client_noise(s.seed, (ATTACK, NOISE), round_idx, cohort[bad], delta)
     else:  # free_rider: the broadcast model sent back
         d = torch.zeros_like(d)
     return _put(stacked, reference, keys, rows, d)
@@ -308,6 +309,6 @@ def local(s: RoundSettings, uploads: dict, reference: dict, clients: np.ndarray,
     p = s.privacy
     delta, keys = _flat(uploads["model"], reference)
     clipped = _clip(delta, delta.norm(dim=1, keepdim=True), p.clip)
-    noise = _client_noise(s.seed, DP_LOCAL, round_idx, clients, delta)
+    noise = _client_noise(s.seed, (DP_LOCAL,), round_idx, clients, delta)
     rows = torch.arange(len(clients), device=delta.device)
     return {**uploads, "model": _put(uploads["model"], reference, keys, rows, clipped + p.noise * p.clip * noise)}

@@ -8,7 +8,8 @@ import numpy as np
 (COHORT, BATCHES, INIT, AUGMENT, VIEWS, FINETUNE, POOL, WARMUP, PUBLIC, SERVER, TASKS, MEMORY,
  TASK_END, CONTINUAL_EVAL, PARTICIPATION) = 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15
 #: (robust.py's ATTACK, DP_NOISE, DP_LOCAL are 15, 16, 17: ATTACK shares PARTICIPATION's number, kept so that the
-#: attack results of docs/results.md reproduce; their keys differ in meaning. A new stream takes a new number.)
+#: attack results of docs/results.md reproduce: the attackers are (15), participation's draws (15, 1 | 2 | 3, ...)
+#: and the attack noise (15, 4, ...), so no two keys coincide. A new stream takes a new number.)
 FORWARD = 18
 
 
