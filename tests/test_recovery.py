@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -709,3 +710,43 @@ def test_interrupting_any_command_is_one_line(monkeypatch, capsys):
 def test_empty_data_dir_is_an_error(capsys):
     assert main(["--data-dir", "", "data", "list"]) == 2
     assert capsys.readouterr().err == "fedmosaic: error: --data-dir: must name at least one folder\n"
+
+
+def test_eval_start_records_the_untrained_model_and_a_mean_from_it_that_survives_a_resume(tmp_path):
+    """``eval.start``: the model before any training is judged once (the FedProx framework's round 0, from which
+    the APFL-PD paper's means count), in round 0's line; the summary's mean from the start counts it beside every
+    evaluation; a run killed after round 1 resumes to the same lines."""
+    from fedmosaic.config import load_config
+    from fedmosaic.runs.records import summarize
+    from fedmosaic.setup.world import build_federation
+
+    cfg = write_cfg(tmp_path, eval={"start": True}, algorithm={"name": "ditto"})
+    full = tmp_path / "full"
+    assert cli("run", str(cfg), "--no-progress", "--out", str(full))[0] == 0
+    recs = read_metrics(full)
+    assert "start" in recs[0] and all("start" not in r for r in recs[1:])
+    untrained = build_federation(load_config(cfg)).evaluate(0)  # (a fresh federation: the seed's initial model)
+    for key in ("global", "global_clients", "personal"):
+        assert recs[0]["start"][key]["acc"] == untrained[key]["acc"] != recs[0][key]["acc"]
+    summary = json.loads((full / "summary.json").read_text())
+    want = np.mean([untrained["personal"]["acc"], *(r["personal"]["acc"] for r in recs)])
+    assert summary["personal_acc_mean_from_start"] == pytest.approx(want)
+    assert summarize(recs[1:], load_config(cfg)).get("personal_acc_mean_from_start") is None  # (no start: none)
+    for keep in (2, 0):  # a run killed after round 1, or in round 0 (its start judged again)
+        cut = tmp_path / f"cut{keep}"
+        shutil.copytree(full, cut)
+        lines = (cut / "metrics.jsonl").read_text().splitlines(keepends=True)
+        (cut / "metrics.jsonl").write_text("".join(lines[:keep]))
+        for ck in (cut / "checkpoints").iterdir():
+            if int(ck.stem.split("_")[1]) >= keep - 1:
+                ck.unlink()
+        (cut / "summary.json").unlink()
+        assert cli("run", "--no-progress", "--resume", str(cut))[0] == 0
+        assert metrics(cut) == metrics(full)
+
+
+def test_eval_start_with_a_task_stream_is_refused_in_one_line(tmp_path):
+    cfg = write_cfg(tmp_path, eval={"start": True}, algorithm={"name": "fedlwf"},
+                    data__tasks={"n_tasks": 2, "rounds_per_task": 2})
+    rc, err = cli("run", str(cfg), "--no-progress", "--out", str(tmp_path / "x"))
+    assert rc == 2 and "eval.start: a task stream" in error_line(err) and not (tmp_path / "x").exists()

@@ -412,6 +412,10 @@ class EvalConfig(Schema):
     local_models: bool = Field(
         False, description="also test the cohort's local models on the global test set: in-local / out-local accuracy"
     )
+    start: bool = Field(
+        False, description="also evaluate the starting model before the first round (round 0 of the FedProx "
+        "framework, which tests before it trains; the APFL-PD paper's means count from it): 'start' in the first "
+        "round's line, and summaries add <model>_acc_mean_from_start, the mean over it and every evaluation")
     cross_clients: bool = Field(
         False, description="the K x K matrix of client i's model on client j's test split, with intra-domain "
         "(diagonal) and inter-domain (off-diagonal) accuracy (personalized and model-heterogeneous algorithms)")
@@ -485,6 +489,9 @@ class RunConfig(Schema):
         if self.eval.split == "val" and not self.data.client_val:
             raise ValueError("eval.split: 'val' evaluates on the clients' validation splits, which data.client_val: 0 "
                              "leaves empty; set data.client_val (e.g. 0.1)")
+        if self.eval.start and self.data.tasks is not None:
+            raise ValueError("eval.start: a task stream is judged after each task (its continual accuracy), not before "
+                             "the first round; set eval.start: false with data.tasks")
         if self.eval.cross_clients and not self.eval.client_test:
             raise ValueError("eval.cross_clients: the matrix is measured on the clients' test splits, which "
                              "eval.client_test: false leaves untested; set eval.client_test: true")

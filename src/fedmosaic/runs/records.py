@@ -100,9 +100,16 @@ def _well_formed(rec, before: list[dict]) -> bool:
         return False
     if not all(_number(rec[k]) for k in ("lr", *TIMING_KEYS) if k in rec):
         return False
-    for key in ("global_clients", "global_val", "personal", "personal_val"):
-        if key in rec and not (isinstance(rec[key], dict) and all(_number(rec[key].get(s)) for s in _CLIENT_STATS)):
-            return False
+    start = rec.get("start", {})  # (eval.start: the evaluation before the first round, in round 0's line)
+    if not isinstance(start, dict) or (start and rec["round"] != 0):
+        return False
+    for part in (rec, start):
+        for key in ("global_clients", "global_val", "personal", "personal_val"):
+            if key in part and not (isinstance(part[key], dict)
+                                    and all(_number(part[key].get(s)) for s in _CLIENT_STATS)):
+                return False
+    if "global" in start and not (isinstance(start["global"], dict) and _number(start["global"].get("acc"))):
+        return False
     if "global" in rec:
         g, first = rec["global"], next((r["global"] for r in before if "global" in r), None)
         if not (isinstance(g, dict) and _number(g.get("acc"))
@@ -126,6 +133,8 @@ def summarize(records: list[dict], cfg: RunConfig) -> dict:
         if accs:
             out[f"{key}_acc_final"] = accs[-1]
             out[f"{key}_acc_mean"] = float(np.mean(accs))
+            if key in records[0].get("start", {}):  # (eval.start) the starting model's too: the FedProx convention
+                out[f"{key}_acc_mean_from_start"] = float(np.mean([records[0]["start"][key]["acc"], *accs]))
     for key in ("global_clients", "personal"):  # across clients, in the last evaluated round
         last = ev[-1].get(key) if ev else None
         for stat, name in (("acc_mean", "unweighted"), ("acc_std", "std"), ("acc_worst10", "worst10"),
