@@ -699,3 +699,20 @@ def test_a_continual_comparison_writes_its_matrices_table_and_accuracy_per_task(
     text = table(summaries)
     assert "CIL avg" in text and "BWT" in text and "fedavg(memory=off)" in text
     assert all(len(s["continual_seen"]) == 2 for s in summaries)
+
+
+def test_the_task_streams_follow_the_data_seed_and_are_hashed_beside_the_partition():
+    """The task streams are part of the data setting: ``data.seed`` keeps them with the partition across run seeds,
+    and ``meta.json``'s ``tasks_hash`` tells two streams apart where the partition's hash cannot."""
+    from fedmosaic.runs.dirs import tasks_hash
+
+    def streams(**over):
+        fed = build_federation(make_cfg(data__tasks__order="random", **over))
+        return fed.fd.hash, tasks_hash(fed.tasks)
+
+    assert streams(seed=0, data__seed=7) == streams(seed=1, data__seed=7)
+    (p0, t0), (p1, t1) = streams(seed=0), streams(seed=1)
+    assert p0 != p1 and t0 != t1
+    iid = {"scheme": "iid"}
+    assert streams(seed=0, data__seed=7, data__partition=iid)[1] != streams(seed=0, data__seed=8,
+                                                                            data__partition=iid)[1]

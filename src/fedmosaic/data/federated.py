@@ -4,7 +4,8 @@ Client k's train samples are ``x["train"][ptr["train"][k]:ptr["train"][k+1]]`` â
 each row back to the dataset's pooled index space (train rows first, then test rows), which is what gets saved:
 a partition on disk is a manifest and the index arrays, and loading it re-reads the dataset and re-indexes.
 The content hash covers the dataset's bytes and every index array, so the same config and seed give the same hash on
-any machine, and any difference in data, scheme, parameters or seed gives another.
+any machine, and any difference in the data or in which client holds which sample gives another (a parameter
+that changes nothing, e.g. a Dirichlet ``min_size`` every draw already meets, leaves it as it was).
 """
 
 from __future__ import annotations

@@ -365,8 +365,9 @@ def from_runs(dirs: list[Path], upto: int | None = None
             summary["diverged_round"] = diverged_round(d)
         groups.setdefault(key, []).append((cfg.seed, summary, records))
         try:
-            data_hash = json.loads((d / "meta.json").read_text()).get("data_hash")
-        except (OSError, ValueError, AttributeError):
+            meta = json.loads((d / "meta.json").read_text())
+            data_hash = meta["data_hash"][:10] + (f" (tasks {meta['tasks_hash'][:8]})" if "tasks_hash" in meta else "")
+        except (OSError, ValueError, AttributeError, TypeError, KeyError):
             data_hash = None
             notes.append(f"{d}/meta.json is missing or damaged: cannot tell which partition the run used")
         partitions.setdefault(cfg.seed, {})[names[key]] = data_hash
@@ -374,7 +375,7 @@ def from_runs(dirs: list[Path], upto: int | None = None
     for seed, hashes in partitions.items():
         if len(set(hashes.values())) > 1:
             notes.append(f"the runs of seed {seed} use different partitions (data hashes differ): " +
-                         ", ".join(f"{n} {str(h)[:10]}" for n, h in hashes.items()))
+                         ", ".join(f"{n} {h}" for n, h in hashes.items()))
         t = _first_other_cohort(cohorts[seed])
         if t is not None:
             notes.append(f"the runs of seed {seed} trained different clients from round {t} on (their cohorts "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import os
 import platform
@@ -68,6 +69,19 @@ def hardware(device: torch.device | str) -> dict:
             "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None}
 
 
+def tasks_hash(tasks: list) -> str:
+    """SHA-256 of the clients' task streams (``data.tasks``: per client, per stage, the task, its classes and its
+    samples), which the partition's hash does not cover."""
+    h = hashlib.sha256()
+    for k, stream in enumerate(tasks):
+        for j, task in enumerate(stream):
+            h.update(f"{k}/{j}:".encode())
+            if task is not None:
+                h.update(f"{task[0]}:{np.asarray(task[1]).tolist()}:".encode())
+                h.update(np.ascontiguousarray(task[2], dtype=np.int64).tobytes())
+    return h.hexdigest()
+
+
 def run_meta(cfg: RunConfig, fed: Federation) -> dict:
     return {
         "fedmosaic": __version__,
@@ -78,6 +92,7 @@ def run_meta(cfg: RunConfig, fed: Federation) -> dict:
         "hardware": hardware(fed.device),  # a resume on another machine adds a "resumed" entry
         "seed": cfg.seed,
         "data_hash": fed.fd.hash,
+        **({} if fed.tasks is None else {"tasks_hash": tasks_hash(fed.tasks)}),
         "num_clients": fed.num_clients,
         "device": str(fed.device),
         "execution": executions(fed),

@@ -373,8 +373,9 @@ class World:
                               "this data setting pools away; use data.pool: train")
         ptr = self.split["train"].ptr
         parts = [np.arange(ptr[k], ptr[k + 1]) for k in range(self.num_clients)]
-        streams = task_streams(self.fd.y["train"], parts, tc.n_tasks, tc.tasks_per_client, rng(cfg.seed, TASKS),
-                               tc.classes_per_task)
+        # (drawn from the data seed, as the partition: data.seed keeps the whole data setting across run seeds)
+        streams = task_streams(self.fd.y["train"], parts, tc.n_tasks, tc.tasks_per_client,
+                               rng(data_spec(cfg).seed, TASKS), tc.classes_per_task)
         if tc.order == "shared":
             streams = [[{task[0]: task for task in st}.get(j) for j in range(1 + max(t for t, _, _ in st))]
                        if st else [] for st in streams]
