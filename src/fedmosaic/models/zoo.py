@@ -31,7 +31,8 @@ class LogisticRegression(FedModel):
 
 
 class LinearSVM(LogisticRegression):
-    """Same parameters as logistic regression; the hinge loss and its 0.01||W||^2 come from the task config."""
+    """Same parameters as logistic regression; the hinge loss is the task config's (``model.task_loss: hinge``); the
+    paper's 0.01||W||^2 is left out (docs/design.md, Deviations: APFL-PD)."""
 
 
 class MLP(FedModel):
