@@ -176,8 +176,9 @@ def test_label_k_balanced_deals_every_class(n_clients, k, n_classes):
         assert len(held_random) < n_classes  # what the option is for
 
 
-def test_label_k_drops_unheld_classes(y60k):
-    parts = LabelK(k=1).split(y60k, 3, rng())
+def test_label_k_drops_unheld_classes_and_says_so(y60k):
+    with pytest.warns(UserWarning, match=r"no client holds 7 of the 10 classes; their [0-9,]+ of 60,000 samples"):
+        parts = LabelK(k=1).split(y60k, 3, rng())
     check_parts(parts, len(y60k), 3, full=False)
     assert sorted(int(y60k[p][0]) for p in parts) == [0, 1, 2]
 

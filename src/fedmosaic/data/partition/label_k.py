@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import numpy as np
@@ -59,6 +60,12 @@ class LabelK(PartitionScheme):
             keys[np.arange(n_clients), np.arange(n_clients) % n_classes] = -1.0
             np.put_along_axis(held, np.argsort(keys, axis=1)[:, : self.k], True, axis=1)
 
+        unheld = ~held.any(0)
+        if unheld.any():  # (the one case in which this scheme drops samples: a user should know)
+            dropped = int(np.isin(ranks, np.flatnonzero(unheld)).sum())
+            warnings.warn(f"partition label_k(k={self.k}): no client holds {int(unheld.sum())} of the {n_classes} "
+                          f"classes; their {dropped:,} of {len(labels):,} samples are left out (balanced: true holds "
+                          "every class when clients x k >= classes)", stacklevel=2)
         owner = np.full(len(labels), -1, dtype=np.int64)
         members = class_members(ranks, n_classes)
         for j, c in enumerate(classes):
