@@ -213,7 +213,7 @@ class LocalTrainer(Objective, LoopedSteps, Probes, PhaseSteps):
         """Logits [n, N, C] of each of a stack of models on the same inputs ``x`` (already transformed), in
         batches of ``batch`` (as the public stream is trained on; the buffers are copies, left untouched)."""
         fn = self._each(lambda p, b, xb: self.apply(p, xb, b)[1], (0, 0, None))
-        with self._threads(), self._dropout_off():
+        with self._threads(), self._measuring():
             return torch.cat([fn(params, tmap(torch.clone, buffers), x[lo : lo + batch])
                               for lo in range(0, len(x), batch)], 1)
 

@@ -125,7 +125,7 @@ class LoopedSteps:
             yield
 
     @contextlib.contextmanager
-    def _dropout_off(self, running_stats: bool = False):
+    def _measuring(self, running_stats: bool = False):
         """Measurements of a model — probes (a Fisher, a gradient, sums), logits on the public stream — with its
         dropout layers off (as an evaluation has them), whatever mode the rest is in: they draw nothing, so they
         are the same on every run, pool and resume. BatchNorm keeps the mode it was given, or with

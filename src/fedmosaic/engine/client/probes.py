@@ -20,8 +20,8 @@ class Probes:
 
     def _probe(self, data, plan, params, states, payload, own, buffers, probe: Probe):
         """Per client: the mean squared minibatch gradient (``grad_sq``) or the gradient of the mean loss
-        (``grad``) over its first batches of ``plan``, with the model's dropout layers off (``_dropout_off``)."""
-        with self._dropout_off(running_stats=probe.batchnorm == "running"):
+        (``grad``) over its first batches of ``plan``, with the model's dropout layers off (``_measuring``)."""
+        with self._measuring(running_stats=probe.batchnorm == "running"):
             return self._probe_off(data, plan, params, states, payload, own, buffers, probe)
 
     def _probe_off(self, data, plan, params, states, payload, own, buffers, probe: Probe):
