@@ -1,3 +1,5 @@
+import re
+
 import numpy as np
 import pytest
 from fedtest import HANG_S, time_limit
@@ -242,10 +244,14 @@ def test_femnist_letters_and_lognormal_generator():
         assert set(np.unique(y[parts[u]])) == {u % 10, (u + 1) % 10, (u + 2) % 10}
 
 
-def test_femnist_lognormal_scales_down_short_classes():
+def test_femnist_lognormal_scales_down_short_classes_and_names_them(caplog):
     y = np.repeat(np.arange(10), 50)
-    parts = FEMNISTLognormal().split(y, None, rng())
+    with caplog.at_level("WARNING", logger="fedmosaic.data.partition.generators"):
+        parts = FEMNISTLognormal().split(y, None, rng())
     check_parts(parts, len(y), 200, full=False)
+    # the classes that are short, and what they were asked for against what they hold (not the totals)
+    assert re.search(r"10 of 10 classes are asked for more samples than they hold \(\d+ asked, 500 held\)",
+                     caplog.text)
 
 
 def test_natural_one_client_per_group():

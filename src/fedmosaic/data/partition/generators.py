@@ -175,11 +175,15 @@ class FEMNISTLognormal(_ClassCycleGenerator):
         supply = np.bincount(ranks)
         demand = np.bincount(slot_class.ravel(), weights=take.ravel(), minlength=len(supply))
         scale = np.minimum(1.0, supply / np.maximum(demand, 1))
-        if scale.min() < 1:
+        if scale.min() < 1:  # (per class: a total below the supply can still leave classes short)
+            short = scale < 1
             log.warning(
-                "femnist_lognormal: users ask for %d samples but only %d exist; short classes scaled by %.3g",
-                demand.sum(),
-                supply.sum(),
+                "femnist_lognormal: %d of %d classes are asked for more samples than they hold (%d asked, %d held); "
+                "their requests scaled down, by up to %.3g",
+                short.sum(),
+                len(scale),
+                demand[short].sum(),
+                supply[short].sum(),
                 scale.min(),
             )
         take = np.floor(take * scale[slot_class]).astype(np.int64)
