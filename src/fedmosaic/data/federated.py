@@ -138,7 +138,8 @@ class FederatedData:
         """
         d = Path(directory)
         manifest = d / "manifest.json"
-        check_partition_dir(d)  # (before a folder is made)
+        if not d.is_dir():  # (before a folder is made; an existing one is judged once it is held: another
+            check_partition_dir(d)  # save may be between its partition.npz and its manifest.json)
         d.mkdir(parents=True, exist_ok=True)
         lock = os.open(d, os.O_RDONLY)
         try:  # two commands saving to one new folder at once: the second waits, then finds the first's partition
