@@ -103,17 +103,15 @@ def _well_formed(rec, before: list[dict]) -> bool:
     start = rec.get("start", {})  # (eval.start: the evaluation before the first round, in round 0's line)
     if not isinstance(start, dict) or (start and rec["round"] != 0):
         return False
+    first = next((r["global"] for r in before if "global" in r), None)  # (its classes fix class_acc's length)
     for part in (rec, start):
         for key in ("global_clients", "global_val", "personal", "personal_val"):
             if key in part and not (isinstance(part[key], dict)
                                     and all(_number(part[key].get(s)) for s in _CLIENT_STATS)):
                 return False
-    if "global" in start and not (isinstance(start["global"], dict) and _number(start["global"].get("acc"))):
-        return False
-    if "global" in rec:
-        g, first = rec["global"], next((r["global"] for r in before if "global" in r), None)
-        if not (isinstance(g, dict) and _number(g.get("acc"))
-                and _numbers(g.get("class_acc"), None if first is None else len(first["class_acc"]), none=True)):
+        g = part.get("global")
+        if "global" in part and not (isinstance(g, dict) and _number(g.get("acc")) and _numbers(
+                g.get("class_acc"), None if first is None else len(first["class_acc"]), none=True)):
             return False
     return (all(_table(rec[k]) for k in ("terms", "report") if k in rec)
             and all(_numbers(rec[k]) for k in ("cohort", "dropped") if k in rec)

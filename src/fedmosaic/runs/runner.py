@@ -174,10 +174,10 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
                         save_checkpoint(out, fed, t - 1)
                         write_csv(out / "metrics.csv", records)
                     break
-                start = None
+                untrained = None
                 if t == 0 and cfg.eval.start:  # the model(s) before any training: the FedProx framework's round 0
                     t1 = time.perf_counter()
-                    start = fed.evaluate(0), time.perf_counter() - t1
+                    untrained = fed.evaluate(0), time.perf_counter() - t1
                 t0 = time.perf_counter()
                 try:
                     rec = fed.round(t)
@@ -197,9 +197,9 @@ def _rounds(cfg: RunConfig, out: Path, fed: Federation, start: int, records: lis
                     t1 = time.perf_counter()  # (a report alone is a message round in a deployment too)
                     rec.update(fed.evaluate(t) if evaluated else fed.report(t))
                     rec["time_eval_s"] = time.perf_counter() - t1
-                if start is not None:
-                    rec["start"] = start[0]
-                    rec["time_eval_s"] = rec.get("time_eval_s", 0.0) + start[1]
+                if untrained is not None:
+                    rec["start"] = untrained[0]
+                    rec["time_eval_s"] = rec.get("time_eval_s", 0.0) + untrained[1]
                 metrics.write(json.dumps(rec) + "\n")
                 metrics.flush()
                 records.append(rec)

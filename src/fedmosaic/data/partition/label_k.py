@@ -41,7 +41,7 @@ class LabelK(PartitionScheme):
     balanced: bool = False
 
     def _split(self, labels: np.ndarray, n_clients: int, rng: np.random.Generator, groups) -> Parts:
-        classes, ranks, _ = class_ranks(labels)
+        classes, ranks, class_sizes = class_ranks(labels)
         n_classes = len(classes)
         if self.k > n_classes:
             raise ConfigError(f"partition.k: must be <= the number of classes {n_classes} (got {self.k})")
@@ -62,7 +62,7 @@ class LabelK(PartitionScheme):
 
         unheld = ~held.any(0)
         if unheld.any():  # (the one case in which this scheme drops samples: a user should know)
-            dropped = int(np.isin(ranks, np.flatnonzero(unheld)).sum())
+            dropped = int(class_sizes[unheld].sum())
             warnings.warn(f"partition label_k(k={self.k}): no client holds {int(unheld.sum())} of the {n_classes} "
                           f"classes; their {dropped:,} of {len(labels):,} samples are left out (balanced: true holds "
                           "every class when clients x k >= classes)", stacklevel=2)
